@@ -1,0 +1,90 @@
+"""Every configuration key of t2t_jax, one comment each. Other configs start from here."""
+
+import ml_collections
+
+
+def get_config():
+  """Returns the full set of keys with the paper's base recipe where one applies."""
+  config = ml_collections.ConfigDict()
+  config.name = 'base'  # Run name, printed in logs, the dry run and the final JSON line.
+  config.seed = 0  # Seeds parameter init, dropout and data shuffling.
+
+  data = config.data = ml_collections.ConfigDict()
+  data.source = 'synthetic'  # 'synthetic' (built-in task, no download) or 'text' (parallel files).
+  data.task = 'reverse'  # Synthetic task: 'copy', 'reverse', 'sort' or 'addition'.
+  data.num_symbols = 16  # Synthetic: distinct symbols for copy/reverse/sort.
+  data.min_length = 1  # Synthetic: shortest source, in symbols (digits per operand for addition).
+  data.max_length = 20  # Synthetic: longest source, in symbols (digits per operand for addition).
+  data.num_train = 50_000  # Synthetic: training examples generated from the seed.
+  data.num_eval = 512  # Synthetic: held-out examples, none of which occurs in training.
+  data.train_src = ''  # Text: training source file, one sentence per line.
+  data.train_tgt = ''  # Text: training target file, line-aligned with train_src.
+  data.eval_src = ''  # Text: evaluation source file.
+  data.eval_tgt = ''  # Text: evaluation target (reference) file.
+  data.vocab_path = ''  # SentencePiece model; '' means <workdir>/vocab.model, trained on first use.
+  data.vocab_size = 8000  # Size of the shared SentencePiece vocabulary.
+  data.vocab_type = 'unigram'  # SentencePiece model type: 'unigram' or 'bpe'.
+  data.vocab_sample_lines = 1_000_000  # Sentences sampled from both sides to train the vocabulary.
+  data.bad_lines = 'error'  # Empty/undecodable lines: 'error' names file and line, 'skip' counts.
+  data.max_len = 256  # Pairs longer than this (tokens incl. EOS) on either side are dropped.
+  data.batch_tokens = 4096  # Tokens per global batch: rows x padded length, max of both sides.
+  data.bucket_scale = 1.1  # Length buckets grow geometrically by this factor (tensor2tensor).
+  data.min_bucket = 8  # Shortest bucket length; also the granularity of bucket lengths.
+
+  model = config.model = ml_collections.ConfigDict()
+  model.d_model = 512  # Width of embeddings and of every residual stream.
+  model.d_ff = 2048  # Hidden width of the position-wise feed-forward layers.
+  model.num_heads = 8  # Attention heads; d_model must be divisible by it.
+  model.num_encoder_layers = 6  # Encoder blocks.
+  model.num_decoder_layers = 6  # Decoder blocks.
+  model.dropout = 0.1  # Residual dropout: sublayer outputs and embeddings + positions.
+  model.attention_dropout = 0.1  # Dropout on attention weights (tensor2tensor v3).
+  model.relu_dropout = 0.1  # Dropout after the feed-forward ReLU (tensor2tensor v3).
+  model.share_embeddings = True  # One embedding matrix for source and target tokens.
+  model.tie_output = True  # Output softmax reuses the target embedding matrix.
+  model.norm = 'post'  # 'post': LN(x + sublayer(x)) as in the paper; 'pre': x + sublayer(LN(x)).
+  model.max_len = 512  # Longest sequence the position table covers (training and decoding).
+  model.dtype = 'float32'  # Compute dtype of activations: 'float32' or 'bfloat16'.
+  model.param_dtype = 'float32'  # Storage dtype of parameters.
+
+  opt = config.opt = ml_collections.ConfigDict()
+  opt.schedule = 'rsqrt'  # 'rsqrt' (paper), 't2t' (linear warmup x rsqrt decay), 'constant'.
+  opt.lr_scale = 1.0  # Multiplies the schedule (paper 1.0, tensor2tensor v3 2.0).
+  opt.warmup_steps = 4000  # Linear warmup length of the schedule.
+  opt.b1 = 0.9  # Adam beta1.
+  opt.b2 = 0.98  # Adam beta2 (tensor2tensor v3: 0.997).
+  opt.eps = 1e-9  # Adam epsilon.
+  opt.grad_clip = 0.0  # Clip gradients to this global norm; 0 disables clipping.
+  opt.weight_decay = 0.0  # Decoupled weight decay (AdamW); 0 gives plain Adam as in the paper.
+  opt.label_smoothing = 0.1  # Mass spread uniformly over the other vocabulary entries.
+
+  train = config.train = ml_collections.ConfigDict()
+  train.num_steps = 100_000  # Optimiser updates to run.
+  train.log_every = 100  # Steps between training-metric logs.
+  train.eval_every = 1000  # Steps between evaluations (also run at the last step).
+
+  evaluation = config.eval = ml_collections.ConfigDict()
+  evaluation.num_batches = 0  # Eval-loss batches per evaluation; 0 uses the whole eval set.
+  evaluation.bleu_sentences = 256  # Eval sentences decoded for BLEU per evaluation; 0 skips it.
+  evaluation.beam_size = 4  # Beam width for evaluation decoding; 1 is greedy.
+  evaluation.alpha = 0.6  # Length penalty exponent: ((5 + len) / 6) ** alpha.
+  evaluation.max_extra_len = 50  # Longest output = source length + this (capped by model.max_len).
+  evaluation.examples_to_print = 3  # Example translations logged after each evaluation.
+
+  ckpt = config.ckpt = ml_collections.ConfigDict()
+  ckpt.every = 1000  # Steps between checkpoints (the last step is always saved); 0 disables.
+  ckpt.keep = 5  # Most recent checkpoints kept.
+
+  mesh = config.mesh = ml_collections.ConfigDict()
+  mesh.shape = (-1, 1, 1)  # Devices along ('data', 'fsdp', 'tensor'); -1 takes what is left.
+  # Logical axis -> mesh axes. A mesh axis already used in an array goes to the next rule.
+  mesh.rules = (
+      ('batch', ('data', 'fsdp')),
+      ('vocab', 'tensor'),
+      ('mlp', 'tensor'),
+      ('heads', 'tensor'),
+      ('embed', 'fsdp'),
+      ('kv', None),
+      ('length', None),
+  )
+  return config

@@ -1,0 +1,36 @@
+"""The embedded default: a small Transformer learns to reverse sequences in a few CPU minutes."""
+
+from configs import base
+
+
+def get_config():
+  config = base.get_config()
+  config.name = 'default'
+  config.data.task = 'reverse'
+  config.data.num_symbols = 16
+  config.data.min_length = 1
+  config.data.max_length = 20
+  config.data.num_train = 50_000
+  config.data.num_eval = 256
+  config.data.batch_tokens = 2048
+  config.data.min_bucket = 8
+  config.data.bucket_scale = 1.5
+  config.model.d_model = 128
+  config.model.d_ff = 256
+  config.model.num_heads = 4
+  config.model.num_encoder_layers = 2
+  config.model.num_decoder_layers = 2
+  config.model.dropout = 0.05
+  config.model.attention_dropout = 0.0
+  config.model.relu_dropout = 0.0
+  config.model.max_len = 64
+  config.opt.lr_scale = 2.0
+  config.opt.warmup_steps = 400
+  config.train.num_steps = 2000
+  config.train.log_every = 200
+  config.train.eval_every = 1000
+  config.eval.bleu_sentences = 256
+  config.eval.beam_size = 1
+  config.eval.max_extra_len = 5
+  config.ckpt.every = 1000
+  return config

@@ -1,0 +1,31 @@
+"""WMT14 English->German, the paper's base and big models (--config=configs/wmt14_ende.py:big)."""
+
+from configs import base
+
+
+def get_config(variant='base'):
+  """variant: 'base' (65M parameters) or 'big' (213M), per Table 3 of the paper."""
+  if variant not in ('base', 'big'):
+    raise ValueError(f"configs/wmt14_ende.py: variant must be 'base' or 'big', got {variant!r}")
+  config = base.get_config()
+  config.name = f'wmt14_ende_{variant}'
+  config.data.source = 'text'
+  config.data.vocab_size = 37_000
+  config.data.vocab_type = 'bpe'
+  config.data.vocab_sample_lines = 2_000_000
+  config.data.max_len = 256
+  config.data.batch_tokens = 25_000
+  config.opt.warmup_steps = 4000
+  config.train.num_steps = 100_000 if variant == 'base' else 300_000
+  config.train.eval_every = 5000
+  config.ckpt.every = 5000
+  config.eval.beam_size = 4
+  config.eval.alpha = 0.6
+  config.eval.max_extra_len = 50
+  config.eval.bleu_sentences = 3000
+  if variant == 'big':
+    config.model.d_model = 1024
+    config.model.d_ff = 4096
+    config.model.num_heads = 16
+    config.model.dropout = 0.3
+  return config

@@ -1,0 +1,48 @@
+"""Trains and evaluates a Transformer from an ml_collections config.
+
+  python -m t2t_jax.main --config=configs/default.py --workdir=/tmp/t2t_default
+  python -m t2t_jax.main --config=configs/wmt14_ende.py:big --dry_run
+"""
+
+import json
+import os
+
+from absl import app
+from absl import flags
+from absl import logging
+import jax
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file (path[:variant]).',
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string('workdir', None, 'Directory for checkpoints, events and config.')
+_DRY_RUN = flags.DEFINE_bool('dry_run', False, 'Compile the train step, print its size and '
+                             'cost as JSON, and exit without training.')
+_CACHE = flags.DEFINE_string('compilation_cache', '~/.cache/t2t_jax/xla',
+                             'Persistent XLA compilation cache directory; empty disables it.')
+flags.mark_flag_as_required('config')
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+  if _CACHE.value:
+    jax.config.update('jax_compilation_cache_dir', os.path.expanduser(_CACHE.value))
+    jax.config.update('jax_persistent_cache_min_compile_time_secs', 1.0)
+  from t2t_jax import train  # After flag parsing, so --help stays fast.
+  if _DRY_RUN.value:
+    print(json.dumps(train.dry_run(_CONFIG.value)), flush=True)
+    return
+  if not _WORKDIR.value:
+    raise app.UsageError('--workdir is required to train')
+  logging.info('JAX devices: %s', jax.devices())
+  results = train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+  print(json.dumps(results), flush=True)
+
+
+def run():
+  app.run(main)
+
+
+if __name__ == '__main__':
+  run()

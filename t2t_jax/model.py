@@ -1,0 +1,329 @@
+"""The Transformer encoder-decoder of "Attention Is All You Need" in Flax linen.
+
+Shapes in names: B batch, L length (Q queries, K keys), H heads, D head dim, E d_model,
+F feed-forward width, V vocabulary.
+"""
+
+import dataclasses
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from t2t_jax import PAD_ID
+
+Array = jax.Array
+_NEG_INF = -1e9  # Large but finite, so rows with no visible key stay NaN-free.
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+  """Static hyperparameters; `deterministic` and `decode` select the mode."""
+  vocab_size: int
+  d_model: int = 512
+  d_ff: int = 2048
+  num_heads: int = 8
+  num_encoder_layers: int = 6
+  num_decoder_layers: int = 6
+  dropout: float = 0.1
+  attention_dropout: float = 0.1
+  relu_dropout: float = 0.1
+  share_embeddings: bool = True
+  tie_output: bool = True
+  norm: str = 'post'
+  max_len: int = 512
+  dtype: Any = jnp.float32
+  param_dtype: Any = jnp.float32
+  deterministic: bool = False
+  decode: bool = False
+
+  @classmethod
+  def from_config(cls, model_config, vocab_size: int, **overrides) -> 'TransformerConfig':
+    """Builds from the `model` section of an ml_collections config."""
+    if model_config.d_model % model_config.num_heads:
+      raise ValueError(f'config.model.d_model={model_config.d_model} is not divisible by '
+                       f'config.model.num_heads={model_config.num_heads}')
+    if model_config.norm not in ('post', 'pre'):
+      raise ValueError(f"config.model.norm must be 'post' or 'pre', got {model_config.norm!r}")
+    kwargs = {f.name: model_config[f.name] for f in dataclasses.fields(cls)
+              if f.name in model_config}
+    kwargs['dtype'] = jnp.dtype(kwargs['dtype'])
+    kwargs['param_dtype'] = jnp.dtype(kwargs['param_dtype'])
+    return cls(vocab_size=vocab_size, **{**kwargs, **overrides})
+
+
+def sinusoidal_positions(max_len: int, d_model: int) -> np.ndarray:
+  """PE[pos, 2i] = sin(pos / 10000^(2i/d)), PE[pos, 2i+1] = cos(same), as in the paper."""
+  position = np.arange(max_len)[:, None]
+  div = np.power(10000.0, np.arange(0, d_model, 2) / d_model)[None, :]
+  table = np.zeros((max_len, d_model), np.float32)
+  table[:, 0::2] = np.sin(position / div)
+  table[:, 1::2] = np.cos(position / div)[:, :d_model // 2]
+  return table
+
+
+def shift_right(targets_BL: Array, segment_ids_BL: Array | None = None) -> Array:
+  """Decoder inputs: targets shifted one step right, a 0 (start) at every segment start."""
+  shifted = jnp.pad(targets_BL, ((0, 0), (1, 0)))[:, :-1]
+  if segment_ids_BL is not None:
+    previous = jnp.pad(segment_ids_BL, ((0, 0), (1, 0)))[:, :-1]
+    shifted = jnp.where(segment_ids_BL == previous, shifted, 0)
+  return shifted
+
+
+def attention_mask(query_valid_BQ: Array, key_valid_BK: Array,
+                   query_segments_BQ: Array | None = None,
+                   key_segments_BK: Array | None = None, causal: bool = False) -> Array:
+  """Boolean [B, 1, Q, K] mask: padding, optional packed segments and causality."""
+  mask = query_valid_BQ[:, :, None] & key_valid_BK[:, None, :]
+  if query_segments_BQ is not None:
+    mask &= query_segments_BQ[:, :, None] == key_segments_BK[:, None, :]
+  if causal:
+    q, k = query_valid_BQ.shape[1], key_valid_BK.shape[1]
+    mask &= jnp.tril(jnp.ones((q, k), bool))[None]
+  return mask[:, None]
+
+
+def _dense_init(names):
+  return nn.with_logical_partitioning(nn.initializers.xavier_uniform(), names)
+
+
+class MultiHeadAttention(nn.Module):
+  """Scaled dot-product attention; in decode mode self-attention keeps a key/value cache."""
+  config: TransformerConfig
+  self_attention_cache: bool = False
+
+  @nn.compact
+  def __call__(self, x_BQE: Array, memory_BKE: Array, mask_B1QK: Array | None) -> Array:
+    cfg = self.config
+    head_dim = cfg.d_model // cfg.num_heads
+    def kernel(name, shape, names, in_axis, out_axis):
+      init = nn.initializers.xavier_uniform(in_axis=in_axis, out_axis=out_axis)
+      return self.param(name, nn.with_logical_partitioning(init, names), shape,
+                        cfg.param_dtype).astype(cfg.dtype)
+
+    qkv_shape, qkv_names = (cfg.d_model, cfg.num_heads, head_dim), ('embed', 'heads', 'kv')
+    x_BQE, memory_BKE = x_BQE.astype(cfg.dtype), memory_BKE.astype(cfg.dtype)
+    q_BQHD = jnp.einsum('BQE,EHD->BQHD', x_BQE,
+                        kernel('query', qkv_shape, qkv_names, 0, (1, 2))) * head_dim**-0.5
+    k_BKHD = jnp.einsum('BKE,EHD->BKHD', memory_BKE,
+                        kernel('key', qkv_shape, qkv_names, 0, (1, 2)))
+    v_BKHD = jnp.einsum('BKE,EHD->BKHD', memory_BKE,
+                        kernel('value', qkv_shape, qkv_names, 0, (1, 2)))
+    q_BQHD = nn.with_logical_constraint(q_BQHD, ('batch', 'length', 'heads', 'kv'))
+
+    if cfg.decode and self.self_attention_cache:
+      k_BKHD, v_BKHD, mask_B1QK = self._update_cache(k_BKHD, v_BKHD, mask_B1QK)
+
+    logits_BHQK = jnp.einsum('BQHD,BKHD->BHQK', q_BQHD, k_BKHD).astype(jnp.float32)
+    if mask_B1QK is not None:
+      logits_BHQK = jnp.where(mask_B1QK, logits_BHQK, _NEG_INF)
+    weights_BHQK = jax.nn.softmax(logits_BHQK).astype(cfg.dtype)
+    self.sow('intermediates', 'attention_weights', weights_BHQK)
+    weights_BHQK = nn.Dropout(cfg.attention_dropout)(weights_BHQK, cfg.deterministic)
+    out_BQHD = jnp.einsum('BHQK,BKHD->BQHD', weights_BHQK, v_BKHD)
+    w_out_HDE = kernel('out', (cfg.num_heads, head_dim, cfg.d_model), ('heads', 'kv', 'embed'),
+                       (0, 1), 2)
+    return jnp.einsum('BQHD,HDE->BQE', out_BQHD, w_out_HDE)
+
+  def _update_cache(self, k_B1HD, v_B1HD, mask_B1QK):
+    """Writes this step's key/value at the cache index; returns the whole cache and its mask."""
+    initialised = self.has_variable('cache', 'key')
+    key = self.variable('cache', 'key', jnp.zeros, k_B1HD.shape, k_B1HD.dtype)
+    value = self.variable('cache', 'value', jnp.zeros, v_B1HD.shape, v_B1HD.dtype)
+    index = self.variable('cache', 'index', lambda: jnp.array(0, jnp.int32))
+    if not initialised:  # The init call only sizes the cache, from a full-length input.
+      return k_B1HD, v_B1HD, mask_B1QK
+    i = index.value
+    key.value = jax.lax.dynamic_update_slice(key.value, k_B1HD, (0, i, 0, 0))
+    value.value = jax.lax.dynamic_update_slice(value.value, v_B1HD, (0, i, 0, 0))
+    index.value = i + 1
+    max_len = key.value.shape[1]
+    mask_B1QK = (jnp.arange(max_len) <= i)[None, None, None, :]
+    return key.value, value.value, mask_B1QK
+
+
+class FeedForward(nn.Module):
+  """Position-wise ReLU network with dropout on its hidden activations."""
+  config: TransformerConfig
+
+  @nn.compact
+  def __call__(self, x_BLE: Array) -> Array:
+    cfg = self.config
+    h_BLF = nn.Dense(cfg.d_ff, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+                     kernel_init=_dense_init(('embed', 'mlp')),
+                     bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ('mlp',)),
+                     name='wi')(x_BLE)
+    h_BLF = nn.with_logical_constraint(nn.relu(h_BLF), ('batch', 'length', 'mlp'))
+    h_BLF = nn.Dropout(cfg.relu_dropout)(h_BLF, cfg.deterministic)
+    return nn.Dense(cfg.d_model, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+                    kernel_init=_dense_init(('mlp', 'embed')),
+                    bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ('embed',)),
+                    name='wo')(h_BLF)
+
+
+class LayerNorm(nn.LayerNorm):
+  """LayerNorm with logically named scale and bias."""
+  scale_init: Any = nn.with_logical_partitioning(nn.initializers.ones, ('embed',))
+  bias_init: Any = nn.with_logical_partitioning(nn.initializers.zeros, ('embed',))
+
+
+class Sublayer(nn.Module):
+  """Residual wrapper: post-LN `LN(x + drop(f(x)))` or pre-LN `x + drop(f(LN(x)))`."""
+  config: TransformerConfig
+
+  @nn.compact
+  def __call__(self, fn, x_BLE: Array) -> Array:
+    cfg = self.config
+    norm = LayerNorm(dtype=cfg.dtype, param_dtype=cfg.param_dtype, name='norm')
+    if cfg.norm == 'pre':
+      y_BLE = nn.Dropout(cfg.dropout)(fn(norm(x_BLE)), cfg.deterministic)
+      return x_BLE + y_BLE
+    y_BLE = nn.Dropout(cfg.dropout)(fn(x_BLE), cfg.deterministic)
+    return norm(x_BLE + y_BLE)
+
+
+class EncoderLayer(nn.Module):
+  config: TransformerConfig
+
+  @nn.compact
+  def __call__(self, x_BLE: Array, mask_B1LL: Array) -> Array:
+    cfg = self.config
+    attention = MultiHeadAttention(cfg, name='self_attention')
+    x_BLE = Sublayer(cfg, name='attention_block')(lambda x: attention(x, x, mask_B1LL), x_BLE)
+    x_BLE = Sublayer(cfg, name='ffn_block')(FeedForward(cfg, name='ffn'), x_BLE)
+    return nn.with_logical_constraint(x_BLE, ('batch', 'length', 'embed'))
+
+
+class DecoderLayer(nn.Module):
+  config: TransformerConfig
+
+  @nn.compact
+  def __call__(self, y_BLE, encoded_BKE, self_mask_B1LL, cross_mask_B1LK):
+    cfg = self.config
+    self_attention = MultiHeadAttention(cfg, self_attention_cache=True, name='self_attention')
+    cross_attention = MultiHeadAttention(cfg, name='cross_attention')
+    y_BLE = Sublayer(cfg, name='self_attention_block')(
+        lambda y: self_attention(y, y, self_mask_B1LL), y_BLE)
+    y_BLE = Sublayer(cfg, name='cross_attention_block')(
+        lambda y: cross_attention(y, encoded_BKE, cross_mask_B1LK), y_BLE)
+    y_BLE = Sublayer(cfg, name='ffn_block')(FeedForward(cfg, name='ffn'), y_BLE)
+    return nn.with_logical_constraint(y_BLE, ('batch', 'length', 'embed'))
+
+
+class Embedder(nn.Module):
+  """Token embedding times sqrt(d_model) plus sinusoidal positions, then dropout."""
+  config: TransformerConfig
+  embedding: nn.Embed
+  decode_step: bool = False  # Decoder side: in decode mode, one position per call.
+
+  @nn.compact
+  def __call__(self, tokens_BL: Array, positions_BL: Array | None = None) -> Array:
+    cfg = self.config
+    x_BLE = self.embedding(tokens_BL) * jnp.sqrt(cfg.d_model).astype(cfg.dtype)
+    table_LE = jnp.asarray(sinusoidal_positions(cfg.max_len, cfg.d_model), cfg.dtype)
+    if cfg.decode and self.decode_step:
+      pos_BLE = jax.lax.dynamic_slice_in_dim(table_LE, self._decode_position(), 1)[None]
+    elif positions_BL is not None:
+      pos_BLE = table_LE[positions_BL]
+    else:
+      pos_BLE = table_LE[None, :tokens_BL.shape[1]]
+    x_BLE = nn.Dropout(cfg.dropout)(x_BLE + pos_BLE, cfg.deterministic)
+    return nn.with_logical_constraint(x_BLE, ('batch', 'length', 'embed'))
+
+  def _decode_position(self) -> Array:
+    """Index of the step being decoded, counted alongside the attention caches."""
+    initialised = self.has_variable('cache', 'position')
+    position = self.variable('cache', 'position', lambda: jnp.array(0, jnp.int32))
+    current = position.value
+    if initialised:
+      position.value = current + 1
+    return current
+
+
+def _embed(cfg: TransformerConfig, name: str) -> nn.Embed:
+  return nn.Embed(
+      cfg.vocab_size, cfg.d_model, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+      embedding_init=nn.with_logical_partitioning(
+          nn.initializers.normal(stddev=cfg.d_model**-0.5), ('vocab', 'embed')),
+      name=name)
+
+
+class Transformer(nn.Module):
+  """Encoder-decoder; `__call__` is teacher forcing, `encode`/`decode` serve generation."""
+  config: TransformerConfig
+
+  def setup(self):
+    cfg = self.config
+    self.target_embedding = _embed(cfg, 'embedding')
+    self.source_embedding = (self.target_embedding if cfg.share_embeddings
+                             else _embed(cfg, 'source_embedding'))
+    self.source_embedder = Embedder(cfg, self.source_embedding)
+    self.target_embedder = Embedder(cfg, self.target_embedding, decode_step=True)
+    self.encoder_layers = [EncoderLayer(cfg, name=f'encoder_{i}')
+                           for i in range(cfg.num_encoder_layers)]
+    self.decoder_layers = [DecoderLayer(cfg, name=f'decoder_{i}')
+                           for i in range(cfg.num_decoder_layers)]
+    if cfg.norm == 'pre':
+      self.encoder_norm = LayerNorm(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
+      self.decoder_norm = LayerNorm(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
+    if not cfg.tie_output:
+      self.output_projection = nn.Dense(
+          cfg.vocab_size, use_bias=False, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+          kernel_init=_dense_init(('embed', 'vocab')))
+
+  def encode(self, inputs_BL: Array, inputs_positions_BL: Array | None = None,
+             inputs_segments_BL: Array | None = None) -> Array:
+    """Encoder output [B, L, E]; padding (id 0) is masked out of attention."""
+    cfg = self.config
+    valid_BL = inputs_BL != PAD_ID
+    mask = attention_mask(valid_BL, valid_BL, inputs_segments_BL, inputs_segments_BL)
+    x_BLE = self.source_embedder(inputs_BL, inputs_positions_BL)
+    for layer in self.encoder_layers:
+      x_BLE = layer(x_BLE, mask)
+    return self.encoder_norm(x_BLE) if cfg.norm == 'pre' else x_BLE
+
+  def decode(self, encoded_BKE: Array, inputs_BK: Array, targets_BL: Array,
+             targets_positions_BL: Array | None = None,
+             inputs_segments_BK: Array | None = None,
+             targets_segments_BL: Array | None = None) -> Array:
+    """Logits [B, L, V] in float32.
+
+    In training, `targets_BL` are the gold targets (shifted right here). In decode mode they
+    are the previous tokens, one step at a time, and the positions come from the cache.
+    """
+    cfg = self.config
+    inputs_valid_BK = inputs_BK != PAD_ID
+    if cfg.decode:
+      decoder_inputs_BL = targets_BL
+      query_valid_BL = jnp.ones_like(targets_BL, bool)
+      self_mask = None  # The self-attention cache builds its own.
+    else:
+      decoder_inputs_BL = shift_right(targets_BL, targets_segments_BL)
+      query_valid_BL = targets_BL != PAD_ID
+      self_mask = attention_mask(query_valid_BL, query_valid_BL, targets_segments_BL,
+                                 targets_segments_BL, causal=True)
+    cross_mask = attention_mask(query_valid_BL, inputs_valid_BK, targets_segments_BL,
+                                inputs_segments_BK)
+    y_BLE = self.target_embedder(decoder_inputs_BL, targets_positions_BL)
+    for layer in self.decoder_layers:
+      y_BLE = layer(y_BLE, encoded_BKE, self_mask, cross_mask)
+    if cfg.norm == 'pre':
+      y_BLE = self.decoder_norm(y_BLE)
+    if cfg.tie_output:
+      logits_BLV = self.target_embedding.attend(y_BLE)
+    else:
+      logits_BLV = self.output_projection(y_BLE)
+    logits_BLV = nn.with_logical_constraint(logits_BLV, ('batch', 'length', 'vocab'))
+    return logits_BLV.astype(jnp.float32)
+
+  def __call__(self, inputs_BK: Array, targets_BL: Array,
+               inputs_positions_BK: Array | None = None,
+               targets_positions_BL: Array | None = None,
+               inputs_segments_BK: Array | None = None,
+               targets_segments_BL: Array | None = None) -> Array:
+    encoded_BKE = self.encode(inputs_BK, inputs_positions_BK, inputs_segments_BK)
+    return self.decode(encoded_BKE, inputs_BK, targets_BL, targets_positions_BL,
+                       inputs_segments_BK, targets_segments_BL)

@@ -1,0 +1,118 @@
+"""Vocabularies: a shared SentencePiece model for text, a fixed symbol table for synthetic tasks.
+
+Both map text to ids without EOS and back, and agree on PAD_ID = 0 and EOS_ID = 1.
+"""
+
+import os
+import random
+import tempfile
+from typing import Iterable, Protocol, Sequence
+
+from absl import logging
+import sentencepiece as spm
+
+from t2t_jax import EOS_ID, PAD_ID
+
+UNK_ID = 2
+
+
+class Vocabulary(Protocol):
+  vocab_size: int
+
+  def encode(self, texts: Sequence[str]) -> list[list[int]]: ...
+
+  def decode(self, ids: Sequence[int]) -> str: ...
+
+
+def _strip(ids: Sequence[int]) -> list[int]:
+  """Ids up to the first EOS, without padding."""
+  out = []
+  for i in ids:
+    i = int(i)
+    if i == EOS_ID:
+      break
+    if i != PAD_ID:
+      out.append(i)
+  return out
+
+
+class SymbolVocabulary:
+  """Whitespace-separated symbols, one id each, for the synthetic tasks."""
+
+  def __init__(self, symbols: Sequence[str]):
+    self.symbols = list(symbols)
+    self._ids = {s: i + 2 for i, s in enumerate(self.symbols)}
+    self.vocab_size = len(self.symbols) + 2
+
+  def encode(self, texts: Sequence[str]) -> list[list[int]]:
+    try:
+      return [[self._ids[s] for s in text.split()] for text in texts]
+    except KeyError as e:
+      raise ValueError(f'unknown symbol {e.args[0]!r}; this task knows {self.symbols}') from None
+
+  def decode(self, ids: Sequence[int]) -> str:
+    return ' '.join(self.symbols[i - 2] for i in _strip(ids) if 2 <= i < self.vocab_size)
+
+
+class SentencePieceVocabulary:
+  """A SentencePiece model shared by source and target."""
+
+  def __init__(self, path: str):
+    self.path = path
+    self._processor = spm.SentencePieceProcessor(model_file=path)
+    self.vocab_size = self._processor.get_piece_size()
+    if (self._processor.pad_id(), self._processor.eos_id()) != (PAD_ID, EOS_ID):
+      raise ValueError(f'{path}: SentencePiece model has pad id {self._processor.pad_id()} and '
+                       f'eos id {self._processor.eos_id()}; t2t_jax needs {PAD_ID} and {EOS_ID}. '
+                       'Delete it to train a new one, or point config.data.vocab_path elsewhere.')
+
+  def encode(self, texts: Sequence[str]) -> list[list[int]]:
+    return self._processor.encode(list(texts), num_threads=os.cpu_count() or 1)
+
+  def decode(self, ids: Sequence[int]) -> str:
+    return self._processor.decode(_strip(ids))
+
+
+def train_sentencepiece(sentences: Iterable[str], path: str, vocab_size: int,
+                        model_type: str = 'unigram') -> None:
+  """Trains a model on `sentences` and writes it to `path` atomically."""
+  directory = os.path.dirname(os.path.abspath(path))
+  os.makedirs(directory, exist_ok=True)
+  with tempfile.TemporaryDirectory(dir=directory) as tmp:
+    prefix = os.path.join(tmp, 'spm')
+    try:
+      spm.SentencePieceTrainer.train(
+          sentence_iterator=iter(sentences), model_prefix=prefix, vocab_size=vocab_size,
+          model_type=model_type, character_coverage=1.0, pad_id=PAD_ID, eos_id=EOS_ID,
+          unk_id=UNK_ID, bos_id=-1, num_threads=os.cpu_count() or 1,
+          train_extremely_large_corpus=False, minloglevel=2)
+    except RuntimeError as e:
+      raise ValueError(f'training a SentencePiece vocabulary of {vocab_size} ({model_type}) '
+                       f'failed: {e}. A small corpus needs a smaller config.data.vocab_size.'
+                       ) from None
+    os.replace(prefix + '.model', path)
+
+
+def sample_lines(sides: Sequence[Sequence[str]], limit: int, seed: int) -> list[str]:
+  """At most `limit` lines drawn evenly from all sides, spread over the whole corpus."""
+  lines = [line for side in sides for line in side]
+  if len(lines) <= limit:
+    return lines
+  return random.Random(seed).sample(lines, limit)
+
+
+def load_or_train(path: str, sides: Sequence[Sequence[str]], data_config,
+                  seed: int) -> SentencePieceVocabulary:
+  """Loads the vocabulary at `path`, training it on a sample of `sides` first if absent."""
+  if not os.path.exists(path):
+    sample = sample_lines(sides, data_config.vocab_sample_lines, seed)
+    logging.info('Training a %d-piece %s SentencePiece vocabulary on %d lines -> %s',
+                 data_config.vocab_size, data_config.vocab_type, len(sample), path)
+    train_sentencepiece(sample, path, data_config.vocab_size, data_config.vocab_type)
+  else:
+    logging.info('Reusing the vocabulary %s', path)
+  vocab = SentencePieceVocabulary(path)
+  if vocab.vocab_size != data_config.vocab_size:
+    raise ValueError(f'{path} has {vocab.vocab_size} pieces but config.data.vocab_size is '
+                     f'{data_config.vocab_size}: use the matching size or another vocab_path.')
+  return vocab
