@@ -12,7 +12,7 @@ def get_config():
   config.data.max_length = 20
   config.data.num_train = 50_000
   config.data.num_eval = 256
-  config.data.batch_tokens = 2048
+  config.data.batch_tokens = 1024
   config.data.min_bucket = 8
   config.data.bucket_scale = 1.5
   config.model.d_model = 128
@@ -20,14 +20,14 @@ def get_config():
   config.model.num_heads = 4
   config.model.num_encoder_layers = 2
   config.model.num_decoder_layers = 2
-  config.model.dropout = 0.05
+  config.model.dropout = 0.0  # Fresh random examples cannot be memorised.
   config.model.attention_dropout = 0.0
   config.model.relu_dropout = 0.0
   config.model.max_len = 64
   config.opt.lr_scale = 2.0
   config.opt.warmup_steps = 400
-  config.train.num_steps = 2000
-  config.train.log_every = 200
+  config.train.num_steps = 3000
+  config.train.log_every = 250
   config.train.eval_every = 1000
   config.eval.bleu_sentences = 256
   config.eval.beam_size = 1

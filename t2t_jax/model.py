@@ -230,7 +230,9 @@ class Embedder(nn.Module):
       pos_BLE = table_LE[positions_BL]
     else:
       pos_BLE = table_LE[None, :tokens_BL.shape[1]]
-    x_BLE = nn.Dropout(cfg.dropout)(x_BLE + pos_BLE, cfg.deterministic)
+    # A zero added here when 'perturbations' is mutable exposes d(output)/d(embedding).
+    x_BLE = self.perturb('embedded', x_BLE + pos_BLE)
+    x_BLE = nn.Dropout(cfg.dropout)(x_BLE, cfg.deterministic)
     return nn.with_logical_constraint(x_BLE, ('batch', 'length', 'embed'))
 
   def _decode_position(self) -> Array:

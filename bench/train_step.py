@@ -1,0 +1,69 @@
+"""Tokens/s and achieved FLOP/s of the compiled train step, against a matmul in the same run.
+
+  python bench/train_step.py --config=configs/default.py
+  python bench/train_step.py --config=configs/wmt14_ende.py:base --rows=8 --length=64
+
+Prints one JSON line.
+"""
+
+import json
+import os
+import sys
+import time
+
+from absl import app
+from absl import flags
+import jax
+import jax.numpy as jnp
+from ml_collections import config_flags
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # pylint: disable=g-import-not-at-top
+
+from t2t_jax import data
+from t2t_jax import sharding
+from t2t_jax import train
+
+_CONFIG = config_flags.DEFINE_config_file('config', 'configs/default.py', 'Config to measure.')
+_ROWS = flags.DEFINE_integer('rows', 0, 'Batch rows; 0: batch_tokens // length.')
+_LENGTH = flags.DEFINE_integer('length', 32, 'Padded length of source and target.')
+_STEPS = flags.DEFINE_integer('steps', 20, 'Timed steps (median reported).')
+
+
+def main(_):
+  config = _CONFIG.value
+  setup = train.build(config, data.vocab_size(config))
+  shards = sharding.batch_shards(setup.mesh)
+  length = _LENGTH.value
+  rows = _ROWS.value or max(shards, config.data.batch_tokens // length // shards * shards)
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(2, setup.model_config.vocab_size, (rows, length), dtype=np.int32)
+  batch = sharding.global_batch({'inputs': tokens, 'targets': tokens}, setup.mesh)
+  start = time.perf_counter()
+  compiled = setup.train_step.lower(setup.abstract_state, batch,
+                                    jax.random.PRNGKey(0)).compile()
+  compile_seconds = time.perf_counter() - start
+  cost = compiled.cost_analysis()
+  flops = float((cost[0] if isinstance(cost, (list, tuple)) else cost)['flops'])
+  state = [setup.init(jax.random.PRNGKey(0))]
+  dropout_rng = jax.random.PRNGKey(1)
+
+  def step():
+    state[0], metrics = compiled(state[0], batch, dropout_rng)
+    jax.block_until_ready(metrics)
+
+  seconds = common.median_seconds(step, _STEPS.value)
+  matmul = common.matmul_flops_per_second()
+  achieved = flops / seconds
+  print(json.dumps({
+      'benchmark': 'train_step', 'config': config.name, **common.device_info(),
+      'batch_shape': [rows, length], 'dtype': config.model.dtype,
+      'step_seconds': round(seconds, 5), 'target_tokens_per_second': round(rows * length / seconds),
+      'flops_per_step': flops, 'achieved_flops_per_second': achieved,
+      'matmul_flops_per_second': matmul, 'ratio_to_matmul': round(achieved / matmul, 3),
+      'compile_seconds': round(compile_seconds, 2)}), flush=True)
+
+
+if __name__ == '__main__':
+  app.run(main)

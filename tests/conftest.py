@@ -1,0 +1,49 @@
+"""Eight simulated CPU devices and a persistent compilation cache, set before jax loads."""
+
+import os
+import sys
+
+os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
+                           ' --xla_force_host_platform_device_count=8')
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # `configs` is importable from a plain checkout too.
+
+import numpy as np  # pylint: disable=g-import-not-at-top
+import jax  # pylint: disable=g-import-not-at-top
+import pytest  # pylint: disable=g-import-not-at-top
+
+jax.config.update('jax_compilation_cache_dir',
+                  os.path.expanduser(os.environ.get('T2T_JAX_TEST_CACHE', '~/.cache/t2t_jax/xla')))
+jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.5)
+
+
+@pytest.fixture
+def tiny_config():
+  from configs import tiny  # pylint: disable=g-import-not-at-top
+  return tiny.get_config()
+
+
+def write_lines(path, lines):
+  """Writes text lines (str) or raw lines (bytes), each followed by a newline."""
+  with open(path, 'wb') as f:
+    for line in lines:
+      f.write((line.encode('utf-8') if isinstance(line, str) else line) + b'\n')
+  return str(path)
+
+
+def text_config(tiny_config, tmp_path, count=200):
+  """Points `tiny_config` at small generated parallel files in `tmp_path`."""
+  rng = np.random.default_rng(0)
+  words = ['haus', 'katze', 'hund', 'baum', 'auto', 'blume', 'stadt', 'fluss']
+  english = ['house', 'cat', 'dog', 'tree', 'car', 'flower', 'city', 'river']
+  picks = [rng.integers(0, 8, rng.integers(2, 7)) for _ in range(count)]
+  src = [' '.join(english[i] for i in p) for p in picks]
+  tgt = [' '.join(words[i] for i in p) for p in picks]
+  cfg = tiny_config
+  cfg.data.source = 'text'
+  cfg.data.train_src = write_lines(tmp_path / 'train.src', src)
+  cfg.data.train_tgt = write_lines(tmp_path / 'train.tgt', tgt)
+  cfg.data.eval_src = write_lines(tmp_path / 'eval.src', src[:20])
+  cfg.data.eval_tgt = write_lines(tmp_path / 'eval.tgt', tgt[:20])
+  cfg.data.vocab_size = 40
+  return cfg

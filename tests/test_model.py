@@ -1,0 +1,129 @@
+"""Model properties: positions, causality, padding and packing invariance, cache, sizes."""
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from t2t_jax import decode
+from t2t_jax import model as model_lib
+
+VOCAB = 13
+CONFIG = model_lib.TransformerConfig(
+    vocab_size=VOCAB, d_model=16, d_ff=32, num_heads=2, num_encoder_layers=2,
+    num_decoder_layers=2, max_len=32, deterministic=True)
+
+
+def _init(config=CONFIG):
+  tokens = jnp.ones((1, 4), jnp.int32)
+  return model_lib.Transformer(config).init(jax.random.PRNGKey(0), tokens, tokens)['params']
+
+
+def _random_tokens(seed, shape):
+  return jnp.asarray(np.random.default_rng(seed).integers(2, VOCAB, shape), jnp.int32)
+
+
+def test_positions_follow_the_paper_formula():
+  table = model_lib.sinusoidal_positions(50, 16)
+  for pos in (0, 1, 7, 49):
+    for i in range(8):
+      angle = pos / 10000 ** (2 * i / 16)
+      assert table[pos, 2 * i] == pytest.approx(math.sin(angle), abs=1e-6)
+      assert table[pos, 2 * i + 1] == pytest.approx(math.cos(angle), abs=1e-6)
+
+
+@pytest.mark.parametrize('norm', ['post', 'pre'])
+def test_decoder_is_causal_through_gradients(norm):
+  config = dataclasses.replace(CONFIG, norm=norm)
+  model = model_lib.Transformer(config)
+  params = _init(config)
+  inputs, targets = _random_tokens(0, (1, 5)), _random_tokens(1, (1, 6))
+  perturbations = model.init(jax.random.PRNGKey(0), inputs, targets)['perturbations']
+  t = 3
+
+  def output_at_t(perturbations):
+    logits = model.apply({'params': params, 'perturbations': perturbations}, inputs, targets)
+    return logits[0, t].sum()
+
+  grads = jax.grad(output_at_t)(perturbations)['target_embedder']['embedded'][0]
+  per_position = np.abs(np.asarray(grads)).sum(-1)
+  # Decoder input p is target p - 1: output t may see targets 0..t-1 only.
+  assert np.all(per_position[t + 1:] == 0.0)
+  assert np.all(per_position[:t + 1] > 0.0)
+
+
+def test_padding_changes_no_real_output():
+  model = model_lib.Transformer(CONFIG)
+  params = _init()
+  inputs, targets = _random_tokens(2, (2, 5)), _random_tokens(3, (2, 4))
+  logits = model.apply({'params': params}, inputs, targets)
+  padded = model.apply({'params': params}, jnp.pad(inputs, ((0, 0), (0, 7))),
+                       jnp.pad(targets, ((0, 0), (0, 3))))
+  np.testing.assert_allclose(padded[:, :4], logits, atol=1e-5)
+
+
+def test_packed_row_equals_separate_sequences():
+  model = model_lib.Transformer(CONFIG)
+  params = _init()
+  sources = [_random_tokens(4, (1, 3)), _random_tokens(5, (1, 5))]
+  targets = [_random_tokens(6, (1, 4)), _random_tokens(7, (1, 2))]
+  separate = [model.apply({'params': params}, s, t) for s, t in zip(sources, targets)]
+
+  def pack(seqs, length):
+    tokens = jnp.concatenate(seqs, axis=1)
+    segments = jnp.concatenate([jnp.full(s.shape, i + 1) for i, s in enumerate(seqs)], 1)
+    positions = jnp.concatenate([jnp.arange(s.shape[1])[None] for s in seqs], 1)
+    pad = ((0, 0), (0, length - tokens.shape[1]))
+    return jnp.pad(tokens, pad), jnp.pad(segments, pad), jnp.pad(positions, pad)
+
+  inputs, inputs_segments, inputs_positions = pack(sources, 10)
+  packed_targets, targets_segments, targets_positions = pack(targets, 8)
+  packed = model.apply({'params': params}, inputs, packed_targets, inputs_positions,
+                       targets_positions, inputs_segments, targets_segments)
+  np.testing.assert_allclose(packed[:, :4], separate[0], atol=1e-5)
+  np.testing.assert_allclose(packed[:, 4:6], separate[1], atol=1e-5)
+
+
+def test_cached_decoding_matches_teacher_forcing():
+  config = dataclasses.replace(CONFIG, norm='pre')
+  params = _init(config)
+  inputs, targets = _random_tokens(8, (2, 5)), _random_tokens(9, (2, 6))
+  full = model_lib.Transformer(config).apply({'params': params}, inputs, targets)
+  step_model = model_lib.Transformer(decode.decode_config(config))
+  encoded = step_model.apply({'params': params}, inputs, method=model_lib.Transformer.encode)
+  cache = decode.init_cache(config, 2, 6)
+  previous = model_lib.shift_right(targets)
+  for t in range(6):
+    logits, variables = step_model.apply(
+        {'params': params, 'cache': cache}, encoded, inputs, previous[:, t:t + 1],
+        mutable=['cache'], method=model_lib.Transformer.decode)
+    cache = variables['cache']
+    np.testing.assert_allclose(logits[:, 0], full[:, t], atol=1e-5)
+
+
+def test_untied_and_unshared_embeddings_have_their_own_parameters():
+  config = dataclasses.replace(CONFIG, share_embeddings=False, tie_output=False)
+  params = _init(config)
+  assert {'embedding', 'source_embedding', 'output_projection'} <= set(params)
+  assert 'source_embedding' not in _init()
+
+
+@pytest.mark.parametrize('variant, expected_millions', [('base', 63.0), ('big', 214.2)])
+def test_parameter_count_matches_the_paper_scale(variant, expected_millions):
+  from configs import wmt14_ende  # pylint: disable=g-import-not-at-top
+  config = wmt14_ende.get_config(variant)
+  model_config = model_lib.TransformerConfig.from_config(config.model, config.data.vocab_size)
+  tokens = jnp.ones((1, 1), jnp.int32)
+  shapes = jax.eval_shape(model_lib.Transformer(model_config).init, jax.random.PRNGKey(0),
+                          tokens, tokens)['params']
+  count = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(shapes))
+  assert count / 1e6 == pytest.approx(expected_millions, abs=0.1)
+
+
+def test_bad_model_config_names_the_key(tiny_config):
+  tiny_config.model.num_heads = 3
+  with pytest.raises(ValueError, match='config.model.d_model=32 is not divisible'):
+    model_lib.TransformerConfig.from_config(tiny_config.model, VOCAB)

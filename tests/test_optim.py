@@ -1,0 +1,88 @@
+"""Loss and schedule against independent computations."""
+
+import math
+
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+
+from t2t_jax import optim
+
+
+def _opt_config(**overrides):
+  config = ml_collections.ConfigDict(dict(
+      schedule='rsqrt', lr_scale=1.0, warmup_steps=4000, b1=0.9, b2=0.98, eps=1e-9,
+      grad_clip=0.0, weight_decay=0.0, label_smoothing=0.1))
+  config.update(overrides)
+  return config
+
+
+@pytest.mark.parametrize('step', [1, 10, 3999, 4000, 4001, 100_000])
+def test_paper_schedule(step):
+  schedule = optim.learning_rate_schedule(_opt_config(), d_model=512)
+  expected = 512**-0.5 * min(step**-0.5, step * 4000**-1.5)
+  assert float(schedule(step - 1)) == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.parametrize('step', [1, 500, 8000, 20_000])
+def test_tensor2tensor_schedule(step):
+  schedule = optim.learning_rate_schedule(
+      _opt_config(schedule='t2t', lr_scale=2.0, warmup_steps=8000), d_model=512)
+  expected = 2.0 * min(1.0, step / 8000) / math.sqrt(max(step, 8000)) / math.sqrt(512)
+  assert float(schedule(step - 1)) == pytest.approx(expected, rel=1e-5)
+
+
+def test_unknown_schedule_is_refused():
+  with pytest.raises(ValueError, match="config.opt.schedule must be"):
+    optim.learning_rate_schedule(_opt_config(schedule='cosine'), 512)
+
+
+def _numpy_smoothed_loss(logits, targets, smoothing):
+  vocab = logits.shape[-1]
+  log_probs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+  soft = np.full(logits.shape, smoothing / (vocab - 1))
+  np.put_along_axis(soft, targets[..., None], 1 - smoothing, -1)
+  entropy = -np.sum(soft[0, 0] * np.log(soft[0, 0]))
+  return (-(soft * log_probs).sum(-1) - entropy) * (targets != 0)
+
+
+def test_smoothed_loss_equals_numpy():
+  rng = np.random.default_rng(0)
+  logits = rng.normal(size=(3, 5, 11))
+  targets = rng.integers(0, 11, (3, 5))
+  targets[0, 3:] = 0  # Padding contributes nothing.
+  loss, weights = optim.smoothed_cross_entropy(jnp.asarray(logits), jnp.asarray(targets), 0.1)
+  np.testing.assert_allclose(loss, _numpy_smoothed_loss(logits, targets, 0.1), rtol=1e-5,
+                             atol=1e-6)
+  np.testing.assert_array_equal(weights, targets != 0)
+
+
+def test_perfect_smoothed_prediction_scores_zero():
+  vocab, smoothing = 7, 0.1
+  targets = np.array([[3, 5]])
+  soft = np.full((1, 2, vocab), smoothing / (vocab - 1))
+  np.put_along_axis(soft, targets[..., None], 1 - smoothing, -1)
+  loss, _ = optim.smoothed_cross_entropy(jnp.log(jnp.asarray(soft)), jnp.asarray(targets),
+                                         smoothing)
+  np.testing.assert_allclose(loss, 0.0, atol=1e-6)
+
+
+def test_metrics_count_real_tokens_only():
+  logits = np.full((1, 4, 5), -10.0)
+  for position, token in enumerate([2, 3, 4, 1]):
+    logits[0, position, token] = 10.0
+  targets = np.array([[2, 3, 1, 0]])  # Third prediction wrong, fourth position padding.
+  sums = optim.compute_metrics(jnp.asarray(logits), jnp.asarray(targets), 0.0)
+  summary = optim.summarize(sums)
+  assert float(sums['weight']) == 3
+  assert summary['accuracy'] == pytest.approx(2 / 3)
+  assert summary['perplexity'] == pytest.approx(math.exp(float(sums['nll']) / 3))
+
+
+def test_clipping_and_weight_decay_build():
+  import jax  # pylint: disable=g-import-not-at-top
+  params = {'w': jnp.ones(3)}
+  optimizer = optim.make_optimizer(_opt_config(grad_clip=1.0, weight_decay=0.1), 512)
+  updates, _ = optimizer.update({'w': jnp.full(3, 100.0)}, optimizer.init(params), params)
+  assert jax.tree.leaves(updates)[0].shape == (3,)
