@@ -5,6 +5,7 @@
 """
 
 import json
+import logging as std_logging
 import os
 
 from absl import app
@@ -23,9 +24,16 @@ _CACHE = flags.DEFINE_string('compilation_cache', '~/.cache/t2t_jax/xla',
 flags.mark_flag_as_required('config')
 
 
+def _quiet_libraries():
+  """Keeps orbax's per-save INFO chatter out of the console; its warnings still show."""
+  logging.get_absl_handler().addFilter(
+      lambda record: record.levelno >= std_logging.WARNING or '/orbax/' not in record.pathname)
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+  _quiet_libraries()
   if _CACHE.value:
     jax.config.update('jax_compilation_cache_dir', os.path.expanduser(_CACHE.value))
     jax.config.update('jax_persistent_cache_min_compile_time_secs', 1.0)
