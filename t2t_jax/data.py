@@ -178,11 +178,11 @@ def vocab_size(config) -> int:
 # Batching by token budget.
 
 def bucket_boundaries(max_len: int, min_bucket: int, scale: float) -> list[int]:
-  """Bucket lengths: multiples of `min_bucket` growing by about `scale`, the last >= max_len."""
-  boundaries = [min_bucket]
+  """Bucket lengths: multiples of `min_bucket` growing by about `scale`, the last = max_len."""
+  boundaries = [min(min_bucket, max_len)]
   while boundaries[-1] < max_len:
     grown = math.ceil(boundaries[-1] * scale / min_bucket) * min_bucket
-    boundaries.append(max(grown, boundaries[-1] + min_bucket))
+    boundaries.append(min(max(grown, boundaries[-1] + min_bucket), max_len))
   return boundaries
 
 
