@@ -194,6 +194,9 @@ def run_evaluation(setup: Setup, params, task: data.TaskData, eval_batches, conf
   for batch in data.eval_batches(eval_batches, config.eval.num_batches):
     metrics = jax.device_get(setup.eval_step(params, sharding.global_batch(batch, setup.mesh)))
     sums = metrics if sums is None else jax.tree.map(np.add, sums, metrics)
+  if sums is None:
+    logging.warning('The eval set is empty: no eval figures.')
+    return {}
   results = {f'eval_{k}': v for k, v in optim.summarize(sums).items()}
   count = min(config.eval.bleu_sentences, len(task.eval))
   if count:
