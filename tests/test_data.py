@@ -112,7 +112,7 @@ def test_bad_lines_skipped_and_counted(tmp_path, caplog):
   with caplog.at_level('WARNING'):
     sources, targets = data.read_parallel(src, tgt, 'skip')
   assert sources == ['one', 'four'] and targets == ['eins', 'vier']
-  assert 'skipped 1 empty and 1 undecodable pairs of 4' in caplog.text
+  assert 'skipped 2 of 4 pairs (1 empty, 1 undecodable)' in caplog.text
 
 
 def test_missing_file_is_named(tmp_path):
@@ -129,7 +129,7 @@ def test_vocabulary_is_trained_once_then_reused(tiny_config, tmp_path, caplog):
   with caplog.at_level('INFO'):
     again = data.load(config, str(tmp_path))
   assert os.path.getmtime(path) == mtime and 'Reusing the vocabulary' in caplog.text
-  assert again.vocab.decode(again.train.inputs[0]) == task.train.sources[0]
+  assert again.vocab.decode(again.eval.inputs[0]) == task.eval.sources[0]
   assert task.train.inputs[0][-1] == 1  # EOS ends every sequence.
 
 
@@ -153,7 +153,7 @@ def test_long_pairs_are_dropped_and_counted(tiny_config, tmp_path, caplog):
   config.data.max_len = 4
   with caplog.at_level('WARNING'):
     task = data.load(config, str(tmp_path))
-  assert all(len(seq) <= 4 for seq in task.train.inputs + task.train.targets)
+  assert all(len(seq) <= 4 for seq in list(task.train.inputs) + list(task.train.targets))
   assert 'longer than config.data.max_len=4' in caplog.text
   assert len(task.train) < 200
 
