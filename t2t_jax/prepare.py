@@ -51,5 +51,9 @@ def main(argv):
     print(json.dumps(result), flush=True)
 
 
-if __name__ == '__main__':
+def run():
   app.run(main)
+
+
+if __name__ == '__main__':
+  run()

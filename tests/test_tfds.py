@@ -12,13 +12,14 @@ from t2t_jax import data
 from t2t_jax import sources
 from t2t_jax import train
 
-tfds = pytest.importorskip('tensorflow_datasets')  # The `test` extra installs it.
 
 
 @pytest.fixture
 def mock_wmt():
+  """Random WMT examples from TFDS's mock (the `test` extra installs TFDS and TensorFlow)."""
+  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
   with tfds.testing.mock_data(num_examples=64):
-    yield
+    yield tfds
 
 
 def _tfds_config(config, tmp_path):
@@ -35,7 +36,7 @@ def _tfds_config(config, tmp_path):
   return config
 
 
-def _wmt_pairs(split, source_lang='en', target_lang='de'):
+def _wmt_pairs(tfds, split, source_lang='en', target_lang='de'):
   dataset = tfds.load('wmt14_translate/de-en', split=split)
   return [(e[source_lang].decode().strip(), e[target_lang].decode().strip())
           for e in tfds.as_numpy(dataset)]
@@ -76,7 +77,7 @@ def test_wmt14_config_defaults_to_tfds_and_works_under_mock_data(tmp_path, mock_
   config.data.tfds_data_dir = str(tmp_path / 'tfds')
   task = data.load(config, str(tmp_path))
   assert len(task.train) == 64 and len(task.eval) == 64
-  pairs = _wmt_pairs('validation')
+  pairs = _wmt_pairs(mock_wmt, 'validation')
   assert task.eval.sources == [s for s, _ in pairs] and task.eval.references == [t for _, t in pairs]
   assert task.vocab.decode(task.eval.inputs[0]) == ' '.join(pairs[0][0].split())
   test, _ = data.load_split(config, str(tmp_path), 'test', task.vocab)
@@ -102,7 +103,7 @@ def test_direction_and_eval_dataset_are_configurable(tiny_config, tmp_path, mock
   assert sources.open_split(config.data, 'train').name == 'wmt17_translate/de-en[train]'
   assert sources.open_split(config.data, 'eval').name == 'wmt14_translate/de-en[validation]'
   task = data.load(config, str(tmp_path))
-  pairs = _wmt_pairs('validation', 'de', 'en')
+  pairs = _wmt_pairs(mock_wmt, 'validation', 'de', 'en')
   assert task.eval.sources == [s for s, _ in pairs] and task.eval.references == [t for _, t in pairs]
 
 
