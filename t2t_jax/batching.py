@@ -222,6 +222,9 @@ class PackedBatches(_Batches):
   def epoch_length(self, epoch: int) -> int:
     return len(self.plan(epoch))
 
+  def __len__(self):  # Packing differs slightly per epoch; this is epoch 0's count.
+    return self.epoch_length(0)
+
   def get(self, epoch: int, position: int) -> dict[str, np.ndarray]:
     return self.collate(self.plan(epoch)[position])
 

@@ -172,3 +172,18 @@ def test_packed_segments_never_attend_to_each_other():
   other = logits(changed)
   np.testing.assert_allclose(other[0, segments == 1], packed[0, segments == 1], atol=1e-5)
   assert np.abs(other[0, segments == 2] - packed[0, segments == 2]).max() > 1e-3
+
+
+def test_packed_training_runs_and_resumes(tiny_config, tmp_path):
+  from t2t_jax import train  # pylint: disable=g-import-not-at-top
+  tiny_config.data.batching = 'packed'
+  tiny_config.data.pack_length = 32
+  tiny_config.train.num_steps = 4
+  tiny_config.train.eval_every = 4
+  tiny_config.ckpt.every = 2
+  tiny_config.eval.bleu_sentences = 0
+  assert train.dry_run(tiny_config)['batch_shape'] == [8, 32]
+  results = train.train_and_evaluate(tiny_config, str(tmp_path))
+  assert results['step'] == 4 and np.isfinite(results['eval_loss'])
+  tiny_config.train.num_steps = 6
+  assert train.train_and_evaluate(tiny_config, str(tmp_path))['step'] == 6
