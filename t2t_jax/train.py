@@ -180,11 +180,11 @@ def _batchers(config, task: data.TaskData, mesh) -> tuple:
 
 def _load_data(config, workdir: str) -> data.TaskData:
   """Process 0 trains the vocabulary and fills the token cache (a shared folder); then all load."""
-  if jax.process_count() > 1:
-    if jax.process_index() == 0:
-      data.load(config, workdir)
-    multihost_utils.sync_global_devices('t2t_jax: vocabulary and token cache ready')
-  return data.load(config, workdir)
+  if jax.process_count() == 1:
+    return data.load(config, workdir)
+  task = data.load(config, workdir) if jax.process_index() == 0 else None
+  multihost_utils.sync_global_devices('t2t_jax: vocabulary and token cache ready')
+  return task or data.load(config, workdir)
 
 
 def _write_config(config, workdir: str) -> str:

@@ -78,7 +78,7 @@ def test_wmt14_config_defaults_to_tfds_and_works_under_mock_data(tmp_path, mock_
   task = data.load(config, str(tmp_path))
   assert len(task.train) == 64 and len(task.eval) == 64
   pairs = _wmt_pairs(mock_wmt, 'validation')
-  assert task.eval.sources == [s for s, _ in pairs] and task.eval.references == [t for _, t in pairs]
+  assert (task.eval.sources, task.eval.references) == tuple(map(list, zip(*pairs)))
   assert task.vocab.decode(task.eval.inputs[0]) == ' '.join(pairs[0][0].split())
   test, _ = data.load_split(config, str(tmp_path), 'test', task.vocab)
   assert len(test) == 64
@@ -104,7 +104,7 @@ def test_direction_and_eval_dataset_are_configurable(tiny_config, tmp_path, mock
   assert sources.open_split(config.data, 'eval').name == 'wmt14_translate/de-en[validation]'
   task = data.load(config, str(tmp_path))
   pairs = _wmt_pairs(mock_wmt, 'validation', 'de', 'en')
-  assert task.eval.sources == [s for s, _ in pairs] and task.eval.references == [t for _, t in pairs]
+  assert (task.eval.sources, task.eval.references) == tuple(map(list, zip(*pairs)))
 
 
 def test_unknown_language_is_refused(tiny_config, tmp_path, mock_wmt):
