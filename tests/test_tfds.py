@@ -123,3 +123,23 @@ def test_core_modules_never_import_tensorflow():
                           text=True, check=True, timeout=300,
                           env=dict(os.environ, PYTHONPATH=ROOT)).stdout
   assert output.strip() == '[]'
+
+
+@pytest.mark.parametrize('bad, message', [
+    (b'', r'wmt14_translate/de-en\[train\] example 1 \(de\): empty line'),
+    (b'\xff ok', r'wmt14_translate/de-en\[train\] example 1 \(de\): not valid UTF-8 \(byte 0\)')])
+def test_bad_tfds_examples_are_named_or_skipped(tiny_config, tmp_path, caplog, bad, message):
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+  english, german = ['a house', 'the cat', 'a dog'], [b'ein haus', bad, b'ein hund']
+  dataset_fn = lambda *args, **kwargs: tf.data.Dataset.from_tensor_slices(
+      {'en': english, 'de': german})
+  config = _tfds_config(tiny_config, tmp_path)
+  with tfds.testing.mock_data(as_dataset_fn=dataset_fn):
+    with pytest.raises(data.DataError, match=message + r"\. .*bad_lines='skip'"):
+      list(sources.open_split(config.data, 'train').read())
+    config.data.bad_lines = 'skip'
+    with caplog.at_level('WARNING'):
+      pairs = list(sources.open_split(config.data, 'train').read())
+  assert pairs == [('a house', 'ein haus'), ('a dog', 'ein hund')]
+  assert 'wmt14_translate/de-en[train]: skipped 1 of 3 pairs' in caplog.text
