@@ -9,6 +9,7 @@ folder and renamed into place, so a killed build never leaves a half-written ent
 """
 
 import collections
+import contextlib
 import dataclasses
 import hashlib
 import itertools
@@ -104,21 +105,22 @@ def _build(path: str, source: sources.Source, vocab, keep_text: bool) -> None:
   tmp = tempfile.mkdtemp(dir=parent, prefix='.building-')
   try:
     skipped, lengths, start = collections.Counter(), {'inputs': [], 'targets': []}, time.time()
-    files = {side: open(os.path.join(tmp, f'{side}.bin'), 'wb') for side in lengths}
-    text_files = ({side: open(os.path.join(tmp, f'{side}.txt'), 'w', encoding='utf-8')
-                   for side in ('sources', 'references')} if keep_text else {})
-    pairs = source.read(skipped)
-    while chunk := list(itertools.islice(pairs, _CHUNK_PAIRS)):
-      texts = list(zip(*chunk))
-      for side, side_texts in zip(('inputs', 'targets'), texts):
-        flat, side_lengths = _with_eos(vocab.encode(side_texts))
-        flat.tofile(files[side])
-        lengths[side].append(side_lengths)
-      for side, side_texts in zip(('sources', 'references'), texts):
-        if side in text_files:
-          text_files[side].write(''.join(text + '\n' for text in side_texts))
-    for f in itertools.chain(files.values(), text_files.values()):
-      f.close()
+    with contextlib.ExitStack() as stack:
+      files = {side: stack.enter_context(open(os.path.join(tmp, f'{side}.bin'), 'wb'))
+               for side in lengths}
+      text_files = ({side: stack.enter_context(
+          open(os.path.join(tmp, f'{side}.txt'), 'w', encoding='utf-8'))
+                     for side in ('sources', 'references')} if keep_text else {})
+      pairs = source.read(skipped)
+      while chunk := list(itertools.islice(pairs, _CHUNK_PAIRS)):
+        texts = list(zip(*chunk))
+        for side, side_texts in zip(('inputs', 'targets'), texts):
+          flat, side_lengths = _with_eos(vocab.encode(side_texts))
+          flat.tofile(files[side])
+          lengths[side].append(side_lengths)
+        for side, side_texts in zip(('sources', 'references'), texts):
+          if side in text_files:
+            text_files[side].write(''.join(text + '\n' for text in side_texts))
     count = 0
     for side, parts in lengths.items():
       side_lengths = np.concatenate(parts) if parts else np.zeros(0, np.int32)
