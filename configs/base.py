@@ -10,7 +10,7 @@ def get_config():
   config.seed = 0  # Seeds parameter init, dropout and data shuffling.
 
   data = config.data = ml_collections.ConfigDict()
-  data.source = 'synthetic'  # 'synthetic' (built-in task, no download) or 'text' (parallel files).
+  data.source = 'synthetic'  # 'synthetic' (built-in task), 'text' (two files), 'tsv' or 'tfds'.
   data.task = 'reverse'  # Synthetic task: 'copy', 'reverse', 'sort' or 'addition'.
   data.num_symbols = 16  # Synthetic: distinct symbols for copy/reverse/sort.
   data.min_length = 1  # Synthetic: shortest source, in symbols (digits per operand for addition).
@@ -21,15 +21,29 @@ def get_config():
   data.train_tgt = ''  # Text: training target file, line-aligned with train_src.
   data.eval_src = ''  # Text: evaluation source file.
   data.eval_tgt = ''  # Text: evaluation target (reference) file.
-  data.vocab_path = ''  # SentencePiece model; '' means <workdir>/vocab.model, trained on first use.
+  data.train_tsv = ''  # TSV: training file of 'source<TAB>target' lines.
+  data.eval_tsv = ''  # TSV: evaluation file of 'source<TAB>target' lines.
+  data.tfds_name = 'wmt14_translate/de-en'  # TFDS: dataset/config, e.g. 'wmt17_translate/de-en'.
+  data.tfds_eval_name = ''  # TFDS: dataset of the eval and test splits; '' means tfds_name.
+  data.tfds_train_split = 'train'  # TFDS: training split (any TFDS split spec).
+  data.tfds_eval_split = 'validation'  # TFDS: eval split (newstest2013 in wmt14_translate).
+  data.tfds_test_split = 'test'  # TFDS: test split (newstest2014 in wmt14_translate).
+  data.tfds_data_dir = ''  # TFDS: data_dir holding prepared datasets; '' is TFDS's default.
+  data.tfds_manual_dir = ''  # TFDS: manual_dir for sources that cannot be downloaded.
+  data.source_lang = 'en'  # TFDS: feature translated from (direction: source_lang -> target_lang).
+  data.target_lang = 'de'  # TFDS: feature translated to.
+  data.cache_dir = ''  # Vocabulary and token cache; '' means the workdir. Share it across runs.
+  data.vocab_path = ''  # SentencePiece model; '' means <cache_dir>/vocab.model, trained if absent.
   data.vocab_size = 8000  # Size of the shared SentencePiece vocabulary.
   data.vocab_type = 'unigram'  # SentencePiece model type: 'unigram' or 'bpe'.
-  data.vocab_sample_lines = 1_000_000  # Sentences sampled from both sides to train the vocabulary.
-  data.bad_lines = 'error'  # Empty/undecodable lines: 'error' names file and line, 'skip' counts.
+  data.vocab_sample_chars = 10_000_000  # Characters sampled across both sides to train the vocab.
+  data.bad_lines = 'error'  # Bad lines/pairs: 'error' names file and line, 'skip' logs counts.
   data.max_len = 256  # Pairs longer than this (tokens incl. EOS) on either side are dropped.
   data.batch_tokens = 4096  # Tokens per global batch: rows x padded length, max of both sides.
   data.bucket_scale = 1.1  # Length buckets grow geometrically by this factor (tensor2tensor).
   data.min_bucket = 8  # Shortest bucket length; also the granularity of bucket lengths.
+  data.batching = 'buckets'  # 'buckets': token budget per length bucket; 'packed': packed rows.
+  data.pack_length = 0  # Packed: row length in tokens; 0 means max_len.
 
   model = config.model = ml_collections.ConfigDict()
   model.d_model = 512  # Width of embeddings and of every residual stream.

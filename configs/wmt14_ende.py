@@ -1,4 +1,10 @@
-"""WMT14 English->German, the paper's base and big models (--config=configs/wmt14_ende.py:big)."""
+"""WMT14 English->German, the paper's base and big models (--config=configs/wmt14_ende.py:big).
+
+Data from TFDS: wmt14_translate/de-en for training, newstest2013 (its validation split) for
+evaluation, newstest2014 (test) for the final figures. For WMT17's larger training set with
+the same eval and test sets: --config.data.tfds_name=wmt17_translate/de-en
+--config.data.tfds_eval_name=wmt14_translate/de-en.
+"""
 
 from configs import base
 
@@ -9,10 +15,17 @@ def get_config(variant='base'):
     raise ValueError(f"configs/wmt14_ende.py: variant must be 'base' or 'big', got {variant!r}")
   config = base.get_config()
   config.name = f'wmt14_ende_{variant}'
-  config.data.source = 'text'
+  config.data.source = 'tfds'
+  config.data.tfds_name = 'wmt14_translate/de-en'
+  config.data.tfds_train_split = 'train'
+  config.data.tfds_eval_split = 'validation'
+  config.data.tfds_test_split = 'test'
+  config.data.source_lang = 'en'
+  config.data.target_lang = 'de'
+  config.data.bad_lines = 'skip'  # Web-crawled training data holds some empty lines.
   config.data.vocab_size = 37_000
   config.data.vocab_type = 'bpe'
-  config.data.vocab_sample_lines = 2_000_000
+  config.data.vocab_sample_chars = 10_000_000
   config.data.max_len = 256
   config.data.batch_tokens = 25_000
   config.opt.warmup_steps = 4000

@@ -1,32 +1,44 @@
-"""Translation pairs from built-in synthetic tasks or parallel text, batched by token budget."""
+"""Translation pairs for training and evaluation: the vocabulary, the token cache, the splits.
 
-import bisect
+Sources (synthetic tasks here; text, TSV and TFDS in `sources`) -> shared SentencePiece
+vocabulary trained once on a streamed sample -> token ids cached on disk (`token_cache`) ->
+length filter -> batch plans (`batching`).
+"""
+
 import dataclasses
-import math
 import os
-from typing import Iterator, Sequence
 
 from absl import logging
-import grain
 import numpy as np
 
-from t2t_jax import EOS_ID, PAD_ID
+from t2t_jax import EOS_ID
+from t2t_jax import sources
+from t2t_jax import token_cache
 from t2t_jax import tokenizer
+# pylint: disable=unused-import
+# The batching API, re-exported: train.py and the tools use it through this module.
+from t2t_jax.batching import (bucket_boundaries, eval_batches, make_batchers, pack_length,
+                              PackedBatches, TokenBudgetBatches, train_iterator)
+from t2t_jax.sources import DataError
+# pylint: enable=unused-import
+from t2t_jax.token_cache import Ragged
 
 SYNTHETIC_TASKS = ('copy', 'reverse', 'sort', 'addition')
 
 
-class DataError(ValueError):
-  """Bad input data, with the file and line at fault."""
-
-
 @dataclasses.dataclass
 class Split:
-  """Encoded pairs (ids ending in EOS) and the raw text they came from."""
-  inputs: list[np.ndarray]
-  targets: list[np.ndarray]
+  """Encoded pairs (ids ending in EOS, as `Ragged` views) and, for evaluation, their text."""
+  inputs: Ragged
+  targets: Ragged
   sources: list[str]
   references: list[str]
+
+  def __post_init__(self):
+    if not isinstance(self.inputs, Ragged):
+      self.inputs = Ragged.from_sequences(self.inputs)
+    if not isinstance(self.targets, Ragged):
+      self.targets = Ragged.from_sequences(self.targets)
 
   def __len__(self):
     return len(self.inputs)
@@ -81,71 +93,74 @@ def synthetic_text(data_config, seed: int) -> tuple[tuple[list[str], list[str]],
   return tuple(map(list, zip(*train))), tuple(map(list, zip(*eval_pairs)))
 
 
-# Parallel text files.
+# Parallel text, TSV and TFDS through the vocabulary and the token cache.
 
 def read_parallel(source_path: str, target_path: str, bad_lines: str) -> tuple[list[str],
                                                                               list[str]]:
-  """Line-aligned sentence pairs; empty or undecodable lines raise or are skipped and counted."""
-  if bad_lines not in ('error', 'skip'):
-    raise ValueError(f"config.data.bad_lines must be 'error' or 'skip', got {bad_lines!r}")
-  sides = []
-  for path in (source_path, target_path):
-    if not path:
-      raise DataError('a text data path is empty: set config.data.train_src, train_tgt, '
-                      'eval_src and eval_tgt')
-    try:
-      with open(path, 'rb') as f:
-        sides.append(f.read().split(b'\n'))
-    except OSError as e:
-      raise DataError(f'cannot read {path}: {e.strerror}') from None
-    if sides[-1] and sides[-1][-1] == b'':
-      sides[-1].pop()  # The newline ending the last line.
-  if len(sides[0]) != len(sides[1]):
-    raise DataError(f'{source_path} has {len(sides[0])} lines but {target_path} has '
-                    f'{len(sides[1])}: line N of one must be the translation of line N of the '
-                    'other.')
-  sources, targets, skipped = [], [], {'empty': 0, 'undecodable': 0}
-  for number, pair in enumerate(zip(*sides), start=1):
-    texts, problem = [], None
-    for path, raw in zip((source_path, target_path), pair):
-      try:
-        text = raw.decode('utf-8').strip()
-      except UnicodeDecodeError as e:
-        problem = ('undecodable', f'{path}:{number}: not valid UTF-8 (byte {e.start})')
-        break
-      if not text:
-        problem = ('empty', f'{path}:{number}: empty line')
-        break
-      texts.append(text)
-    if problem:
-      if bad_lines == 'error':
-        raise DataError(f"{problem[1]}. Fix the file or set config.data.bad_lines='skip'.")
-      skipped[problem[0]] += 1
-      continue
-    sources.append(texts[0])
-    targets.append(texts[1])
-  if any(skipped.values()):
-    logging.warning('%s / %s: skipped %d empty and %d undecodable pairs of %d', source_path,
-                    target_path, skipped['empty'], skipped['undecodable'], len(sides[0]))
-  return sources, targets
+  """Line-aligned sentence pairs in memory (small files); see `sources.parallel_text`."""
+  if bad_lines not in sources.BAD_LINE_POLICIES:
+    raise ValueError(f'config.data.bad_lines must be one of {sources.BAD_LINE_POLICIES}, '
+                     f'got {bad_lines!r}')
+  pairs = list(sources.parallel_text(source_path, target_path, bad_lines).read())
+  return [p[0] for p in pairs], [p[1] for p in pairs]
 
 
-def _encode(vocab, sources: Sequence[str], references: Sequence[str], max_len: int,
-            name: str) -> Split:
-  """Appends EOS and drops (with a logged count) pairs longer than `max_len` on either side."""
-  split = Split([], [], [], [])
-  encoded = zip(vocab.encode(sources), vocab.encode(references), sources, references)
-  for source_ids, target_ids, source, reference in encoded:
-    if max(len(source_ids), len(target_ids)) + 1 > max_len:
-      continue
-    split.inputs.append(np.asarray(source_ids + [EOS_ID], np.int32))
-    split.targets.append(np.asarray(target_ids + [EOS_ID], np.int32))
-    split.sources.append(source)
-    split.references.append(reference)
-  if dropped := len(sources) - len(split):
+def _encode(vocab, texts: tuple[list[str], list[str]], max_len: int, name: str) -> Split:
+  """Encodes synthetic text pairs, appending EOS; see `_filter` for `max_len`."""
+  inputs, targets = ([np.asarray(ids + [EOS_ID], np.int32) for ids in vocab.encode(side)]
+                     for side in texts)
+  return _filter(Split(inputs, targets, list(texts[0]), list(texts[1])), max_len, name)
+
+
+def _filter(split: Split, max_len: int, name: str) -> Split:
+  """Drops (with a logged count) pairs longer than `max_len` tokens, EOS included, either side."""
+  keep = np.flatnonzero(np.maximum(split.inputs.lengths, split.targets.lengths) <= max_len)
+  if dropped := len(split) - len(keep):
     logging.warning('%s: dropped %d of %d pairs longer than config.data.max_len=%d tokens',
-                    name, dropped, len(sources), max_len)
-  return split
+                    name, dropped, len(split), max_len)
+  else:
+    return split
+  return Split(split.inputs.subset(keep), split.targets.subset(keep),
+               [split.sources[i] for i in keep] if split.sources else [],
+               [split.references[i] for i in keep] if split.references else [])
+
+
+def cache_dir(config, workdir: str) -> str:
+  """Where the vocabulary and the token cache live: config.data.cache_dir, else the workdir."""
+  directory = config.data.cache_dir or workdir
+  if not directory:
+    raise ValueError('set config.data.cache_dir (or pass a workdir) for the vocabulary and '
+                     'the token cache')
+  return os.path.abspath(os.path.expanduser(directory))
+
+
+def vocab_path(config, workdir: str) -> str:
+  """The shared SentencePiece model: config.data.vocab_path, else <cache_dir>/vocab.model."""
+  return config.data.vocab_path or os.path.join(cache_dir(config, workdir), 'vocab.model')
+
+
+def load_vocab(config, workdir: str) -> tokenizer.Vocabulary:
+  """The vocabulary of `config`, trained on a sample of the training split on first use."""
+  if config.data.source == 'synthetic':
+    return synthetic_vocabulary(config.data)
+  train_source = sources.open_split(config.data, 'train')
+  texts = lambda: (text for pair in train_source.read() for text in pair)
+  return tokenizer.load_or_train(vocab_path(config, workdir), texts, config.data, config.seed)
+
+
+def load_split(config, workdir: str, split: str, vocab=None) -> tuple[Split, bool]:
+  """One split ('train', 'eval' or 'test') from the token cache, building it if absent.
+
+  Returns the split after the `max_len` filter and whether the cache entry was built now.
+  """
+  vocab = vocab or load_vocab(config, workdir)
+  source = sources.open_split(config.data, split)
+  cached = token_cache.load_or_build(cache_dir(config, workdir), source, split, vocab,
+                                     keep_text=split != 'train')
+  if not len(cached.inputs):
+    raise DataError(f'{source.name} ({split}) yielded no pairs')
+  full = Split(cached.inputs, cached.targets, cached.sources, cached.references)
+  return _filter(full, config.data.max_len, split), cached.built
 
 
 def load(config, workdir: str) -> TaskData:
@@ -154,18 +169,12 @@ def load(config, workdir: str) -> TaskData:
   if data_config.source == 'synthetic':
     vocab = synthetic_vocabulary(data_config)
     train_text, eval_text = synthetic_text(data_config, config.seed)
-  elif data_config.source == 'text':
-    train_text = read_parallel(data_config.train_src, data_config.train_tgt,
-                               data_config.bad_lines)
-    eval_text = read_parallel(data_config.eval_src, data_config.eval_tgt, data_config.bad_lines)
-    vocab = tokenizer.load_or_train(
-        data_config.vocab_path or os.path.join(workdir, 'vocab.model'), train_text,
-        data_config, config.seed)
-  else:
-    raise ValueError(f"config.data.source must be 'synthetic' or 'text', "
-                     f'got {data_config.source!r}')
-  return TaskData(vocab, _encode(vocab, *train_text, data_config.max_len, 'train'),
-                  _encode(vocab, *eval_text, data_config.max_len, 'eval'))
+    return TaskData(vocab, _encode(vocab, train_text, data_config.max_len, 'train'),
+                    _encode(vocab, eval_text, data_config.max_len, 'eval'))
+  sources.open_split(data_config, 'train')  # Refuses an unknown source before any work.
+  vocab = load_vocab(config, workdir)
+  return TaskData(vocab, load_split(config, workdir, 'train', vocab)[0],
+                  load_split(config, workdir, 'eval', vocab)[0])
 
 
 def vocab_size(config) -> int:
@@ -173,97 +182,3 @@ def vocab_size(config) -> int:
   if config.data.source == 'synthetic':
     return synthetic_vocabulary(config.data).vocab_size
   return config.data.vocab_size
-
-
-# Batching by token budget.
-
-def bucket_boundaries(max_len: int, min_bucket: int, scale: float) -> list[int]:
-  """Bucket lengths: multiples of `min_bucket` growing by about `scale`, the last = max_len."""
-  boundaries = [min(min_bucket, max_len)]
-  while boundaries[-1] < max_len:
-    grown = math.ceil(boundaries[-1] * scale / min_bucket) * min_bucket
-    boundaries.append(min(max(grown, boundaries[-1] + min_bucket), max_len))
-  return boundaries
-
-
-class TokenBudgetBatches:
-  """Deterministic batch plans: pairs grouped into length buckets, rows x length <= budget.
-
-  Every bucket has a fixed row count (a multiple of `row_multiple`, for the mesh), so each
-  bucket compiles once; a bucket's last, partial batch is filled with empty rows rather
-  than dropped. Training plans reshuffle every epoch from (seed, epoch).
-  """
-
-  def __init__(self, split: Split, batch_tokens: int, boundaries: Sequence[int],
-               row_multiple: int, shuffle: bool, seed: int):
-    self.split, self.shuffle, self.seed = split, shuffle, seed
-    lengths = np.array([max(len(i), len(t)) for i, t in zip(split.inputs, split.targets)])
-    self.boundaries = list(boundaries)
-    self.bucket_of = np.array([bisect.bisect_left(self.boundaries, n) for n in lengths], int)
-    if len(lengths) and self.bucket_of.max() >= len(self.boundaries):
-      raise ValueError(f'a pair of length {lengths.max()} exceeds the longest bucket '
-                       f'{self.boundaries[-1]}')
-    self.rows = [max(row_multiple, batch_tokens // b // row_multiple * row_multiple)
-                 for b in self.boundaries]
-    self.batches_per_epoch = sum(
-        math.ceil(np.sum(self.bucket_of == k) / self.rows[k]) for k in range(len(self.rows)))
-    self._cached_epoch, self._cached_plan = None, None
-
-  def plan(self, epoch: int) -> list[tuple[int, np.ndarray]]:
-    """The epoch's batches as (bucket, example indices)."""
-    if epoch == self._cached_epoch:
-      return self._cached_plan
-    rng = np.random.default_rng([self.seed, epoch])
-    batches = []
-    for k, rows in enumerate(self.rows):
-      members = np.flatnonzero(self.bucket_of == k)
-      if self.shuffle:
-        members = rng.permutation(members)
-      batches += [(k, members[i:i + rows]) for i in range(0, len(members), rows)]
-    if self.shuffle:
-      batches = [batches[i] for i in rng.permutation(len(batches))]
-    self._cached_epoch, self._cached_plan = epoch, batches
-    return batches
-
-  def collate(self, bucket: int, indices: np.ndarray) -> dict[str, np.ndarray]:
-    length, rows = self.boundaries[bucket], self.rows[bucket]
-    batch = {key: np.full((rows, length), PAD_ID, np.int32) for key in ('inputs', 'targets')}
-    for row, index in enumerate(indices):
-      for key, seq in (('inputs', self.split.inputs[index]),
-                       ('targets', self.split.targets[index])):
-        batch[key][row, :len(seq)] = seq
-    return batch
-
-  def __len__(self):
-    return self.batches_per_epoch
-
-  def __getitem__(self, index: int) -> dict[str, np.ndarray]:
-    epoch, position = divmod(index, self.batches_per_epoch)
-    return self.collate(*self.plan(epoch)[position])
-
-
-class _Epochs:
-  """Indexable view of `num_epochs` consecutive epochs of a batch plan."""
-
-  def __init__(self, batches: TokenBudgetBatches, num_epochs: int):
-    self.batches, self.num_epochs = batches, num_epochs
-
-  def __len__(self):
-    return len(self.batches) * self.num_epochs
-
-  def __getitem__(self, index):
-    return self.batches[index]
-
-
-def train_iterator(batches: TokenBudgetBatches, prefetch: int = 2) -> grain.DatasetIterator:
-  """An endless, checkpointable iterator (`get_state`/`set_state`) over training batches."""
-  dataset = grain.MapDataset.source(_Epochs(batches, num_epochs=1_000_000))
-  options = grain.ReadOptions(num_threads=1, prefetch_buffer_size=prefetch)
-  return iter(dataset.to_iter_dataset(options))
-
-
-def eval_batches(batches: TokenBudgetBatches, limit: int = 0) -> Iterator[dict[str, np.ndarray]]:
-  """One pass over the evaluation batches (all of them when `limit` is 0)."""
-  count = len(batches) if limit <= 0 else min(limit, len(batches))
-  for index in range(count):
-    yield batches[index]

@@ -3,10 +3,11 @@
 Both map text to ids without EOS and back, and agree on PAD_ID = 0 and EOS_ID = 1.
 """
 
+import heapq
 import os
 import random
 import tempfile
-from typing import Iterable, Protocol, Sequence
+from typing import Callable, Iterable, Protocol, Sequence
 
 from absl import logging
 import sentencepiece as spm
@@ -93,26 +94,39 @@ def train_sentencepiece(sentences: Iterable[str], path: str, vocab_size: int,
     os.replace(prefix + '.model', path)
 
 
-def sample_lines(sides: Sequence[Sequence[str]], limit: int, seed: int) -> list[str]:
-  """At most `limit` lines drawn evenly from all sides, spread over the whole corpus."""
-  lines = [line for side in sides for line in side]
-  if len(lines) <= limit:
-    return lines
-  return random.Random(seed).sample(lines, limit)
+def sample_texts(texts: Iterable[str], max_chars: int, seed: int) -> list[str]:
+  """A uniform random sample of `texts` totalling at most `max_chars`, in one streaming pass.
+
+  Each text gets a random priority; a max-heap keeps the lowest-priority texts that fit the
+  budget, so memory stays near `max_chars` however long the stream is.
+  """
+  rng = random.Random(seed)
+  heap, chars = [], 0  # Entries (-priority, order, text): the root has the highest priority.
+  for order, text in enumerate(texts):
+    priority = rng.random()
+    if chars + len(text) > max_chars and heap and -heap[0][0] < priority:
+      continue  # Would be evicted at once.
+    heapq.heappush(heap, (-priority, order, text))
+    chars += len(text)
+    while chars > max_chars and heap:
+      chars -= len(heapq.heappop(heap)[2])
+  return [text for _, _, text in sorted(heap, key=lambda entry: entry[1])]
 
 
-def load_or_train(path: str, sides: Sequence[Sequence[str]], data_config,
+def load_or_train(path: str, texts: Callable[[], Iterable[str]], data_config,
                   seed: int) -> SentencePieceVocabulary:
-  """Loads the vocabulary at `path`, training it on a sample of `sides` first if absent."""
+  """Loads the vocabulary at `path`, first training it on a sample of `texts()` if absent."""
   if not os.path.exists(path):
-    sample = sample_lines(sides, data_config.vocab_sample_lines, seed)
-    logging.info('Training a %d-piece %s SentencePiece vocabulary on %d lines -> %s',
-                 data_config.vocab_size, data_config.vocab_type, len(sample), path)
+    sample = sample_texts(texts(), data_config.vocab_sample_chars, seed)
+    logging.info('Training a %d-piece %s SentencePiece vocabulary on %d sampled sentences '
+                 '(%d characters) -> %s', data_config.vocab_size, data_config.vocab_type,
+                 len(sample), sum(map(len, sample)), path)
     train_sentencepiece(sample, path, data_config.vocab_size, data_config.vocab_type)
   else:
     logging.info('Reusing the vocabulary %s', path)
   vocab = SentencePieceVocabulary(path)
   if vocab.vocab_size != data_config.vocab_size:
     raise ValueError(f'{path} has {vocab.vocab_size} pieces but config.data.vocab_size is '
-                     f'{data_config.vocab_size}: use the matching size or another vocab_path.')
+                     f'{data_config.vocab_size}: use the matching size or another vocab_path '
+                     '(or delete the file to train a new one).')
   return vocab

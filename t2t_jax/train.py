@@ -12,6 +12,7 @@ from absl import logging
 import flax
 import flax.linen as nn
 import jax
+from jax.experimental import multihost_utils
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -134,12 +135,18 @@ def dry_run(config) -> dict:
   """Compiles the train step for the configured mesh without data; returns size and cost."""
   setup = build(config, data.vocab_size(config))
   shards = sharding.batch_shards(setup.mesh)
-  length = min(data.bucket_boundaries(config.data.max_len, config.data.min_bucket,
-                                      config.data.bucket_scale)[-1], config.model.max_len)
+  if config.data.batching == 'packed':
+    length = data.pack_length(config.data)
+    keys = ('inputs', 'targets', 'inputs_positions', 'targets_positions', 'inputs_segments',
+            'targets_segments')
+  else:
+    length = min(data.bucket_boundaries(config.data.max_len, config.data.min_bucket,
+                                        config.data.bucket_scale)[-1], config.model.max_len)
+    keys = ('inputs', 'targets')
   rows = max(shards, config.data.batch_tokens // length // shards * shards)
   batch = {key: jax.ShapeDtypeStruct((rows, length), jnp.int32,
                                      sharding=sharding.batch_sharding(setup.mesh))
-           for key in ('inputs', 'targets')}
+           for key in keys}
   rng = jax.ShapeDtypeStruct((2,), jnp.uint32)
   start = time.perf_counter()
   compiled = setup.train_step.lower(setup.abstract_state, batch, rng).compile()
@@ -163,17 +170,21 @@ def dry_run(config) -> dict:
 
 # The training loop.
 
-def _batchers(config, task: data.TaskData, mesh) -> tuple[data.TokenBudgetBatches, ...]:
-  boundaries = data.bucket_boundaries(config.data.max_len, config.data.min_bucket,
-                                      config.data.bucket_scale)
-  shards = sharding.batch_shards(mesh)
-  train = data.TokenBudgetBatches(task.train, config.data.batch_tokens, boundaries, shards,
-                                  shuffle=True, seed=config.seed)
-  evaluation = data.TokenBudgetBatches(task.eval, config.data.batch_tokens, boundaries, shards,
-                                       shuffle=False, seed=config.seed)
+def _batchers(config, task: data.TaskData, mesh) -> tuple:
+  """(train, eval) batch plans; this process collates only its rows of each global batch."""
   if not len(task.train):
     raise data.DataError('no training pairs are left after reading and filtering the data')
-  return train, evaluation
+  return data.make_batchers(config, task.train, task.eval, sharding.batch_shards(mesh),
+                            jax.process_index(), jax.process_count())
+
+
+def _load_data(config, workdir: str) -> data.TaskData:
+  """Process 0 trains the vocabulary and fills the token cache (a shared folder); then all load."""
+  if jax.process_count() == 1:
+    return data.load(config, workdir)
+  task = data.load(config, workdir) if jax.process_index() == 0 else None
+  multihost_utils.sync_global_devices('t2t_jax: vocabulary and token cache ready')
+  return task or data.load(config, workdir)
 
 
 def _write_config(config, workdir: str) -> str:
@@ -257,7 +268,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
   """Trains `config` in `workdir` (resuming if it holds a checkpoint); returns final figures."""
   os.makedirs(workdir, exist_ok=True)
   mesh = sharding.make_mesh(config.mesh)
-  task = data.load(config, workdir)
+  task = _load_data(config, workdir)
   train_batches, eval_batches = _batchers(config, task, mesh)
   setup = build(config, data.vocab_size(config), mesh)
   logging.info('Model: %d parameters; mesh %s; %d train / %d eval pairs; %d batches per epoch',

@@ -1,11 +1,14 @@
-"""Synthetic tasks, text reading and its errors, vocabulary caching, token-budget batches."""
+"""Synthetic tasks; text, TSV and their errors; vocabulary sampling and reuse; the token cache."""
 
+import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
-from conftest import text_config, write_lines
+from conftest import ROOT, text_config, write_lines
 from t2t_jax import data
 from t2t_jax import tokenizer
 
@@ -113,7 +116,7 @@ def test_bad_lines_skipped_and_counted(tmp_path, caplog):
   with caplog.at_level('WARNING'):
     sources, targets = data.read_parallel(src, tgt, 'skip')
   assert sources == ['one', 'four'] and targets == ['eins', 'vier']
-  assert 'skipped 1 empty and 1 undecodable pairs of 4' in caplog.text
+  assert 'skipped 2 of 4 pairs (1 empty, 1 undecodable)' in caplog.text
 
 
 def test_missing_file_is_named(tmp_path):
@@ -130,7 +133,7 @@ def test_vocabulary_is_trained_once_then_reused(tiny_config, tmp_path, caplog):
   with caplog.at_level('INFO'):
     again = data.load(config, str(tmp_path))
   assert os.path.getmtime(path) == mtime and 'Reusing the vocabulary' in caplog.text
-  assert again.vocab.decode(again.train.inputs[0]) == task.train.sources[0]
+  assert again.vocab.decode(again.eval.inputs[0]) == task.eval.sources[0]
   assert task.train.inputs[0][-1] == 1  # EOS ends every sequence.
 
 
@@ -154,7 +157,7 @@ def test_long_pairs_are_dropped_and_counted(tiny_config, tmp_path, caplog):
   config.data.max_len = 4
   with caplog.at_level('WARNING'):
     task = data.load(config, str(tmp_path))
-  assert all(len(seq) <= 4 for seq in task.train.inputs + task.train.targets)
+  assert all(len(seq) <= 4 for seq in list(task.train.inputs) + list(task.train.targets))
   assert 'longer than config.data.max_len=4' in caplog.text
   assert len(task.train) < 200
 
@@ -166,3 +169,129 @@ def test_sentencepiece_decode_stops_at_eos(tmp_path):
   vocab = tokenizer.SentencePieceVocabulary(path)
   ids = vocab.encode(['a small test'])[0]
   assert vocab.decode(ids + [1] + ids) == 'a small test'
+
+
+def test_vocab_sample_is_spread_over_the_whole_stream_within_budget():
+  texts = (f'line{i:05d}' for i in range(20_000))  # A generator: read once, never stored.
+  sample = tokenizer.sample_texts(texts, max_chars=9_000, seed=0)
+  assert 8_000 < sum(map(len, sample)) <= 9_000
+  numbers = [int(text[4:]) for text in sample]
+  assert numbers == sorted(set(numbers))  # Distinct, in corpus order.
+  quarters = np.histogram(numbers, bins=4, range=(0, 20_000))[0]
+  assert quarters.min() > 150  # About 225 per quarter: not the first lines.
+  again = tokenizer.sample_texts((f'line{i:05d}' for i in range(20_000)), 9_000, seed=0)
+  assert again == sample
+
+
+def test_vocabulary_learns_from_late_lines_of_a_large_corpus(tiny_config, tmp_path):
+  config = text_config(tiny_config, tmp_path, count=2000)
+  late = ['zyx wvu'] * 200  # Characters that occur only at the end of the corpus.
+  for key in ('train_src', 'train_tgt'):
+    with open(config.data[key], 'a', encoding='utf-8') as f:
+      f.write(''.join(line + '\n' for line in late))
+  config.data.vocab_sample_chars = 3000  # About a tenth of the corpus.
+  vocab = data.load_vocab(config, str(tmp_path))
+  assert tokenizer.UNK_ID not in vocab.encode(['zyx wvu'])[0]
+
+
+def test_token_cache_is_hit_and_keyed_by_data_and_vocab(tiny_config, tmp_path, caplog):
+  config = text_config(tiny_config, tmp_path)
+  workdir = str(tmp_path / 'work')
+  first, built = data.load_split(config, workdir, 'train')
+  assert built
+  with caplog.at_level('INFO'):
+    second, built = data.load_split(config, workdir, 'train')
+  assert not built and 'Token cache hit' in caplog.text
+  assert [list(s) for s in second.inputs] == [list(s) for s in first.inputs]
+  assert isinstance(second.inputs.tokens, np.memmap)  # Read from disk, not re-tokenised.
+  with open(config.data.train_src, 'a', encoding='utf-8') as f:
+    f.write('cat dog\n')
+  with open(config.data.train_tgt, 'a', encoding='utf-8') as f:
+    f.write('katze hund\n')
+  changed, built = data.load_split(config, workdir, 'train')
+  assert built and len(changed) == len(first) + 1
+  config.data.vocab_size = 36
+  config.data.vocab_path = str(tmp_path / 'other.model')
+  _, built = data.load_split(config, workdir, 'train')
+  assert built and len(os.listdir(os.path.join(workdir, 'tokens'))) == 3
+
+
+def test_failed_build_leaves_no_cache_entry(tiny_config, tmp_path):
+  config = text_config(tiny_config, tmp_path)
+  workdir = str(tmp_path / 'work')
+  vocab = data.load_vocab(config, workdir)
+  with open(config.data.train_src, 'a', encoding='utf-8') as f:
+    f.write('one more line\n')
+  with pytest.raises(data.DataError, match=r'train\.src has 201 lines but .*train\.tgt has 200'):
+    data.load_split(config, workdir, 'train', vocab)
+  assert os.listdir(os.path.join(workdir, 'tokens')) == []
+
+
+def test_skip_counts_are_logged_again_on_a_cache_hit(tiny_config, tmp_path, caplog):
+  config = text_config(tiny_config, tmp_path)
+  config.data.bad_lines = 'skip'
+  for key, bad in (('train_src', b'\xff oops\n'), ('train_tgt', b'\n')):
+    with open(config.data[key], 'ab') as f:
+      f.write(b'fine line\n' + bad)
+  with caplog.at_level('WARNING'):
+    task = data.load(config, str(tmp_path))
+  assert len(task.train) == 201 and 'skipped 1 of 202 pairs (1 undecodable)' in caplog.text
+  caplog.clear()
+  with caplog.at_level('WARNING'):
+    data.load(config, str(tmp_path))
+  assert '1 undecodable pairs were skipped when this cache entry was built' in caplog.text
+
+
+def test_tsv_source_and_its_bad_lines(tiny_config, tmp_path, caplog):
+  config = text_config(tiny_config, tmp_path)
+  for split in ('train', 'eval'):
+    with open(config.data[f'{split}_src']) as s, open(config.data[f'{split}_tgt']) as t:
+      lines = [f'{a.strip()}\t{b.strip()}' for a, b in zip(s, t)]
+    config.data[f'{split}_tsv'] = write_lines(tmp_path / f'{split}.tsv', lines)
+  config.data.source = 'tsv'
+  task = data.load(config, str(tmp_path / 'tsv'))
+  text = data.load(text_config(tiny_config, tmp_path), str(tmp_path / 'text'))
+  assert task.eval.sources == text.eval.sources and len(task.train) == len(text.train) == 200
+  with open(config.data.train_tsv, 'a', encoding='utf-8') as f:
+    f.write('no tab here\n')
+  config.data.source = 'tsv'
+  with pytest.raises(data.DataError, match=r'train\.tsv:201: 1 tab-separated fields, expected 2'):
+    data.load(config, str(tmp_path / 'tsv'))
+  config.data.bad_lines = 'skip'
+  with caplog.at_level('WARNING'):
+    assert len(data.load(config, str(tmp_path / 'tsv')).train) == 200
+  assert 'skipped 1 of 201 pairs (1 malformed)' in caplog.text
+
+
+def test_unknown_source_and_batching_are_refused(tiny_config, tmp_path):
+  tiny_config.data.source = 'csv'
+  with pytest.raises(ValueError, match="config.data.source must be .* got 'csv'"):
+    data.load(tiny_config, str(tmp_path))
+  tiny_config.data.source = 'synthetic'
+  tiny_config.data.batching = 'bins'
+  task = data.load(tiny_config, str(tmp_path))
+  with pytest.raises(ValueError, match="config.data.batching must be one of .* got 'bins'"):
+    data.make_batchers(tiny_config, task.train, task.eval, 1)
+
+
+def test_prepare_cli_builds_then_hits_the_cache(tiny_config, tmp_path):
+  config = text_config(tiny_config, tmp_path)
+  command = [sys.executable, '-m', 't2t_jax.prepare', '--config=configs/tiny.py',
+             '--config.data.source=text', f'--config.data.cache_dir={tmp_path / "cache"}',
+             '--config.data.vocab_size=40'] + [
+                 f'--config.data.{key}={config.data[key]}'
+                 for key in ('train_src', 'train_tgt', 'eval_src', 'eval_tgt')]
+  runs = []
+  for _ in range(2):
+    output = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=True,
+                            timeout=300, env=dict(os.environ, PYTHONPATH=ROOT)).stdout
+    runs.append([json.loads(line) for line in output.strip().splitlines()])
+  assert [(r['split'], r['pairs'], r['cache']) for r in runs[0]] == [('train', 200, 'built'),
+                                                                      ('eval', 20, 'built')]
+  assert [r['cache'] for r in runs[1]] == ['hit', 'hit']
+  assert (tmp_path / 'cache' / 'vocab.model').exists()
+  # Training with the same cache_dir finds everything ready.
+  config.data.cache_dir = str(tmp_path / 'cache')
+  task = data.load(config, str(tmp_path / 'run'))
+  assert task.vocab.path == str(tmp_path / 'cache' / 'vocab.model')
+  assert not (tmp_path / 'run').exists()

@@ -1,0 +1,204 @@
+"""Where translation pairs come from: parallel text files, TSV files or TFDS, read as streams.
+
+A `Source` names one split of one corpus. `read` yields stripped (source, target) text pairs
+one at a time, so a corpus of millions of lines is never held in memory; bad lines raise a
+`DataError` naming file and line, or are skipped and counted, per `config.data.bad_lines`.
+TensorFlow Datasets (and with it TensorFlow) is imported only when a TFDS source is read.
+"""
+
+import collections
+import dataclasses
+import itertools
+import os
+from typing import Callable, Iterable, Iterator
+
+from absl import logging
+
+SPLITS = ('train', 'eval', 'test')
+BAD_LINE_POLICIES = ('error', 'skip')
+
+
+class DataError(ValueError):
+  """Bad input data, with the file and line at fault."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+  """One split of one corpus: an identity for cache keys and a reader of text pairs."""
+  name: str  # For messages, e.g. 'train.en / train.de' or 'wmt14_translate/de-en[train]'.
+  key: dict  # JSON-able identity: changes whenever the pairs it yields could change.
+  reader: Callable[[collections.Counter], Iterator[tuple[str, str]]]
+
+  def read(self, skipped: collections.Counter | None = None) -> Iterator[tuple[str, str]]:
+    """Yields the pairs; counts skipped pairs by reason into `skipped` and logs them at the end."""
+    skipped = collections.Counter() if skipped is None else skipped
+    kept = 0
+    for pair in self.reader(skipped):
+      kept += 1
+      yield pair
+    if skipped:
+      logging.warning('%s: skipped %d of %d pairs (%s)', self.name, sum(skipped.values()),
+                      kept + sum(skipped.values()), describe(skipped))
+
+
+def describe(skipped) -> str:
+  """'1 empty, 2 undecodable': skip counts by reason."""
+  return ', '.join(f'{count} {reason}' for reason, count in sorted(skipped.items()))
+
+
+def _clean(raw: bytes, where: str, bad_lines: str, skipped: collections.Counter) -> str | None:
+  """The stripped text of `raw`, or None (counted) if it is undecodable or empty and skipped."""
+  try:
+    text = raw.decode('utf-8').strip()
+  except UnicodeDecodeError as e:
+    problem, reason = f'{where}: not valid UTF-8 (byte {e.start})', 'undecodable'
+  else:
+    if text:
+      return ' '.join(text.splitlines())  # A pair stays on one line in the cache.
+    problem, reason = f'{where}: empty line', 'empty'
+  if bad_lines == 'error':
+    raise DataError(f"{problem}. Fix the data or set config.data.bad_lines='skip'.")
+  skipped[reason] += 1
+  return None
+
+
+def _pairs(raw_pairs: Iterable[tuple[bytes, bytes, str, str]], bad_lines: str,
+           skipped: collections.Counter) -> Iterator[tuple[str, str]]:
+  """Cleans (source bytes, target bytes, source place, target place); skips bad pairs."""
+  for raw_source, raw_target, source_where, target_where in raw_pairs:
+    source = _clean(raw_source, source_where, bad_lines, skipped)
+    target = None if source is None else _clean(raw_target, target_where, bad_lines, skipped)
+    if target is not None:
+      yield source, target
+
+
+def _file_key(path: str) -> dict:
+  try:
+    stat = os.stat(path)
+  except OSError as e:
+    raise DataError(f'cannot read {path}: {e.strerror}') from None
+  return {'path': os.path.abspath(path), 'bytes': stat.st_size, 'mtime_ns': stat.st_mtime_ns}
+
+
+def _open(path: str):
+  try:
+    return open(path, 'rb')
+  except OSError as e:
+    raise DataError(f'cannot read {path}: {e.strerror}') from None
+
+
+def parallel_text(source_path: str, target_path: str, bad_lines: str) -> Source:
+  """Two line-aligned files; files of different line counts are refused, naming both."""
+  for path in (source_path, target_path):
+    if not path:
+      raise DataError('a text data path is empty: set config.data.train_src, train_tgt, '
+                      'eval_src and eval_tgt')
+
+  def reader(skipped):
+    with _open(source_path) as sources, _open(target_path) as targets:
+      def raw_pairs():
+        for number, (source, target) in enumerate(itertools.zip_longest(sources, targets),
+                                                  start=1):
+          if source is None or target is None:
+            source_lines = number - (source is None) + sum(1 for _ in sources)
+            target_lines = number - (target is None) + sum(1 for _ in targets)
+            raise DataError(
+                f'{source_path} has {source_lines} lines but {target_path} has {target_lines}: '
+                'line N of one must be the translation of line N of the other.')
+          yield source, target, f'{source_path}:{number}', f'{target_path}:{number}'
+      yield from _pairs(raw_pairs(), bad_lines, skipped)
+
+  return Source(f'{source_path} / {target_path}',
+                {'kind': 'text', 'files': [_file_key(source_path), _file_key(target_path)],
+                 'bad_lines': bad_lines}, reader)
+
+
+def tsv(path: str, bad_lines: str) -> Source:
+  """One file of `source<TAB>target` lines; a line without exactly one tab is a bad line."""
+  if not path:
+    raise DataError('a TSV data path is empty: set config.data.train_tsv and eval_tsv')
+
+  def reader(skipped):
+    def raw_pairs():
+      with _open(path) as f:
+        for number, line in enumerate(f, start=1):
+          fields = line.rstrip(b'\r\n').split(b'\t')
+          if len(fields) != 2:
+            if bad_lines == 'error':
+              raise DataError(f'{path}:{number}: {len(fields)} tab-separated fields, expected 2 '
+                              "(source, target). Fix the file or set "
+                              "config.data.bad_lines='skip'.")
+            skipped['malformed'] += 1
+            continue
+          yield fields[0], fields[1], f'{path}:{number} (source)', f'{path}:{number} (target)'
+    yield from _pairs(raw_pairs(), bad_lines, skipped)
+
+  return Source(path, {'kind': 'tsv', 'file': _file_key(path), 'bad_lines': bad_lines}, reader)
+
+
+def _tfds_split_name(data_config, split: str) -> tuple[str, str]:
+  """(dataset name, TFDS split) of one of our splits."""
+  name = data_config.tfds_name
+  if split == 'train':
+    return name, data_config.tfds_train_split
+  name = data_config.tfds_eval_name or name
+  return name, {'eval': data_config.tfds_eval_split, 'test': data_config.tfds_test_split}[split]
+
+
+def tfds_split(data_config, split: str) -> Source:
+  """One split of a TFDS translation dataset (e.g. wmt14_translate/de-en), in either direction."""
+  name, tfds_split_name = _tfds_split_name(data_config, split)
+  source_lang, target_lang = data_config.source_lang, data_config.target_lang
+  data_dir = data_config.tfds_data_dir or None
+  key = {'kind': 'tfds', 'name': name, 'split': tfds_split_name, 'data_dir': data_dir or '',
+         'source_lang': source_lang, 'target_lang': target_lang,
+         'bad_lines': data_config.bad_lines}
+  where = f'{name}[{tfds_split_name}]'
+
+  def reader(skipped):
+    tfds = _import_tfds()
+    builder = tfds.builder(name, data_dir=data_dir)
+    builder.download_and_prepare(download_config=tfds.download.DownloadConfig(
+        manual_dir=data_config.tfds_manual_dir or None))
+    languages = set(builder.info.features.keys()) if builder.info.features else set()
+    if languages and {source_lang, target_lang} - languages:
+      raise DataError(f'{where} has languages {sorted(languages)}; config.data.source_lang='
+                      f'{source_lang!r} and target_lang={target_lang!r} must be among them')
+    dataset = builder.as_dataset(split=tfds_split_name, shuffle_files=False)
+    raw_pairs = ((example[source_lang], example[target_lang], f'{where} example {number} '
+                  f'({source_lang})', f'{where} example {number} ({target_lang})')
+                 for number, example in enumerate(tfds.as_numpy(dataset)))
+    yield from _pairs(raw_pairs, data_config.bad_lines, skipped)
+
+  return Source(where, key, reader)
+
+
+def _import_tfds():
+  try:
+    import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    raise DataError("config.data.source='tfds' needs TensorFlow Datasets: "
+                    "pip install 't2t_jax[tfds]'") from None
+  return tfds
+
+
+def open_split(data_config, split: str) -> Source:
+  """The source of `split` ('train', 'eval' or 'test') named by `config.data`."""
+  if data_config.bad_lines not in BAD_LINE_POLICIES:
+    raise ValueError(f'config.data.bad_lines must be one of {BAD_LINE_POLICIES}, '
+                     f'got {data_config.bad_lines!r}')
+  if split not in SPLITS:
+    raise ValueError(f'split must be one of {SPLITS}, got {split!r}')
+  kind = data_config.source
+  if kind == 'tfds':
+    return tfds_split(data_config, split)
+  if split == 'test':
+    raise DataError(f"config.data.source={kind!r} has no test split; evaluate a test set "
+                    'by pointing the eval files at it')
+  if kind == 'text':
+    return parallel_text(data_config[f'{split}_src'], data_config[f'{split}_tgt'],
+                         data_config.bad_lines)
+  if kind == 'tsv':
+    return tsv(data_config[f'{split}_tsv'], data_config.bad_lines)
+  raise ValueError(f"config.data.source must be 'synthetic', 'text', 'tsv' or 'tfds', "
+                   f'got {kind!r}')

@@ -1,0 +1,189 @@
+"""Batch plans: coverage per epoch across processes, packing, exact resume, packed attention."""
+
+import jax
+import numpy as np
+import pytest
+
+from t2t_jax import batching
+from t2t_jax import data
+from t2t_jax.model import Transformer, TransformerConfig
+
+
+def _split(count=300, longest=30, seed=0):
+  """Pairs whose first token is the example's index + 2, so every row names its example."""
+  rng = np.random.default_rng(seed)
+  inputs, targets = [], []
+  for index in range(count):
+    body = rng.integers(2, 50, rng.integers(0, longest - 1))
+    inputs.append(np.array([index + 2, *body, 1], np.int32))
+    targets.append(np.array([index + 2, *rng.integers(2, 50, rng.integers(0, longest - 1)), 1],
+                            np.int32))
+  return data.Split(inputs, targets, [], [])
+
+
+def _batchers(mode, split, process_index=0, process_count=1, row_multiple=4, seed=5):
+  if mode == 'buckets':
+    return data.TokenBudgetBatches(split, 512, data.bucket_boundaries(32, 8, 1.5), row_multiple,
+                                   shuffle=True, seed=seed, process_index=process_index,
+                                   process_count=process_count)
+  return data.PackedBatches(split, 512, 32, row_multiple, shuffle=True, seed=seed,
+                            process_index=process_index, process_count=process_count)
+
+
+def _first_tokens(batch):
+  """Example indices in a batch, read from the tokens themselves (segment starts)."""
+  if 'inputs_positions' in batch:
+    starts = (batch['inputs_positions'] == 0) & (batch['inputs_segments'] > 0)
+  else:
+    starts = np.zeros_like(batch['inputs'], bool)
+    starts[:, 0] = batch['inputs'][:, 0] > 0
+  return sorted((batch['inputs'][starts] - 2).tolist())
+
+
+@pytest.mark.parametrize('mode', batching.BATCHING_MODES)
+@pytest.mark.parametrize('process_count', [2, 4])
+def test_processes_read_disjoint_parts_and_together_every_example_once(mode, process_count):
+  split = _split()
+  whole = _batchers(mode, split)
+  shards = [_batchers(mode, split, p, process_count) for p in range(process_count)]
+  for epoch in (0, 1):
+    seen = []
+    for position in range(whole.epoch_length(epoch)):
+      local = [shard.get(epoch, position) for shard in shards]
+      per_process = [_first_tokens(batch) for batch in local]
+      assert per_process == [sorted(s.examples(epoch, position).tolist()) for s in shards]
+      seen += [index for indices in per_process for index in indices]
+      # The processes' rows, stacked, are exactly the single-process global batch.
+      global_batch = whole.get(epoch, position)
+      for key, value in global_batch.items():
+        np.testing.assert_array_equal(np.concatenate([b[key] for b in local]), value)
+    assert sorted(seen) == list(range(len(split)))  # Each example exactly once per epoch.
+  assert [s.signature() for s in shards] == [whole.signature()] * process_count
+
+
+def test_process_count_must_divide_rows():
+  with pytest.raises(ValueError, match='3 processes cannot split batches whose row counts are '
+                     'multiples of 4'):
+    _batchers('buckets', _split(), 0, 3)
+
+
+def test_packed_rows_hold_whole_examples_with_segments_and_positions():
+  split = _split(count=200, longest=12)
+  batches = _batchers('packed', split)
+  packed_examples, used_rows = 0, 0
+  for position in range(batches.epoch_length(0)):
+    batch = batches.get(0, position)
+    assert batch['inputs'].shape == (16, 32)  # 512 tokens / 32 per row.
+    used_rows += int((batch['inputs'][:, 0] > 0).sum())
+    for row in range(16):
+      for side in ('inputs', 'targets'):
+        segments = batch[f'{side}_segments'][row]
+        ids = batch[side][row]
+        assert ((segments > 0) == (ids > 0)).all()
+        for segment in range(1, segments.max() + 1):
+          columns = np.flatnonzero(segments == segment)
+          assert (np.diff(columns) == 1).all()  # Contiguous, in order.
+          np.testing.assert_array_equal(batch[f'{side}_positions'][row, columns],
+                                        np.arange(len(columns)))
+          example = ids[columns[0]] - 2
+          np.testing.assert_array_equal(ids[columns], getattr(split, side)[example])
+          packed_examples += side == 'inputs'
+  assert packed_examples == len(split)
+  fewest_rows = np.ceil(max(split.inputs.lengths.sum(), split.targets.lengths.sum()) / 32)
+  assert fewest_rows <= used_rows <= 1.1 * fewest_rows  # One pair per row would need 200.
+  assert batches.epoch_length(0) == np.ceil(used_rows / 16)  # Only the last batch has empty rows.
+
+
+def test_packing_is_deterministic_and_reshuffled_each_epoch():
+  split = _split()
+  one, two = _batchers('packed', split), _batchers('packed', split)
+  np.testing.assert_array_equal(one.plan(1)[0], two.plan(1)[0])
+  assert not np.array_equal(one.plan(0)[0], one.plan(1)[0])
+
+
+def test_pairs_longer_than_a_packed_row_are_refused():
+  with pytest.raises(ValueError, match='config.data.pack_length must be at least'):
+    data.PackedBatches(_split(longest=40), 512, 32, 4, shuffle=True, seed=0)
+
+
+@pytest.mark.parametrize('mode', batching.BATCHING_MODES)
+def test_resume_after_n_batches_yields_the_same_next_batches(mode):
+  split = _split(count=120)
+  batches = _batchers(mode, split)
+  iterator = data.train_iterator(batches)
+  for _ in range(batches.epoch_length(0) - 2):
+    next(iterator)
+  state = iterator.get_state()
+  expected = [next(iterator) for _ in range(5)]  # Crosses into epoch 1.
+  assert iterator.get_state()['epoch'] == 1
+  # A new iterator (as after a restart), and one with the rows split over two processes.
+  resumed = data.train_iterator(_batchers(mode, split))
+  resumed.set_state(state)
+  halves = [data.train_iterator(_batchers(mode, split, p, 2)) for p in range(2)]
+  for half in halves:
+    half.set_state(state)
+  for want in expected:
+    got = next(resumed)
+    split_rows = [next(half) for half in halves]
+    for key in want:
+      np.testing.assert_array_equal(got[key], want[key])
+      np.testing.assert_array_equal(np.concatenate([b[key] for b in split_rows]), want[key])
+
+
+def test_resume_from_another_plan_is_refused():
+  iterator = data.train_iterator(_batchers('buckets', _split()))
+  next(iterator)
+  state = iterator.get_state()
+  other = data.train_iterator(_batchers('buckets', _split(), seed=6))
+  with pytest.raises(data.DataError, match='another global plan'):
+    other.set_state(state)
+  with pytest.raises(data.DataError, match='another format'):
+    other.set_state({'next_index': 3})
+
+
+def test_packed_segments_never_attend_to_each_other():
+  """Packed logits equal each example's own logits, and perturbing one leaves the other."""
+  config = TransformerConfig(vocab_size=60, d_model=32, d_ff=64, num_heads=2,
+                             num_encoder_layers=1, num_decoder_layers=1, max_len=32,
+                             deterministic=True)
+  model = Transformer(config)
+  rng = np.random.default_rng(0)
+  first = (rng.integers(2, 60, 7), rng.integers(2, 60, 6))
+  second = (rng.integers(2, 60, 9), rng.integers(2, 60, 11))
+  split = data.Split([first[0], second[0]], [first[1], second[1]], [], [])
+  batches = data.PackedBatches(split, 32, 32, 1, shuffle=False, seed=0)
+  batch = batches.get(0, 0)
+  assert batch['inputs_segments'].max() == 2 and batch['inputs'].shape == (1, 32)
+  keys = ('inputs', 'targets', 'inputs_positions', 'targets_positions', 'inputs_segments',
+          'targets_segments')
+  params = {'params': model.init(jax.random.PRNGKey(0), batch['inputs'],
+                                batch['targets'])['params']}
+  apply = jax.jit(model.apply)
+  logits = lambda b: np.asarray(apply(params, *(b[k] for k in keys)))
+  packed = logits(batch)
+  segments = batch['targets_segments'][0]
+  for segment, (source, target) in enumerate((first, second), start=1):
+    alone = apply(params, source[None], target[None])
+    np.testing.assert_allclose(packed[0, segments == segment], alone[0], atol=1e-5)
+  changed = {k: v.copy() for k, v in batch.items()}
+  for side in ('inputs', 'targets'):
+    where = changed[f'{side}_segments'] == 2
+    changed[side][where] = (changed[side][where] + 7) % 58 + 2
+  other = logits(changed)
+  np.testing.assert_allclose(other[0, segments == 1], packed[0, segments == 1], atol=1e-5)
+  assert np.abs(other[0, segments == 2] - packed[0, segments == 2]).max() > 1e-3
+
+
+def test_packed_training_runs_and_resumes(tiny_config, tmp_path):
+  from t2t_jax import train  # pylint: disable=g-import-not-at-top
+  tiny_config.data.batching = 'packed'
+  tiny_config.data.pack_length = 32
+  tiny_config.train.num_steps = 4
+  tiny_config.train.eval_every = 4
+  tiny_config.ckpt.every = 2
+  tiny_config.eval.bleu_sentences = 0
+  assert train.dry_run(tiny_config)['batch_shape'] == [8, 32]
+  results = train.train_and_evaluate(tiny_config, str(tmp_path))
+  assert results['step'] == 4 and np.isfinite(results['eval_loss'])
+  tiny_config.train.num_steps = 6
+  assert train.train_and_evaluate(tiny_config, str(tmp_path))['step'] == 6
