@@ -85,6 +85,7 @@ class Checkpointer:
     self.manager = ocp.CheckpointManager(self.directory, options=options,
                                          item_handlers=_handlers())
     self._in_flight = None  # Step of the asynchronous save not yet known to have finished.
+    self._last_attempt = None
     self.failed_steps = []
 
   def should_save(self, step: int) -> bool:
@@ -100,6 +101,7 @@ class Checkpointer:
     leaves the previous checkpoint intact; training goes on and the next save tries again.
     """
     self._wait()
+    self._last_attempt = step
     try:
       self.manager.save(step, args=ocp.args.Composite(**{
           STATE: ocp.args.StandardSave(state),
@@ -195,10 +197,9 @@ class Checkpointer:
 
   def close(self) -> None:
     """Waits for the save in flight; raises CheckpointError if it (the last save) failed."""
-    failed_before = len(self.failed_steps)
     self._wait()
     self.manager.close()
-    if len(self.failed_steps) > failed_before:
+    if self.failed_steps and self.failed_steps[-1] == self._last_attempt:
       raise CheckpointError(
           f'the final checkpoint (step {self.failed_steps[-1]}) could not be written to '
           f'{self.directory}; the newest intact one is step {self.manager.latest_step()}. Fix '
@@ -378,21 +379,22 @@ def restore_params(workdir: str, abstract_params, checkpoint: str | None = None)
 
 
 def average(trees: list):
-  """Elementwise mean of parameter trees, summed in float32, in the first tree's dtypes."""
+  """Elementwise mean of parameter trees (numpy or jax), summed in float32, in the first
+  tree's dtypes."""
   if not trees:
     raise ValueError('no checkpoints to average')
-  add = jax.jit(lambda total, tree: jax.tree.map(
-      lambda t, x: t + x.astype(np.float32), total, tree))
   total = jax.tree.map(lambda x: x.astype(np.float32), trees[0])
   for tree in trees[1:]:
-    total = add(total, tree) if not _is_numpy(tree) else jax.tree.map(
-        lambda t, x: t + x.astype(np.float32), total, tree)
+    total = jax.tree.map(lambda t, x: t + x.astype(np.float32), total, tree)
   return jax.tree.map(lambda t, x: (t / np.float32(len(trees))).astype(x.dtype), total,
                       trees[0])
 
 
-def _is_numpy(tree) -> bool:
-  return all(isinstance(x, np.ndarray) for x in jax.tree.leaves(tree))
+def cast(params, dtype: str):
+  """Floating-point leaves cast to `dtype` ('float32' or 'bfloat16'); others unchanged."""
+  target = jax.numpy.dtype(dtype)
+  return jax.tree.map(lambda x: x.astype(target) if jax.numpy.issubdtype(
+      x.dtype, jax.numpy.floating) else x, params)
 
 
 def write_params(path: str, params, config_json: str, info: dict) -> str:
