@@ -76,7 +76,7 @@ def get_config():
   ckpt.every = 1000  # Steps between checkpoints (the last step is always saved); 0 disables.
   ckpt.keep = 5  # Most recent checkpoints kept.
   ckpt.keep_every = 0  # Also keep every checkpoint whose step is a multiple of this; 0: none.
-  ckpt.preemption_grace_seconds = 25  # After SIGTERM: save, then exit within this many seconds.
+  ckpt.preemption_grace_seconds = 25.0  # After SIGTERM: save, then exit within this many seconds.
   ckpt.init_from = ''  # Fresh runs start from these params (a step or averaged/exported dir).
 
   mesh = config.mesh = ml_collections.ConfigDict()

@@ -306,12 +306,14 @@ def test_kill9_twice_then_resume_equals_an_uninterrupted_run(tmp_path):
                  capture_output=True, timeout=300)
   first, second = random.randint(4, 10), random.randint(14, 20)
   interrupted = tmp_path / 'interrupted'
-  for kill_at in (first, second):
-    rc, log, _ = _run_until(_command(interrupted, *steps), kill_at)
-    assert rc == -signal.SIGKILL, log[-3000:]
-  rc, log, _ = _run_until(_command(interrupted, *steps), 10**9)
-  assert rc == 0, log[-3000:]
-  assert re.search(r'Training from step (1[2-9]|2[01]) to 24', log), (first, second, log[-3000:])
+  starts = []
+  for kill_at in (first, second, None):
+    rc, log, _ = _run_until(_command(interrupted, *steps), kill_at or 10**9)
+    assert rc == (0 if kill_at is None else -signal.SIGKILL), log[-3000:]
+    starts.append(int(re.search(r'Training from step (\d+) to 24', log).group(1)))
+  # Each launch resumed from a checkpoint the previous one wrote (every 3 steps).
+  assert starts[0] == 0 and 0 < starts[1] <= first and starts[1] < starts[2] <= second, (
+      first, second, starts)
 
   for step in (24,) + tuple(s for s in range(3, 24, 3) if s > second):
     a, b = (checkpoint.Checkpointer(str(w), _config().ckpt).manager for w in
