@@ -41,11 +41,14 @@ def _config():
 
 @pytest.fixture(scope='module')
 def trained(tmp_path_factory):
-  """A tiny run to step 20 with checkpoints at 5, 10, 15, 20; and its built model."""
+  """A tiny run to step 20 with checkpoints at 5, 10, 15, 20, evaluating the average of the
+  last 3 at the end; its workdir, config, built model and final figures."""
   workdir = str(tmp_path_factory.mktemp('trained'))
   config = _config()
-  train.train_and_evaluate(config, workdir)
-  return workdir, config, train.build(config, data.vocab_size(config))
+  config.eval.average_last = 3
+  results = train.train_and_evaluate(config, workdir)
+  config.eval.average_last = 0
+  return workdir, config, train.build(config, data.vocab_size(config)), results
 
 
 def _copy(workdir, tmp_path):
@@ -83,13 +86,14 @@ def test_keeps_last_k_and_every_mth(tmp_path):
 
 
 def test_checkpoint_holds_state_rng_data_position_and_config(trained):
-  workdir, config, setup = trained
+  workdir, config, setup, _ = trained
   restored = checkpoint.Checkpointer(workdir, config.ckpt).restore(setup.abstract_state, config)
   assert restored.step == 20 and int(restored.state.step) == 20
   expected_rng = jax.random.split(jax.random.PRNGKey(config.seed))[1]
   assert np.array_equal(np.asarray(restored.rng), np.asarray(expected_rng))
   assert restored.data_state['next_index'] == 20  # One batch consumed per step.
-  assert checkpoint.config_differences(restored.config_json, config) == {}
+  assert checkpoint.config_differences(restored.config_json, config) == {
+      'eval.average_last': (3, 0)}  # The fixture resets it after training.
   assert _leaves_equal(restored.state.params, _numpy_params(f'{workdir}/checkpoints/20'))
 
 
@@ -98,7 +102,7 @@ def test_checkpoint_holds_state_rng_data_position_and_config(trained):
                                              ('remove', 'state/manifest.ocdbt')])
 def test_damaged_latest_checkpoint_falls_back_with_warning(trained, tmp_path, caplog, damage,
                                                            pattern):
-  workdir, config, setup = trained
+  workdir, config, setup, _ = trained
   workdir = _copy(workdir, tmp_path)
   (path,) = glob.glob(f'{workdir}/checkpoints/20/{pattern}')
   if damage == 'truncate':
@@ -123,7 +127,7 @@ def test_damaged_latest_checkpoint_falls_back_with_warning(trained, tmp_path, ca
 
 
 def test_all_checkpoints_damaged_is_an_error_not_a_fresh_start(trained, tmp_path):
-  workdir, config, setup = trained
+  workdir, config, setup, _ = trained
   workdir = _copy(workdir, tmp_path)
   for path in glob.glob(f'{workdir}/checkpoints/*/state/_METADATA'):
     os.remove(path)
@@ -133,7 +137,7 @@ def test_all_checkpoints_damaged_is_an_error_not_a_fresh_start(trained, tmp_path
 
 
 def test_shape_changing_config_is_refused_and_harmless_change_logged(trained, caplog):
-  workdir, config, setup = trained
+  workdir, config, setup, _ = trained
   bigger = _config()
   bigger.model.d_ff = 128
   bigger_setup = train.build(bigger, data.vocab_size(bigger))
@@ -146,7 +150,8 @@ def test_shape_changing_config_is_refused_and_harmless_change_logged(trained, ca
   restored = checkpoint.Checkpointer(workdir, config.ckpt).restore(setup.abstract_state, longer)
   assert restored.step == 20
   messages = _absl_messages(caplog)
-  assert 'changed settings: train.log_every: 5 -> 2; train.num_steps: 20 -> 40' in messages
+  assert ('changed settings: eval.average_last: 3 -> 0; train.log_every: 5 -> 2; '
+          'train.num_steps: 20 -> 40') in messages
   assert 'differ from an uninterrupted run: opt.lr_scale: 2.0 -> 1.0' in messages
 
 
@@ -205,7 +210,7 @@ def test_averaged_params_equal_the_numpy_mean(trained, averaged):
 
 
 def test_averaged_checkpoint_loads_translates_and_starts_training(trained, averaged, tmp_path):
-  workdir, config, setup = trained
+  workdir, config, setup, _ = trained
   params = checkpoint.restore_params(workdir, setup.abstract_state.params, averaged)
   assert _leaves_equal(params, checkpoint.load_params(averaged))
   assert jax.tree.leaves(params)[0].sharding == jax.tree.leaves(
@@ -226,7 +231,7 @@ def test_averaged_checkpoint_loads_translates_and_starts_training(trained, avera
 
 
 def test_restore_params_by_step_and_its_errors(trained, tmp_path):
-  workdir, _, setup = trained
+  workdir, _, setup, _ = trained
   params = checkpoint.restore_params(workdir, setup.abstract_state.params, '10')
   assert _leaves_equal(params, _numpy_params(f'{workdir}/checkpoints/10'))
   latest = checkpoint.restore_params(workdir, setup.abstract_state.params)
@@ -245,7 +250,7 @@ def test_restore_params_by_step_and_its_errors(trained, tmp_path):
 
 
 def test_bf16_export_holds_only_cast_params(trained):
-  workdir, _, setup = trained
+  workdir, _, setup, _ = trained
   path = export.export(workdir, '20', 'bfloat16')
   assert path == os.path.join(workdir, 'export', '20_bfloat16')
   assert sorted(os.listdir(path)) == sorted(
@@ -257,6 +262,22 @@ def test_bf16_export_holds_only_cast_params(trained):
     assert np.array_equal(got, want.astype(jnp.bfloat16))
   as_float32 = checkpoint.restore_params(workdir, setup.abstract_state.params, path)
   assert jax.tree.leaves(as_float32)[0].dtype == jnp.float32
+
+
+def test_training_evaluates_the_average_of_the_last_checkpoints(trained):
+  workdir, config, setup, results = trained
+  for name in ('eval_loss', 'bleu', 'exact_match'):
+    assert f'averaged_{name}' in results and np.isfinite(results[f'averaged_{name}'])
+  # Independently: the eval loss of the numpy mean of steps 10, 15 and 20.
+  inputs = [_numpy_params(f'{workdir}/checkpoints/{step}') for step in (10, 15, 20)]
+  mean = jax.tree.map(lambda *xs: np.mean(np.stack(xs), 0), *inputs)
+  config = _config()
+  config.eval.bleu_sentences = 0
+  task = data.load(config, '')
+  _, eval_batches = train._batchers(config, task, setup.mesh)  # pylint: disable=protected-access
+  expected = train.run_evaluation(setup, mean, task, eval_batches, config, None)
+  np.testing.assert_allclose(results['averaged_eval_loss'], expected['eval_loss'], rtol=1e-5)
+  assert results['averaged_eval_loss'] != results['eval_loss']
 
 
 def test_readme_snippet_restores_params_with_plain_orbax(trained):
