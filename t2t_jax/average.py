@@ -76,8 +76,11 @@ def main(argv):
   args = flags.FLAGS
   if not args.workdir:
     raise app.UsageError('--workdir is required')
-  steps = choose_steps(available_steps(args.workdir), args.last, args.steps)
-  print(average_checkpoints(args.workdir, steps, args.output, args.dtype), flush=True)
+  try:
+    steps = choose_steps(available_steps(args.workdir), args.last, args.steps)
+    print(average_checkpoints(args.workdir, steps, args.output, args.dtype), flush=True)
+  except checkpoint.CheckpointError as e:
+    raise SystemExit(f'error: {e}') from None  # A clear line, not a traceback.
 
 
 if __name__ == '__main__':

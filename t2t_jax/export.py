@@ -43,7 +43,10 @@ def main(argv):
   args = flags.FLAGS
   if not args.workdir:
     raise app.UsageError('--workdir is required')
-  print(export(args.workdir, args.checkpoint, args.dtype, args.output), flush=True)
+  try:
+    print(export(args.workdir, args.checkpoint, args.dtype, args.output), flush=True)
+  except checkpoint.CheckpointError as e:
+    raise SystemExit(f'error: {e}') from None  # A clear line, not a traceback.
 
 
 if __name__ == '__main__':

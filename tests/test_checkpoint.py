@@ -111,6 +111,8 @@ def test_damaged_latest_checkpoint_falls_back_with_warning(trained, tmp_path, ca
   else:
     os.remove(path)
   caplog.set_level(std_logging.WARNING)
+  params = checkpoint.restore_params(str(workdir), setup.abstract_state.params)  # translate's way
+  assert _leaves_equal(params, _numpy_params(f'{workdir}/checkpoints/15'))
   restored = checkpoint.Checkpointer(workdir, config.ckpt).restore(setup.abstract_state, config)
   assert restored.step == 15 and restored.data_state['next_index'] == 15
   messages = _absl_messages(caplog)
