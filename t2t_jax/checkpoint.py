@@ -248,13 +248,17 @@ def _saved_metadata(item_path: str):
   return metadata.tree if hasattr(metadata, 'tree') else metadata
 
 
+def _format(shape_dtype) -> str:
+  return 'nothing' if shape_dtype is None else f'{shape_dtype[1].name}{list(shape_dtype[0])}'
+
+
 def check_compatible(path: str, saved_tree: dict, abstract_state, saved_config_json: str,
                      config) -> None:
   """Refuses a checkpoint whose arrays the config cannot hold; logs other config changes."""
   differences = config_differences(saved_config_json, config)
   expected = _shapes(abstract_state)
-  mismatched = [f'{key}: saved {saved_tree.get(key, "nothing")}, config gives '
-                f'{expected.get(key, "nothing")}'
+  mismatched = [f'{key}: saved {_format(saved_tree.get(key))}, config gives '
+                f'{_format(expected.get(key))}'
                 for key in sorted(set(saved_tree) | set(expected))
                 if saved_tree.get(key) != expected.get(key)]
   listed = '; '.join(f'{key}: {old!r} -> {new!r}' for key, (old, new) in differences.items())

@@ -45,9 +45,11 @@ def main(argv):
   if not _WORKDIR.value:
     raise app.UsageError('--workdir is required to train')
   logging.info('JAX devices: %s', jax.devices())
-  from t2t_jax import preemption  # pylint: disable=g-import-not-at-top
+  from t2t_jax import checkpoint, preemption  # pylint: disable=g-import-not-at-top
   try:
     results = train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+  except checkpoint.CheckpointError as e:
+    sys.exit(f'error: {e}')  # Says which checkpoint and what to do; no traceback needed.
   except preemption.Preempted as e:
     logging.warning('%s', e)
     logging.flush()
