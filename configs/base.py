@@ -84,10 +84,14 @@ def get_config():
   evaluation.alpha = 0.6  # Length penalty exponent: ((5 + len) / 6) ** alpha.
   evaluation.max_extra_len = 50  # Longest output = source length + this (capped by model.max_len).
   evaluation.examples_to_print = 3  # Example translations logged after each evaluation.
+  evaluation.average_last = 0  # Also evaluate the mean of the last N checkpoints; 0: off.
 
   ckpt = config.ckpt = ml_collections.ConfigDict()
   ckpt.every = 1000  # Steps between checkpoints (the last step is always saved); 0 disables.
   ckpt.keep = 5  # Most recent checkpoints kept.
+  ckpt.keep_every = 0  # Also keep every checkpoint whose step is a multiple of this; 0: none.
+  ckpt.preemption_grace_seconds = 25.0  # After SIGTERM: save, then exit within this many seconds.
+  ckpt.init_from = ''  # Fresh runs start from these params (a step or averaged/exported dir).
 
   mesh = config.mesh = ml_collections.ConfigDict()
   mesh.shape = (-1, 1, 1)  # Devices along ('data', 'fsdp', 'tensor'); -1 takes what is left.

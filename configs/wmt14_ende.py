@@ -36,6 +36,8 @@ def get_config(variant='base'):
   config.eval.alpha = 0.6
   config.eval.max_extra_len = 50
   config.eval.bleu_sentences = 3000
+  config.eval.average_last = 5 if variant == 'base' else 20  # As the paper evaluated.
+  config.ckpt.keep = config.eval.average_last
   if variant == 'big':
     config.model.d_model = 1024
     config.model.d_ff = 4096

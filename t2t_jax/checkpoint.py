@@ -1,45 +1,420 @@
-"""Orbax checkpoints of the train state, the data iterator position and the config."""
+"""Orbax checkpoints: async saves, exact resume, damaged-checkpoint fallback, params-only files.
 
+A training checkpoint is `<workdir>/checkpoints/<step>/` with four orbax items:
+`state` (TrainState: step, params, opt_state), `rng` (the dropout key), `data` (the grain
+iterator state, JSON) and `config` (the resolved config, JSON). A params-only checkpoint
+(averaged or exported) is a directory with the items `params`, `config` and `info`.
+"""
+
+import dataclasses
+import errno
+import json
 import os
+import shutil
+import time
+from typing import Any
 
 from absl import logging
+import jax
+from jax.experimental import multihost_utils
+import ml_collections
+import numpy as np
 import orbax.checkpoint as ocp
+from orbax.checkpoint import checkpoint_managers
+
+STATE, RNG, DATA, CONFIG = 'state', 'rng', 'data', 'config'
+PARAMS, INFO = 'params', 'info'
+# Config keys whose change on resume cannot alter the trained parameters' values.
+HARMLESS_PREFIXES = ('name', 'train.', 'eval.', 'ckpt.')
+
+
+class CheckpointError(RuntimeError):
+  """A checkpoint that cannot be used, naming it and saying what to do."""
+
+
+@dataclasses.dataclass
+class Restored:
+  """What a training checkpoint holds."""
+  step: int
+  state: Any
+  rng: jax.Array
+  data_state: dict
+  config_json: str
+
+
+def _handlers() -> dict:
+  return {STATE: ocp.StandardCheckpointHandler(), RNG: ocp.StandardCheckpointHandler(),
+          DATA: ocp.JsonCheckpointHandler(), CONFIG: ocp.JsonCheckpointHandler()}
+
+
+def _key_data(rng: jax.Array) -> jax.Array:
+  """The raw uint32 words of a key, typed (jax.random.key) or not (jax.random.PRNGKey)."""
+  return jax.random.key_data(rng) if jax.dtypes.issubdtype(rng.dtype,
+                                                            jax.dtypes.prng_key) else rng
+
+
+def _all_processes_agree(ok: bool) -> bool:
+  """True only if `ok` holds on every process (a collective in multi-process runs)."""
+  if jax.process_count() == 1:
+    return ok
+  return bool(np.all(multihost_utils.process_allgather(np.array(ok))))
+
+
+def _describe(error: BaseException) -> str:
+  text = str(error).strip().splitlines()
+  return f'{type(error).__name__}: {text[0] if text else ""}'[:300]
 
 
 class Checkpointer:
-  """Saves every `every` steps (and on demand), keeps the last `keep`, restores the latest."""
+  """Saves asynchronously every `ckpt.every` steps; keeps the last `ckpt.keep` and every
+  `ckpt.keep_every`-th; restores the newest intact checkpoint."""
 
-  def __init__(self, workdir: str, ckpt_config):
-    self.directory = os.path.join(os.path.abspath(workdir), 'checkpoints')
+  def __init__(self, workdir: str, ckpt_config, average_last: int = 0):
+    self.workdir = os.path.abspath(workdir)
+    self.directory = os.path.join(self.workdir, 'checkpoints')
     self.every = ckpt_config.every
-    self.manager = ocp.CheckpointManager(
-        self.directory,
-        options=ocp.CheckpointManagerOptions(max_to_keep=ckpt_config.keep, create=True,
-                                             enable_async_checkpointing=True))
+    if ckpt_config.keep < max(1, average_last):
+      raise ValueError(f'config.ckpt.keep={ckpt_config.keep} must be at least 1 and at least '
+                       f'config.eval.average_last={average_last}, the checkpoints averaged')
+    policies = [checkpoint_managers.LatestN(n=ckpt_config.keep)]
+    if ckpt_config.keep_every > 0:
+      policies.append(checkpoint_managers.EveryNSteps(interval_steps=ckpt_config.keep_every))
+    options = ocp.CheckpointManagerOptions(
+        create=True, enable_async_checkpointing=True, cleanup_tmp_directories=True,
+        preservation_policy=checkpoint_managers.AnyPreservationPolicy(policies))
+    self.manager = ocp.CheckpointManager(self.directory, options=options,
+                                         item_handlers=_handlers())
+    self._in_flight = None  # Step of the asynchronous save not yet known to have finished.
+    self._last_attempt = None
+    self.failed_steps = []
 
   def should_save(self, step: int) -> bool:
     return self.every > 0 and step % self.every == 0
 
-  def save(self, step: int, state, data_state: dict, config_json: str) -> None:
-    """Starts an asynchronous save; returns once the arrays are copied off the device."""
-    self.manager.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state),
-        data=ocp.args.JsonSave(data_state),
-        config=ocp.args.JsonSave({'config': config_json})), force=True)
-
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
 
-  def restore(self, abstract_state) -> tuple[object, dict] | None:
-    """(state, data iterator state) of the latest checkpoint, or None if there is none."""
-    step = self.manager.latest_step()
-    if step is None:
-      return None
-    restored = self.manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
-    logging.info('Restored checkpoint %d from %s', step, self.directory)
-    return restored['state'], restored['data']
+  def save(self, step: int, state, rng: jax.Array, data_state: dict, config_json: str) -> bool:
+    """Starts an asynchronous save; returns once the arrays are copied off the device.
+
+    A failed save (full disk, lost permissions) is logged with the step and the cause and
+    leaves the previous checkpoint intact; training goes on and the next save tries again.
+    """
+    self._wait()
+    self._last_attempt = step
+    try:
+      self.manager.save(step, args=ocp.args.Composite(**{
+          STATE: ocp.args.StandardSave(state),
+          RNG: ocp.args.StandardSave({'dropout': _key_data(rng)}),
+          DATA: ocp.args.JsonSave(data_state),
+          CONFIG: ocp.args.JsonSave({'config': config_json})}), force=True)
+    except Exception as e:  # pylint: disable=broad-exception-caught
+      self._failed(step, e)
+      return False
+    self._in_flight = step
+    return True
+
+  def _wait(self) -> None:
+    """Blocks until the save in flight is written; a failure is logged, not raised."""
+    try:
+      self.manager.wait_until_finished()
+    except Exception as e:  # pylint: disable=broad-exception-caught
+      self._failed(self._in_flight, e)
+    self._in_flight = None
+
+  def _failed(self, step, error: BaseException) -> None:
+    self.failed_steps.append(step)
+    self.manager.reload()
+    hint = (' The disk is full: free space.' if isinstance(error, OSError) and
+            error.errno == errno.ENOSPC else '')
+    logging.error('Saving checkpoint %s in %s failed (%s). The previous checkpoint (step %s) '
+                  'is intact; training continues and the next save tries again.%s', step,
+                  self.directory, _describe(error), self.manager.latest_step(), hint)
+
+  def restore(self, abstract_state, config: ml_collections.ConfigDict) -> Restored | None:
+    """The newest intact checkpoint, or None if there is none.
+
+    A damaged checkpoint is moved to `<workdir>/damaged_checkpoints/` with a warning and the
+    previous one is tried. A checkpoint whose arrays do not fit `abstract_state` (the config
+    changes shapes) raises CheckpointError; other config differences are logged.
+    """
+    steps, damaged = sorted(self.manager.all_steps(), reverse=True), []
+    for index, step in enumerate(steps):
+      path = os.path.join(self.directory, str(step))
+      try:
+        saved_config = self.manager.restore(step, args=ocp.args.Composite(**{
+            CONFIG: ocp.args.JsonRestore()}))[CONFIG]['config']
+        check_compatible(path, _saved_tree(os.path.join(path, STATE)), abstract_state,
+                         saved_config, config)
+        rng_abstract = {'dropout': jax.ShapeDtypeStruct((2,), np.uint32)}
+        restored = self.manager.restore(step, args=ocp.args.Composite(**{
+            STATE: ocp.args.StandardRestore(abstract_state),
+            RNG: ocp.args.StandardRestore(rng_abstract),
+            DATA: ocp.args.JsonRestore()}))
+        error = None
+      except CheckpointError:
+        raise
+      except Exception as e:  # pylint: disable=broad-exception-caught
+        error = e
+      if _all_processes_agree(error is None):
+        logging.info('Restored checkpoint %s', path)
+        for bad in damaged:  # Only now: an intact older one proves the reading code works.
+          logging.warning('Moved damaged checkpoint %d to %s', bad, self._move_damaged(bad))
+        return Restored(step, restored[STATE], restored[RNG]['dropout'], restored[DATA],
+                        saved_config)
+      damaged.append(step)
+      fallback = (f'falling back to step {steps[index + 1]}' if index + 1 < len(steps) else
+                  'no older checkpoint is left')
+      logging.warning('Checkpoint %s is damaged (%s); %s.', path,
+                      _describe(error) if error else 'unreadable on another process', fallback)
+    if steps:
+      raise CheckpointError(
+          f'every checkpoint in {self.directory} is unreadable (steps {steps}; causes logged '
+          'above). Refusing to start from scratch silently: repair or remove them, or use a '
+          'new --workdir.')
+    return None
+
+  def _move_damaged(self, step: int) -> str:
+    """Moves a damaged step out of the manager's view, so a new save can reuse its number."""
+    target = os.path.join(self.workdir, 'damaged_checkpoints', f'{step}-{int(time.time())}')
+    if jax.process_index() == 0:
+      os.makedirs(os.path.dirname(target), exist_ok=True)
+      shutil.move(os.path.join(self.directory, str(step)), target)
+    if jax.process_count() > 1:
+      multihost_utils.sync_global_devices(f't2t_jax_moved_damaged_{step}')
+    self.manager.reload()
+    return target
+
+  def average_last(self, count: int, abstract_params):
+    """Float32 mean of the params of the last `count` checkpoints (fewer if fewer exist)."""
+    self._wait()
+    steps = self.manager.all_steps()[-count:]
+    if len(steps) < count:
+      logging.info('Averaging %d checkpoints (%d asked for): only these exist', len(steps),
+                   count)
+    paths = [os.path.join(self.directory, str(step)) for step in steps]
+    return average([load_params(path, abstract_params) for path in paths]), steps
 
   def close(self) -> None:
-    self.manager.wait_until_finished()
+    """Waits for the save in flight; raises CheckpointError if it (the last save) failed."""
+    self._wait()
     self.manager.close()
+    if self.failed_steps and self.failed_steps[-1] == self._last_attempt:
+      raise CheckpointError(
+          f'the final checkpoint (step {self.failed_steps[-1]}) could not be written to '
+          f'{self.directory}; the newest intact one is step {self.manager.latest_step()}. Fix '
+          'the cause logged above and rerun the same command to resume from it.')
+
+
+# Config compatibility on resume.
+
+def _flatten(tree, prefix='') -> dict[str, Any]:
+  if isinstance(tree, dict):
+    out = {}
+    for key, value in tree.items():
+      out.update(_flatten(value, f'{prefix}{key}.'))
+    return out
+  return {prefix[:-1]: tree}
+
+
+def config_differences(saved_json: str, config) -> dict[str, tuple[Any, Any]]:
+  """{key: (saved value, current value)} for every key that differs."""
+  saved = _flatten(json.loads(saved_json))
+  current = _flatten(json.loads(config.to_json_best_effort()))
+  return {key: (saved.get(key), current.get(key)) for key in sorted(set(saved) | set(current))
+          if saved.get(key) != current.get(key)}
+
+
+def _path_name(path) -> str:
+  """'opt_state/0/mu/embedding' for dict keys, sequence indices and attributes alike."""
+  return '/'.join(str(getattr(k, 'key', getattr(k, 'idx', getattr(k, 'name', k))))
+                  for k in path)
+
+
+def _shapes(tree) -> dict[str, tuple]:
+  """{path: (shape, dtype)} of the array leaves of a tree (arrays, structs or metadata)."""
+  return {_path_name(path): (tuple(leaf.shape), np.dtype(leaf.dtype))
+          for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def _saved_tree(item_path: str) -> dict[str, tuple]:
+  """{path: (shape, dtype)} of the arrays saved in an orbax pytree item."""
+  return _shapes(_saved_metadata(item_path))
+
+
+def _saved_metadata(item_path: str):
+  """The tree of array metadata (shape, dtype) saved in an orbax pytree item."""
+  metadata = ocp.StandardCheckpointHandler().metadata(ocp.path.step.epath.Path(item_path))
+  return metadata.tree if hasattr(metadata, 'tree') else metadata
+
+
+def _format(shape_dtype) -> str:
+  return 'nothing' if shape_dtype is None else f'{shape_dtype[1].name}{list(shape_dtype[0])}'
+
+
+def check_compatible(path: str, saved_tree: dict, abstract_state, saved_config_json: str,
+                     config) -> None:
+  """Refuses a checkpoint whose arrays the config cannot hold; logs other config changes."""
+  differences = config_differences(saved_config_json, config)
+  expected = _shapes(abstract_state)
+  mismatched = [f'{key}: saved {_format(saved_tree.get(key))}, config gives '
+                f'{_format(expected.get(key))}'
+                for key in sorted(set(saved_tree) | set(expected))
+                if saved_tree.get(key) != expected.get(key)]
+  listed = '; '.join(f'{key}: {old!r} -> {new!r}' for key, (old, new) in differences.items())
+  if mismatched:
+    raise CheckpointError(
+        f'checkpoint {path} was written with a config whose arrays have other shapes or '
+        f'dtypes than this config gives ({len(mismatched)} arrays, e.g. {mismatched[0]}). '
+        f'Config keys that differ: {listed or "none"}. Rerun with the checkpoint\'s values '
+        f'(saved in its "{CONFIG}" item and in the workdir\'s config.json), or use a new '
+        '--workdir.')
+  harmless = {k: v for k, v in differences.items() if k.startswith(HARMLESS_PREFIXES)}
+  other = {k: v for k, v in differences.items() if k not in harmless}
+  if harmless:
+    logging.info('Resuming %s with changed settings: %s', path,
+                 '; '.join(f'{k}: {o!r} -> {n!r}' for k, (o, n) in harmless.items()))
+  if other:
+    logging.warning('Resuming %s with changed settings that make training differ from an '
+                    'uninterrupted run: %s', path,
+                    '; '.join(f'{k}: {o!r} -> {n!r}' for k, (o, n) in other.items()))
+
+
+# Params-only loading, averaging and writing.
+
+def _replicated(abstract):
+  """Gives leaves without a sharding one replicated over all devices."""
+  mesh = jax.sharding.Mesh(np.array(jax.devices()), ('all',))
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  return jax.tree.map(
+      lambda x: x if getattr(x, 'sharding', None) is not None else
+      jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), abstract)
+
+
+def params_item(path: str) -> tuple[str, bool]:
+  """(directory of the saved params tree, whether it is wrapped in a TrainState)."""
+  if os.path.isdir(os.path.join(path, STATE)):
+    return os.path.join(path, STATE), True
+  if os.path.isdir(os.path.join(path, PARAMS)):
+    return os.path.join(path, PARAMS), False
+  raise CheckpointError(f'{path} is not a t2t_jax checkpoint: it has neither a "{STATE}" '
+                        f'(training checkpoint) nor a "{PARAMS}" (averaged or exported) '
+                        'subdirectory.')
+
+
+def load_params(path: str, abstract_params=None):
+  """The params of a checkpoint directory (a training step or a params-only checkpoint).
+
+  With `abstract_params` (ShapeDtypeStructs, with or without shardings) they come back as
+  jax.Arrays of those dtypes; without, as numpy arrays of the saved dtypes.
+  """
+  item, wrapped = params_item(path)
+  saved = _saved_tree(item)
+  prefix = 'params/' if wrapped else ''
+  if abstract_params is None:
+    target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype),
+                          _metadata_params(item, wrapped))
+    restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), target)
+  else:
+    target = _replicated(abstract_params)
+    expected = {f'{prefix}{key}': value for key, value in _shapes(target).items()}
+    shapes = {k: v[0] for k, v in saved.items() if k.startswith(prefix)}
+    wrong = [f'{key}: saved {shapes.get(key)}, expected {shape}'
+             for key, (shape, _) in expected.items() if shapes.get(key) != shape]
+    if wrong or len(shapes) != len(expected):
+      raise CheckpointError(
+          f'the params in {path} do not fit this model ({len(wrong)} of {len(expected)} '
+          f'arrays differ, e.g. {wrong[0] if wrong else "a different set of arrays"}): use '
+          'the config the checkpoint was trained with.')
+    restore_args = ocp.checkpoint_utils.construct_restore_args(target)
+  if wrapped:
+    target = {'params': target}
+    restore_args = {'params': restore_args}
+  restored = ocp.PyTreeCheckpointer().restore(item, args=ocp.args.PyTreeRestore(
+      item=target, restore_args=restore_args, partial_restore=True))
+  return restored['params'] if wrapped else restored
+
+
+def _metadata_params(item: str, wrapped: bool):
+  tree = _saved_metadata(item)
+  return tree['params'] if wrapped else tree
+
+
+def resolve(workdir: str, checkpoint: str | None = None) -> str:
+  """The directory named by `checkpoint`: None the latest step, digits a step, else a path."""
+  directory = os.path.join(os.path.abspath(workdir), 'checkpoints')
+  if checkpoint and not checkpoint.isdigit():
+    if not os.path.isdir(checkpoint):
+      raise CheckpointError(f'checkpoint directory {checkpoint} does not exist')
+    return checkpoint
+  steps = sorted(int(name) for name in (os.listdir(directory) if os.path.isdir(directory)
+                                        else []) if name.isdigit())
+  if not steps:
+    raise CheckpointError(f'no checkpoint in {directory}: train first, or pass a checkpoint '
+                          'directory (e.g. an averaged one)')
+  if checkpoint is None:
+    return os.path.join(directory, str(steps[-1]))
+  if int(checkpoint) not in steps:
+    raise CheckpointError(f'no checkpoint of step {checkpoint} in {directory}; it holds '
+                          f'steps {steps}')
+  return os.path.join(directory, str(int(checkpoint)))
+
+
+def restore_params(workdir: str, abstract_params, checkpoint: str | None = None):
+  """Params only, for translate/evaluate: latest step (None), a step ('1000') or a path.
+
+  Without an explicit checkpoint a damaged latest step is skipped with a warning.
+  """
+  path = resolve(workdir, checkpoint)
+  if checkpoint is not None:
+    return load_params(path, abstract_params)
+  steps = sorted((int(n) for n in os.listdir(os.path.dirname(path)) if n.isdigit()),
+                 reverse=True)
+  for step in steps:
+    path = os.path.join(os.path.dirname(path), str(step))
+    try:
+      return load_params(path, abstract_params)
+    except CheckpointError:
+      raise
+    except Exception as e:  # pylint: disable=broad-exception-caught
+      logging.warning('Checkpoint %s is damaged (%s); trying the previous one.', path,
+                      _describe(e))
+  raise CheckpointError(f'every checkpoint in {os.path.dirname(path)} is damaged')
+
+
+def average(trees: list):
+  """Elementwise mean of parameter trees (numpy or jax), summed in float32, in the first
+  tree's dtypes."""
+  if not trees:
+    raise ValueError('no checkpoints to average')
+  total = jax.tree.map(lambda x: x.astype(np.float32), trees[0])
+  for tree in trees[1:]:
+    total = jax.tree.map(lambda t, x: t + x.astype(np.float32), total, tree)
+  return jax.tree.map(lambda t, x: (t / np.float32(len(trees))).astype(x.dtype), total,
+                      trees[0])
+
+
+def cast(params, dtype: str):
+  """Floating-point leaves cast to `dtype` ('float32' or 'bfloat16'); others unchanged."""
+  target = jax.numpy.dtype(dtype)
+  return jax.tree.map(lambda x: x.astype(target) if jax.numpy.issubdtype(
+      x.dtype, jax.numpy.floating) else x, params)
+
+
+def write_params(path: str, params, config_json: str, info: dict) -> str:
+  """Writes a params-only checkpoint (items params, config, info) that load_params reads."""
+  path = os.path.abspath(path)
+  if os.path.exists(path):
+    raise CheckpointError(f'{path} already exists: remove it or choose another --output')
+  with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+    checkpointer.save(path, args=ocp.args.Composite(**{
+        PARAMS: ocp.args.StandardSave(params),
+        CONFIG: ocp.args.JsonSave({'config': config_json}),
+        INFO: ocp.args.JsonSave(info)}))
+  return path
+
+
+def read_json_item(path: str, name: str) -> dict:
+  with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+    return checkpointer.restore(path, args=ocp.args.Composite(**{
+        name: ocp.args.JsonRestore()}))[name]

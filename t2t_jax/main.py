@@ -7,6 +7,7 @@
 import json
 import logging as std_logging
 import os
+import sys
 
 from absl import app
 from absl import flags
@@ -44,7 +45,15 @@ def main(argv):
   if not _WORKDIR.value:
     raise app.UsageError('--workdir is required to train')
   logging.info('JAX devices: %s', jax.devices())
-  results = train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+  from t2t_jax import checkpoint, preemption  # pylint: disable=g-import-not-at-top
+  try:
+    results = train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+  except checkpoint.CheckpointError as e:
+    sys.exit(f'error: {e}')  # Says which checkpoint and what to do; no traceback needed.
+  except preemption.Preempted as e:
+    logging.warning('%s', e)
+    logging.flush()
+    sys.exit(preemption.EXIT_CODE)  # Not 0, so schedulers requeue rather than finish the job.
   print(json.dumps(results), flush=True)
 
 

@@ -23,6 +23,7 @@ from t2t_jax import data
 from t2t_jax import decode
 from t2t_jax import evaluate
 from t2t_jax import optim
+from t2t_jax import preemption
 from t2t_jax import sharding
 from t2t_jax.model import Transformer, TransformerConfig
 
@@ -276,13 +277,16 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
                len(task.eval), len(train_batches))
   init_rng, dropout_rng = jax.random.split(jax.random.PRNGKey(config.seed))
   train_iter = data.train_iterator(train_batches)
-  checkpointer = checkpoint.Checkpointer(workdir, config.ckpt)
-  restored = checkpointer.restore(setup.abstract_state)
+  checkpointer = checkpoint.Checkpointer(workdir, config.ckpt, config.eval.average_last)
+  restored = checkpointer.restore(setup.abstract_state, config)
   if restored:
-    state, data_state = restored
-    train_iter.set_state(data_state)
+    state, dropout_rng = restored.state, restored.rng
+    train_iter.set_state(restored.data_state)
   else:
     state = setup.init(init_rng)
+    if config.ckpt.init_from:  # Fine-tune from averaged, exported or other run's params.
+      state = state.replace(params=checkpoint.restore_params(
+          workdir, setup.abstract_state.params, config.ckpt.init_from))
   config_json = _write_config(config, workdir)
   translator = decode.Translator(setup.model_config, setup.mesh, setup.axis_rules,
                                  config.data.batch_tokens, config.data.min_bucket,
@@ -291,6 +295,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
   num_steps, start_step = config.train.num_steps, int(state.step)
   metric_log = _MetricLog(writer, setup.schedule, num_steps, start_step)
   results, pending, train_start = {}, None, time.perf_counter()
+  sigterm, preempted = preemption.Preemption(config.ckpt.preemption_grace_seconds), False
   logging.info('Training from step %d to %d', start_step, num_steps)
   for step in range(start_step + 1, num_steps + 1):
     batch = sharding.global_batch(next(train_iter), mesh)
@@ -298,20 +303,33 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     if pending:  # Read the previous step's metrics only now, so the device never waits.
       metric_log.add(*pending)
     pending = (step, metrics)
-    is_last = step == num_steps
+    is_last, preempted = step == num_steps, sigterm.requested(step)
     evaluate_now = is_last or step % config.train.eval_every == 0
-    save_now = is_last or checkpointer.should_save(step)
+    save_now = is_last or preempted or checkpointer.should_save(step)
     if is_last or evaluate_now or save_now or step % config.train.log_every == 0:
       metric_log.add(*pending)
       pending = None
       metric_log.write(step)
     if save_now:
-      checkpointer.save(step, state, train_iter.get_state(), config_json)
+      checkpointer.save(step, state, dropout_rng, train_iter.get_state(), config_json)
+    if preempted:
+      break
     if evaluate_now:
       results = run_evaluation(setup, state.params, task, eval_batches, config, translator)
+      if config.eval.average_last and save_now:
+        averaged, steps = checkpointer.average_last(config.eval.average_last,
+                                                    setup.abstract_state.params)
+        results.update({f'averaged_{name}': value for name, value in run_evaluation(
+            setup, averaged, task, eval_batches, config, translator).items()})
+        logging.info('Averaged checkpoints %s', steps)
       for name, value in results.items():
         writer.add_scalar(name.replace('eval_', 'eval/'), value, step)
       logging.info('step %d eval: %s', step, json.dumps(results))
+  sigterm.close()
+  if preempted:
+    checkpointer.close()
+    writer.close()
+    raise preemption.Preempted(int(state.step), checkpointer.directory)
   if not results:  # Resumed at the end: nothing left to train, but report the figures.
     results = run_evaluation(setup, state.params, task, eval_batches, config, translator)
   checkpointer.close()

@@ -1,0 +1,54 @@
+"""Exports the parameters of one checkpoint for inference: no optimiser state, optionally bf16.
+
+  python -m t2t_jax.export --workdir=/tmp/run                      # latest step
+  python -m t2t_jax.export --workdir=/tmp/run --checkpoint=3000 --dtype=bfloat16
+
+Writes `<workdir>/export/<name>_<dtype>` (or --output): a params-only orbax checkpoint with
+the items `params`, `config` and `info`, readable with plain orbax (see README.md).
+"""
+
+import os
+
+from absl import app
+from absl import flags
+
+from t2t_jax import checkpoint
+
+def export(workdir: str, checkpoint_name: str | None = None, dtype: str = 'float32',
+           output: str = '') -> str:
+  """Writes the params of one checkpoint in `dtype`; returns the directory written."""
+  path = checkpoint.resolve(workdir, checkpoint_name)
+  params = checkpoint.cast(checkpoint.load_params(path), dtype)
+  output = output or os.path.join(os.path.abspath(workdir), 'export',
+                                  f'{os.path.basename(os.path.normpath(path))}_{dtype}')
+  config_json = checkpoint.read_json_item(path, checkpoint.CONFIG)['config']
+  return checkpoint.write_params(output, params, config_json,
+                                 {'kind': 'export', 'source': path, 'dtype': dtype})
+
+
+def _define_flags():
+  """Defined only when run as a program, so importing this module defines no flags."""
+  flags.DEFINE_string('workdir', None, 'Training workdir holding checkpoints/.')
+  flags.DEFINE_string('checkpoint', None, 'A step number or a checkpoint directory (e.g. an '
+                      'averaged one); default: the latest step.')
+  flags.DEFINE_enum('dtype', 'float32', ['float32', 'bfloat16'],
+                    'Storage dtype of the exported parameters.')
+  flags.DEFINE_string('output', '', 'Output directory; default '
+                      '<workdir>/export/<step or name>_<dtype>.')
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+  args = flags.FLAGS
+  if not args.workdir:
+    raise app.UsageError('--workdir is required')
+  try:
+    print(export(args.workdir, args.checkpoint, args.dtype, args.output), flush=True)
+  except checkpoint.CheckpointError as e:
+    raise SystemExit(f'error: {e}') from None  # A clear line, not a traceback.
+
+
+if __name__ == '__main__':
+  _define_flags()
+  app.run(main)
