@@ -1,10 +1,14 @@
-"""The device mesh, logical-axis rules, and the shardings of state and batches."""
+"""The device mesh, logical-axis rules, shardings of state and batches, multi-host start-up."""
 
 import contextlib
+import glob
 import math
+import os
 
+from absl import logging
 import flax.linen as nn
 import jax
+from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import numpy as np
 
@@ -31,10 +35,30 @@ def mesh_shape(shape, device_count: int) -> tuple[int, ...]:
 
 
 def make_mesh(mesh_config, devices=None) -> Mesh:
+  """The ('data', 'fsdp', 'tensor') mesh; with `dcn_data` > 1 the data axis spans slices."""
   devices = jax.devices() if devices is None else devices
   shape = mesh_shape(mesh_config.shape, len(devices))
-  return jax.make_mesh(shape, MESH_AXES, devices=devices,
-                       axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
+  axis_types = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
+  slices = mesh_config.dcn_data
+  if slices == 1:
+    return jax.make_mesh(shape, MESH_AXES, devices=devices, axis_types=axis_types)
+  if slices < 1 or shape[0] % slices:
+    raise ValueError(f'config.mesh.dcn_data={slices} must be a positive divisor of the data '
+                     f'axis size {shape[0]} (config.mesh.shape={tuple(mesh_config.shape)})')
+  # Slices talk over the data-centre network (DCN), so only the data axis crosses them: each
+  # slice holds a full (data/slices, fsdp, tensor) sub-mesh on its fast interconnect. TPU
+  # devices know their slice; elsewhere (GPU hosts) each process counts as one slice.
+  per_slice = (shape[0] // slices,) + shape[1:]
+  by_process = not hasattr(devices[0], 'slice_index')
+  granules = len({d.process_index for d in devices} if by_process
+                 else {d.slice_index for d in devices})
+  if granules != slices:
+    raise ValueError(f'config.mesh.dcn_data={slices} slices were asked for, but the devices '
+                     f'form {granules} ({"processes" if by_process else "TPU slices"}); set '
+                     f'config.mesh.dcn_data={granules} or 1')
+  grid = mesh_utils.create_hybrid_device_mesh(per_slice, (slices, 1, 1), devices,
+                                              process_is_granule=by_process)
+  return Mesh(grid, MESH_AXES, axis_types=axis_types)
 
 
 def rules(mesh_config) -> tuple[tuple[str, object], ...]:
@@ -57,10 +81,27 @@ def logical_shardings(abstract_boxed_tree, mesh: Mesh, axis_rules):
   return nn.logical_to_mesh_sharding(specs, mesh, axis_rules)
 
 
+def check_batch_rows(rows: int, mesh: Mesh, accumulation: int = 1, what: str = 'batch') -> None:
+  """Refuses a batch whose rows do not split evenly over the batch shards (x micro-batches)."""
+  multiple = batch_shards(mesh) * accumulation
+  if rows % multiple:
+    split = ' x '.join(f'{axis}={mesh.shape[axis]}' for axis in BATCH_AXES)
+    if accumulation > 1:
+      split += f' x config.opt.grad_accum_steps={accumulation}'
+    raise ValueError(f'the {what} has {rows} rows, which do not divide into {multiple} equal '
+                     f'parts ({split}); use a row count that is a multiple of {multiple}')
+
+
 def global_batch(batch: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
-  """One global array per field from this process's rows, split over the batch axes."""
+  """One global array per field, split over the batch axes, from the whole global batch.
+
+  Every process builds the same global batch (the batch plans are deterministic), and each
+  one places only the rows its own devices hold.
+  """
   sharding = batch_sharding(mesh)
-  return {key: jax.make_array_from_process_local_data(sharding, value)
+  for key, value in batch.items():
+    check_batch_rows(value.shape[0], mesh, what=f'batch field {key!r}')
+  return {key: jax.make_array_from_process_local_data(sharding, value, value.shape)
           for key, value in batch.items()}
 
 
@@ -69,3 +110,52 @@ def mesh_context(mesh: Mesh, axis_rules):
   """Mesh and logical-axis rules visible to the model's sharding annotations while tracing."""
   with jax.set_mesh(mesh), nn.logical_axis_rules(axis_rules):
     yield
+
+
+# Multi-host start-up.
+
+def _on_multi_task_slurm() -> bool:
+  return 'SLURM_JOB_ID' in os.environ and int(os.environ.get('SLURM_NTASKS', '1')) > 1
+
+
+def _on_tpu_vm() -> bool:
+  return bool(glob.glob('/dev/accel*') or glob.glob('/dev/vfio/[0-9]*'))
+
+
+def initialize_distributed(coordinator_address: str = '', num_processes: int = 0,
+                           process_id: int = -1, timeout_seconds: int = 300) -> bool:
+  """Joins this process to a multi-process run; returns whether one was started.
+
+  An explicit coordinator (flags, or T2T_COORDINATOR_ADDRESS / T2T_NUM_PROCESSES /
+  T2T_PROCESS_ID) wins; otherwise TPU VMs and multi-task SLURM jobs are detected and JAX reads
+  the topology from their environment; otherwise this is a single-process run. Must run
+  before anything touches the devices.
+  """
+  coordinator_address = coordinator_address or os.environ.get('T2T_COORDINATOR_ADDRESS', '')
+  num_processes = num_processes or int(os.environ.get('T2T_NUM_PROCESSES', '0'))
+  if process_id < 0:
+    process_id = int(os.environ.get('T2T_PROCESS_ID', '-1'))
+  if coordinator_address:
+    if num_processes < 1 or not 0 <= process_id < num_processes:
+      raise ValueError(f'--coordinator_address={coordinator_address} needs --num_processes >= 1 '
+                       f'and 0 <= --process_id < num_processes, got {num_processes} and '
+                       f'{process_id}')
+    kwargs = dict(coordinator_address=coordinator_address, num_processes=num_processes,
+                  process_id=process_id)
+    where = f'the coordinator {coordinator_address} (process {process_id} of {num_processes})'
+  elif _on_multi_task_slurm() or _on_tpu_vm():
+    kwargs, where = {}, 'the coordinator detected from the SLURM/TPU environment'
+  else:
+    return False
+  # CPU devices of different processes need a collectives backend to talk to each other.
+  jax.config.update('jax_cpu_collectives_implementation', 'gloo')
+  try:
+    jax.distributed.initialize(initialization_timeout=timeout_seconds, **kwargs)
+  except Exception as e:  # pylint: disable=broad-except
+    raise RuntimeError(
+        f'could not join {where} within {timeout_seconds} s: every process must be started '
+        'with the same --coordinator_address and --num_processes and its own --process_id, '
+        f'and the coordinator must be reachable. ({type(e).__name__}: {e})') from None
+  logging.info('Process %d of %d joined %s; %d local / %d global devices', jax.process_index(),
+               jax.process_count(), where, jax.local_device_count(), jax.device_count())
+  return True
