@@ -78,7 +78,25 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
 def logical_shardings(abstract_boxed_tree, mesh: Mesh, axis_rules):
   """NamedShardings for a tree whose leaves carry logical axis names (unnamed: replicated)."""
   specs = nn.get_partition_spec(abstract_boxed_tree)
-  return nn.logical_to_mesh_sharding(specs, mesh, axis_rules)
+  shardings = nn.logical_to_mesh_sharding(specs, mesh, axis_rules)
+  is_boxed = lambda x: isinstance(x, nn.meta.AxisMetadata)
+  shapes = jax.tree.map(lambda x: x.value if is_boxed(x) else x, abstract_boxed_tree,
+                        is_leaf=is_boxed)
+  jax.tree_util.tree_map_with_path(_check_divisible, shapes, specs, shardings)
+  return shardings
+
+
+def _check_divisible(path, leaf, logical_spec, named_sharding) -> None:
+  """Refuses a weight whose size along a sharded dimension does not split evenly."""
+  for dim, (size, axes) in enumerate(zip(leaf.shape, named_sharding.spec)):
+    axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+    ways = math.prod(named_sharding.mesh.shape[axis] for axis in axes)
+    if size % ways:
+      raise ValueError(
+          f'{jax.tree_util.keystr(path)} of shape {leaf.shape}: dimension {dim} (logical axis '
+          f'{logical_spec[dim]!r}) has size {size}, which does not split {ways} ways over mesh '
+          f'axes {axes}. Make the size a multiple of {ways} (e.g. config.data.vocab_size), or '
+          'change config.mesh.shape or config.mesh.rules.')
 
 
 def check_batch_rows(rows: int, mesh: Mesh, accumulation: int = 1, what: str = 'batch') -> None:
