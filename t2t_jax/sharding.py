@@ -4,6 +4,8 @@ import contextlib
 import glob
 import math
 import os
+import sys
+import threading
 
 from absl import logging
 import flax.linen as nn
@@ -167,13 +169,27 @@ def initialize_distributed(coordinator_address: str = '', num_processes: int = 0
     return False
   # CPU devices of different processes need a collectives backend to talk to each other.
   jax.config.update('jax_cpu_collectives_implementation', 'gloo')
+  message = (f'could not join {where} within --distributed_timeout={timeout_seconds} s: a peer '
+             'never joined. Start every process with the same --coordinator_address and '
+             '--num_processes and its own --process_id, and check that the coordinator is '
+             'reachable from every host.')
+  logging.info('Waiting up to %d s for all processes to join %s', timeout_seconds, where)
+  # JAX aborts the process from C++ when the deadline passes; say why first, in plain words.
+  watchdog = threading.Timer(timeout_seconds, _exit_with, (message,))
+  watchdog.daemon = True
+  watchdog.start()
   try:
     jax.distributed.initialize(initialization_timeout=timeout_seconds, **kwargs)
   except Exception as e:  # pylint: disable=broad-except
-    raise RuntimeError(
-        f'could not join {where} within {timeout_seconds} s: every process must be started '
-        'with the same --coordinator_address and --num_processes and its own --process_id, '
-        f'and the coordinator must be reachable. ({type(e).__name__}: {e})') from None
+    raise RuntimeError(f'{message} ({type(e).__name__}: {e})') from None
+  finally:
+    watchdog.cancel()
   logging.info('Process %d of %d joined %s; %d local / %d global devices', jax.process_index(),
                jax.process_count(), where, jax.local_device_count(), jax.device_count())
   return True
+
+
+def _exit_with(message: str) -> None:
+  logging.error(message)
+  print(f'ERROR: {message}', file=sys.stderr, flush=True)
+  os._exit(2)  # pylint: disable=protected-access

@@ -265,7 +265,7 @@ class _MetricLog:
     self.writer, self.schedule, self.num_steps = writer, schedule, num_steps
     self.sums, self.steps, self.start = None, 0, time.perf_counter()
     self.last_good_step = start_step
-    self.last_loss, self.total_steps, self.total_seconds = float('nan'), 0, 0.0
+    self.last_loss, self.intervals = float('nan'), []  # (steps, seconds) per logged interval.
 
   def add(self, step: int, metrics) -> None:
     metrics = jax.device_get(metrics)
@@ -296,13 +296,14 @@ class _MetricLog:
     for name, value in summary.items():
       self.writer.add_scalar(f'train/{name}', value, step)
     self.last_loss = summary['loss']
-    self.total_steps, self.total_seconds = self.total_steps + self.steps, self.total_seconds + elapsed
+    self.intervals.append((self.steps, elapsed))
     self.sums, self.steps, self.start = None, 0, time.perf_counter()
 
   def final(self) -> dict[str, float]:
-    """The last logged training loss and the mean steps/s over the run's logged intervals."""
-    return {'train_loss': self.last_loss,
-            'steps_per_second': self.total_steps / max(self.total_seconds, 1e-9)}
+    """The last logged training loss and the run's steps/s, leaving out the compiling interval."""
+    intervals = self.intervals[1:] or self.intervals or [(0, 1.0)]
+    steps, seconds = (sum(column) for column in zip(*intervals))
+    return {'train_loss': self.last_loss, 'steps_per_second': steps / max(seconds, 1e-9)}
 
 
 def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
