@@ -337,7 +337,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
   seen_shapes = set()
   with hang_guard.HangGuard(config.train.step_timeout_seconds) as guard:
     for step in range(start_step + 1, num_steps + 1):
-      guard.arm(f'training step {step}')
+      guard.arm(f'training step {step} (or reading the metrics of step {step - 1})')
       host_batch = next(train_iter)
       if host_batch['targets'].shape not in seen_shapes:  # Compiles the step: not guarded.
         seen_shapes.add(host_batch['targets'].shape)
