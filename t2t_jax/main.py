@@ -63,7 +63,13 @@ def main(argv):
     jax.config.update('jax_persistent_cache_min_compile_time_secs', 1.0)
   from t2t_jax import train  # After flag parsing, so --help stays fast.
   if _DRY_RUN.value:
-    print(json.dumps(train.dry_run(_CONFIG.value)), flush=True)
+    result = train.dry_run(_CONFIG.value)
+    print(json.dumps(result), flush=True)
+    if not result.get('fits', True):
+      raise SystemExit(f'The train step needs {result["memory_per_device_bytes"]["total"]} bytes '
+                       f'per device but the device has {result["device_memory_bytes"]}: shard '
+                       'more (config.mesh), lower config.data.batch_tokens, raise '
+                       'config.opt.grad_accum_steps or use config.model.dtype=bfloat16.')
     return
   if not _WORKDIR.value:
     raise app.UsageError('--workdir is required to train')

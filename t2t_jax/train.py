@@ -183,8 +183,7 @@ def dry_run(config) -> dict:
   start = time.perf_counter()
   compiled = setup.train_step.lower(setup.abstract_state, batch, rng).compile()
   compile_seconds = time.perf_counter() - start
-  cost = compiled.cost_analysis()
-  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  flops = _global_flops(setup, config, batch, rng)
   memory = compiled.memory_analysis()
   per_device = {name: int(getattr(memory, f'{name}_size_in_bytes', 0))
                 for name in ('argument', 'output', 'temp', 'alias', 'generated_code')}
@@ -194,7 +193,8 @@ def dry_run(config) -> dict:
   return {
       'config': config.name,
       'params': count_params(setup.abstract_state.params),
-      'flops_per_step': float(cost.get('flops', 0.0)),
+      'flops_per_step': flops,
+      'flops_per_step_per_device': flops / setup.mesh.size,
       'batch_shape': [rows, length],
       'grad_accum_steps': config.opt.grad_accum_steps,
       'dtype': config.model.dtype,
@@ -203,7 +203,29 @@ def dry_run(config) -> dict:
       'device_kind': jax.devices()[0].device_kind,
       'memory_per_device_bytes': per_device,
       'compile_seconds': round(compile_seconds, 2),
+      **_device_fit(per_device['total']),
   }
+
+
+def _global_flops(setup: Setup, config, batch, rng) -> float:
+  """FLOPs of one whole update, from XLA's cost analysis of the program before partitioning.
+
+  Counted without accumulation: the analysis counts a loop body once, and A micro-batches do
+  the arithmetic of one batch of A times their rows.
+  """
+  step = jax.jit(functools.partial(train_step, model=Transformer(setup.model_config),
+                                   optimizer=setup.optimizer,
+                                   label_smoothing=config.opt.label_smoothing))
+  with sharding.mesh_context(setup.mesh, setup.axis_rules):
+    cost = step.lower(setup.abstract_state, batch, rng).cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  return float(cost.get('flops', 0.0))
+
+
+def _device_fit(total_bytes: int) -> dict:
+  """On an accelerator that reports its memory, whether the step fits in it."""
+  limit = (jax.devices()[0].memory_stats() or {}).get('bytes_limit')
+  return {'device_memory_bytes': int(limit), 'fits': total_bytes <= limit} if limit else {}
 
 
 # The training loop.
