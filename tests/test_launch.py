@@ -105,6 +105,7 @@ def test_dry_run_of_big_on_a_simulated_4_2_1_mesh_prints_memory_per_device():
 
 def test_hang_guard_dumps_stacks_and_exits_on_a_stalled_step(tmp_path):
   script = textwrap.dedent(f'''
+      import os
       import time
       import jax
       from configs import tiny
@@ -127,6 +128,7 @@ def test_hang_guard_dumps_stacks_and_exits_on_a_stalled_step(tmp_path):
         setup.train_step = train_step
         return setup
       train.build = stalling_build
+      jax.config.update('jax_compilation_cache_dir', os.path.expanduser('~/.cache/t2t_jax/xla'))
 
       config = tiny.get_config()
       config.train.step_timeout_seconds = 5.0
