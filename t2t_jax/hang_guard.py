@@ -24,7 +24,7 @@ class HangGuard:
 
   def __init__(self, limit_seconds: float):
     self.limit_seconds = limit_seconds
-    self._deadline, self._what = None, ''
+    self._deadline, self._what, self._stopped = None, '', False
     self._changed = threading.Condition()
     self._thread = None
 
@@ -35,7 +35,11 @@ class HangGuard:
     return self
 
   def __exit__(self, *exc_info):
-    self.disarm()
+    if self._thread:
+      with self._changed:
+        self._deadline, self._stopped = None, True
+        self._changed.notify()
+      self._thread.join()
 
   def arm(self, what: str) -> None:
     if self._thread:
@@ -51,7 +55,7 @@ class HangGuard:
 
   def _watch(self) -> None:
     with self._changed:
-      while True:
+      while not self._stopped:
         if self._deadline is None:
           self._changed.wait()
           continue

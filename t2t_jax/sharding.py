@@ -51,13 +51,13 @@ def make_mesh(mesh_config, devices=None) -> Mesh:
   # slice holds a full (data/slices, fsdp, tensor) sub-mesh on its fast interconnect. TPU
   # devices know their slice; elsewhere (GPU hosts) each process counts as one slice.
   per_slice = (shape[0] // slices,) + shape[1:]
-  by_process = not hasattr(devices[0], 'slice_index')
+  by_process = devices[0].platform != 'tpu'
   granules = len({d.process_index for d in devices} if by_process
                  else {d.slice_index for d in devices})
   if granules != slices:
     raise ValueError(f'config.mesh.dcn_data={slices} slices were asked for, but the devices '
                      f'form {granules} ({"processes" if by_process else "TPU slices"}); set '
-                     f'config.mesh.dcn_data={granules} or 1')
+                     f'config.mesh.dcn_data={granules}' + (' or 1' if granules > 1 else ''))
   grid = mesh_utils.create_hybrid_device_mesh(per_slice, (slices, 1, 1), devices,
                                               process_is_granule=by_process)
   return Mesh(grid, MESH_AXES, axis_types=axis_types)

@@ -46,7 +46,8 @@ def test_two_processes_match_one_and_their_checkpoint_restores(tiny_config, tmp_
   two = str(tmp_path / 'two')
   command = [sys.executable, 'launch/local.py', '--num_processes=2', '--devices_per_process=4',
              '--', sys.executable, '-m', 't2t_jax.main', '--config=configs/tiny.py',
-             f'--workdir={two}'] + [f'--config.{k}={v}' for k, v in OVERRIDES.items()]
+             f'--workdir={two}', '--config.mesh.dcn_data=2'  # Each process as one slice.
+             ] + [f'--config.{k}={v}' for k, v in OVERRIDES.items()]
   run = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True,
                        timeout=600)
   assert run.returncode == 0, run.stdout[-3000:]
