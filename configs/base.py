@@ -71,11 +71,13 @@ def get_config():
   opt.grad_clip = 0.0  # Clip gradients to this global norm; 0 disables clipping.
   opt.weight_decay = 0.0  # Decoupled weight decay (AdamW); 0 gives plain Adam as in the paper.
   opt.label_smoothing = 0.1  # Mass spread uniformly over the other vocabulary entries.
+  opt.grad_accum_steps = 1  # Micro-batches per update; data.batch_tokens stays the whole batch.
 
   train = config.train = ml_collections.ConfigDict()
   train.num_steps = 100_000  # Optimiser updates to run.
   train.log_every = 100  # Steps between training-metric logs.
   train.eval_every = 1000  # Steps between evaluations (also run at the last step).
+  train.step_timeout_seconds = 1800.0  # A slower step dumps all thread stacks and exits; 0: off.
 
   evaluation = config.eval = ml_collections.ConfigDict()
   evaluation.num_batches = 0  # Eval-loss batches per evaluation; 0 uses the whole eval set.
@@ -95,6 +97,7 @@ def get_config():
 
   mesh = config.mesh = ml_collections.ConfigDict()
   mesh.shape = (-1, 1, 1)  # Devices along ('data', 'fsdp', 'tensor'); -1 takes what is left.
+  mesh.dcn_data = 1  # Slices (TPU) or processes (GPU) the data axis spans over the slow network.
   # Logical axis -> mesh axes. A mesh axis already used in an array goes to the next rule.
   mesh.rules = (
       ('batch', ('data', 'fsdp')),

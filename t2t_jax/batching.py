@@ -303,12 +303,14 @@ def make_batchers(config, train_split, eval_split, row_multiple: int, process_in
   boundaries = bucket_boundaries(data_config.max_len, data_config.min_bucket,
                                  data_config.bucket_scale)
   shard = dict(process_index=process_index, process_count=process_count)
+  # Every micro-batch of an accumulated step must still split evenly over the batch shards.
+  train_rows = row_multiple * config.opt.grad_accum_steps
   if data_config.batching == 'buckets':
-    train = TokenBudgetBatches(train_split, data_config.batch_tokens, boundaries, row_multiple,
+    train = TokenBudgetBatches(train_split, data_config.batch_tokens, boundaries, train_rows,
                                shuffle=True, seed=config.seed, **shard)
   elif data_config.batching == 'packed':
     train = PackedBatches(train_split, data_config.batch_tokens, pack_length(data_config),
-                          row_multiple, shuffle=True, seed=config.seed, **shard)
+                          train_rows, shuffle=True, seed=config.seed, **shard)
   else:
     raise ValueError(f'config.data.batching must be one of {BATCHING_MODES}, '
                      f'got {data_config.batching!r}')

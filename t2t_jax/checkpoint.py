@@ -17,6 +17,7 @@ from typing import Any
 from absl import logging
 import jax
 from jax.experimental import multihost_utils
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
@@ -105,7 +106,8 @@ class Checkpointer:
     try:
       self.manager.save(step, args=ocp.args.Composite(**{
           STATE: ocp.args.StandardSave(state),
-          RNG: ocp.args.StandardSave({'dropout': _key_data(rng)}),
+          # A host numpy value: every process holds the same key, the primary one writes it.
+          RNG: ocp.args.StandardSave({'dropout': np.asarray(jax.device_get(_key_data(rng)))}),
           DATA: ocp.args.JsonSave(data_state),
           CONFIG: ocp.args.JsonSave({'config': config_json})}), force=True)
     except Exception as e:  # pylint: disable=broad-exception-caught
@@ -146,7 +148,7 @@ class Checkpointer:
             CONFIG: ocp.args.JsonRestore()}))[CONFIG]['config']
         check_compatible(path, _saved_tree(os.path.join(path, STATE)), abstract_state,
                          saved_config, config)
-        rng_abstract = {'dropout': jax.ShapeDtypeStruct((2,), np.uint32)}
+        rng_abstract = {'dropout': np.zeros((2,), np.uint32)}
         restored = self.manager.restore(step, args=ocp.args.Composite(**{
             STATE: ocp.args.StandardRestore(abstract_state),
             RNG: ocp.args.StandardRestore(rng_abstract),
@@ -160,8 +162,8 @@ class Checkpointer:
         logging.info('Restored checkpoint %s', path)
         for bad in damaged:  # Only now: an intact older one proves the reading code works.
           logging.warning('Moved damaged checkpoint %d to %s', bad, self._move_damaged(bad))
-        return Restored(step, restored[STATE], restored[RNG]['dropout'], restored[DATA],
-                        saved_config)
+        return Restored(step, restored[STATE], jnp.asarray(restored[RNG]['dropout']),
+                        restored[DATA], saved_config)
       damaged.append(step)
       fallback = (f'falling back to step {steps[index + 1]}' if index + 1 < len(steps) else
                   'no older checkpoint is left')

@@ -100,7 +100,7 @@ class Translator:
           batch[row, :len(inputs[index])] = inputs[index]
         with sharding.mesh_context(self.mesh, self.axis_rules):
           tokens = self._search(max_len)(params, sharding.global_batch(
-              {'inputs': batch}, self.mesh)['inputs'])
+              {'inputs': batch}, self.mesh, whole=True)['inputs'])
         tokens = np.asarray(jax.device_get(tokens))
         for row, index in enumerate(chunk):
           outputs[index] = tokens[row]

@@ -1,7 +1,9 @@
 """Trains and evaluates a Transformer from an ml_collections config.
 
   python -m t2t_jax.main --config=configs/default.py --workdir=/tmp/t2t_default
-  python -m t2t_jax.main --config=configs/wmt14_ende.py:big --dry_run
+  python -m t2t_jax.main --config=configs/wmt14_ende.py:big --dry_run --dry_run_devices=8 \
+      --config.mesh.shape='(2,4,1)'
+  python -m t2t_jax.main ... --coordinator_address=10.0.0.1:1234 --num_processes=2 --process_id=0
 """
 
 import json
@@ -20,6 +22,18 @@ _CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file (path[:va
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Directory for checkpoints, events and config.')
 _DRY_RUN = flags.DEFINE_bool('dry_run', False, 'Compile the train step, print its size and '
                              'cost as JSON, and exit without training.')
+_DRY_RUN_DEVICES = flags.DEFINE_integer(
+    'dry_run_devices', 0, 'With --dry_run: simulate this many CPU devices, to check a mesh '
+    'larger than this machine (memory figures then come from the CPU compiler).')
+_COORDINATOR = flags.DEFINE_string(
+    'coordinator_address', '', 'host:port of process 0 for a multi-process run (env '
+    'T2T_COORDINATOR_ADDRESS); not needed on TPU VMs and SLURM, which are detected.')
+_NUM_PROCESSES = flags.DEFINE_integer('num_processes', 0, 'Processes in the run (env '
+                                      'T2T_NUM_PROCESSES), with --coordinator_address.')
+_PROCESS_ID = flags.DEFINE_integer('process_id', -1, 'This process, 0..num_processes-1 (env '
+                                   'T2T_PROCESS_ID), with --coordinator_address.')
+_DISTRIBUTED_TIMEOUT = flags.DEFINE_integer(
+    'distributed_timeout', 300, 'Seconds to wait for every process to join a multi-process run.')
 _CACHE = flags.DEFINE_string('compilation_cache', '~/.cache/t2t_jax/xla',
                              'Persistent XLA compilation cache directory; empty disables it.')
 flags.mark_flag_as_required('config')
@@ -35,12 +49,28 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
   _quiet_libraries()
+  if _DRY_RUN_DEVICES.value:  # Before anything creates the devices.
+    if not _DRY_RUN.value:
+      raise app.UsageError('--dry_run_devices only applies with --dry_run')
+    os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') + ' --xla_force_host_platform_'
+                               f'device_count={_DRY_RUN_DEVICES.value}')
+    jax.config.update('jax_platforms', 'cpu')
+  else:
+    from t2t_jax import sharding  # pylint: disable=g-import-not-at-top
+    sharding.initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
+                                    _DISTRIBUTED_TIMEOUT.value)
   if _CACHE.value:
     jax.config.update('jax_compilation_cache_dir', os.path.expanduser(_CACHE.value))
     jax.config.update('jax_persistent_cache_min_compile_time_secs', 1.0)
   from t2t_jax import train  # After flag parsing, so --help stays fast.
   if _DRY_RUN.value:
-    print(json.dumps(train.dry_run(_CONFIG.value)), flush=True)
+    result = train.dry_run(_CONFIG.value)
+    print(json.dumps(result), flush=True)
+    if not result.get('fits', True):
+      raise SystemExit(f'The train step needs {result["memory_per_device_bytes"]["total"]} bytes '
+                       f'per device but the device has {result["device_memory_bytes"]}: shard '
+                       'more (config.mesh), lower config.data.batch_tokens, raise '
+                       'config.opt.grad_accum_steps or use config.model.dtype=bfloat16.')
     return
   if not _WORKDIR.value:
     raise app.UsageError('--workdir is required to train')
@@ -54,7 +84,11 @@ def main(argv):
     logging.warning('%s', e)
     logging.flush()
     sys.exit(preemption.EXIT_CODE)  # Not 0, so schedulers requeue rather than finish the job.
-  print(json.dumps(results), flush=True)
+  line = json.dumps(results)
+  if jax.process_index() == 0:  # Sweep summaries read it back from the workdir.
+    with open(os.path.join(_WORKDIR.value, 'final.json'), 'w') as f:
+      f.write(line + '\n')
+  print(line, flush=True)
 
 
 def run():

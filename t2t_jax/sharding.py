@@ -1,10 +1,16 @@
-"""The device mesh, logical-axis rules, and the shardings of state and batches."""
+"""The device mesh, logical-axis rules, shardings of state and batches, multi-host start-up."""
 
 import contextlib
+import glob
 import math
+import os
+import sys
+import threading
 
+from absl import logging
 import flax.linen as nn
 import jax
+from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import numpy as np
 
@@ -31,10 +37,30 @@ def mesh_shape(shape, device_count: int) -> tuple[int, ...]:
 
 
 def make_mesh(mesh_config, devices=None) -> Mesh:
+  """The ('data', 'fsdp', 'tensor') mesh; with `dcn_data` > 1 the data axis spans slices."""
   devices = jax.devices() if devices is None else devices
   shape = mesh_shape(mesh_config.shape, len(devices))
-  return jax.make_mesh(shape, MESH_AXES, devices=devices,
-                       axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
+  axis_types = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
+  slices = mesh_config.dcn_data
+  if slices == 1:
+    return jax.make_mesh(shape, MESH_AXES, devices=devices, axis_types=axis_types)
+  if slices < 1 or shape[0] % slices:
+    raise ValueError(f'config.mesh.dcn_data={slices} must be a positive divisor of the data '
+                     f'axis size {shape[0]} (config.mesh.shape={tuple(mesh_config.shape)})')
+  # Slices talk over the data-centre network (DCN), so only the data axis crosses them: each
+  # slice holds a full (data/slices, fsdp, tensor) sub-mesh on its fast interconnect. TPU
+  # devices know their slice; elsewhere (GPU hosts) each process counts as one slice.
+  per_slice = (shape[0] // slices,) + shape[1:]
+  by_process = devices[0].platform != 'tpu'
+  granules = len({d.process_index for d in devices} if by_process
+                 else {d.slice_index for d in devices})
+  if granules != slices:
+    raise ValueError(f'config.mesh.dcn_data={slices} slices were asked for, but the devices '
+                     f'form {granules} ({"processes" if by_process else "TPU slices"}); set '
+                     f'config.mesh.dcn_data={granules}' + (' or 1' if granules > 1 else ''))
+  grid = mesh_utils.create_hybrid_device_mesh(per_slice, (slices, 1, 1), devices,
+                                              process_is_granule=by_process)
+  return Mesh(grid, MESH_AXES, axis_types=axis_types)
 
 
 def rules(mesh_config) -> tuple[tuple[str, object], ...]:
@@ -54,14 +80,54 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
 def logical_shardings(abstract_boxed_tree, mesh: Mesh, axis_rules):
   """NamedShardings for a tree whose leaves carry logical axis names (unnamed: replicated)."""
   specs = nn.get_partition_spec(abstract_boxed_tree)
-  return nn.logical_to_mesh_sharding(specs, mesh, axis_rules)
+  shardings = nn.logical_to_mesh_sharding(specs, mesh, axis_rules)
+  is_boxed = lambda x: isinstance(x, nn.meta.AxisMetadata)
+  shapes = jax.tree.map(lambda x: x.value if is_boxed(x) else x, abstract_boxed_tree,
+                        is_leaf=is_boxed)
+  jax.tree_util.tree_map_with_path(_check_divisible, shapes, specs, shardings)
+  return shardings
 
 
-def global_batch(batch: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
-  """One global array per field from this process's rows, split over the batch axes."""
+def _check_divisible(path, leaf, logical_spec, named_sharding) -> None:
+  """Refuses a weight whose size along a sharded dimension does not split evenly."""
+  for dim, (size, axes) in enumerate(zip(leaf.shape, named_sharding.spec)):
+    axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+    ways = math.prod(named_sharding.mesh.shape[axis] for axis in axes)
+    if size % ways:
+      raise ValueError(
+          f'{jax.tree_util.keystr(path)} of shape {leaf.shape}: dimension {dim} (logical axis '
+          f'{logical_spec[dim]!r}) has size {size}, which does not split {ways} ways over mesh '
+          f'axes {axes}. Make the size a multiple of {ways} (e.g. config.data.vocab_size), or '
+          'change config.mesh.shape or config.mesh.rules.')
+
+
+def check_batch_rows(rows: int, mesh: Mesh, accumulation: int = 1, what: str = 'batch') -> None:
+  """Refuses a batch whose rows do not split evenly over the batch shards (x micro-batches)."""
+  multiple = batch_shards(mesh) * accumulation
+  if rows % multiple:
+    split = ' x '.join(f'{axis}={mesh.shape[axis]}' for axis in BATCH_AXES)
+    if accumulation > 1:
+      split += f' x config.opt.grad_accum_steps={accumulation}'
+    raise ValueError(f'the {what} has {rows} rows, which do not divide into {multiple} equal '
+                     f'parts ({split}); use a row count that is a multiple of {multiple}')
+
+
+def global_batch(batch: dict[str, np.ndarray], mesh: Mesh,
+                 whole: bool = False) -> dict[str, jax.Array]:
+  """One global array per field, split over the batch axes.
+
+  By default each process passes its own contiguous block of rows (process p the p-th of
+  `jax.process_count()` blocks), as the batch plans collate them; with `whole=True` every
+  process passes the whole global batch and places only the rows its devices hold.
+  """
   sharding = batch_sharding(mesh)
-  return {key: jax.make_array_from_process_local_data(sharding, value)
-          for key, value in batch.items()}
+  arrays = {}
+  for key, value in batch.items():
+    rows = value.shape[0] * (1 if whole else jax.process_count())
+    check_batch_rows(rows, mesh, what=f'batch field {key!r}')
+    arrays[key] = jax.make_array_from_process_local_data(sharding, value,
+                                                         (rows,) + value.shape[1:])
+  return arrays
 
 
 @contextlib.contextmanager
@@ -69,3 +135,66 @@ def mesh_context(mesh: Mesh, axis_rules):
   """Mesh and logical-axis rules visible to the model's sharding annotations while tracing."""
   with jax.set_mesh(mesh), nn.logical_axis_rules(axis_rules):
     yield
+
+
+# Multi-host start-up.
+
+def _on_multi_task_slurm() -> bool:
+  return 'SLURM_JOB_ID' in os.environ and int(os.environ.get('SLURM_NTASKS', '1')) > 1
+
+
+def _on_tpu_vm() -> bool:
+  return bool(glob.glob('/dev/accel*') or glob.glob('/dev/vfio/[0-9]*'))
+
+
+def initialize_distributed(coordinator_address: str = '', num_processes: int = 0,
+                           process_id: int = -1, timeout_seconds: int = 300) -> bool:
+  """Joins this process to a multi-process run; returns whether one was started.
+
+  An explicit coordinator (flags, or T2T_COORDINATOR_ADDRESS / T2T_NUM_PROCESSES /
+  T2T_PROCESS_ID) wins; otherwise TPU VMs and multi-task SLURM jobs are detected and JAX reads
+  the topology from their environment; otherwise this is a single-process run. Must run
+  before anything touches the devices.
+  """
+  coordinator_address = coordinator_address or os.environ.get('T2T_COORDINATOR_ADDRESS', '')
+  num_processes = num_processes or int(os.environ.get('T2T_NUM_PROCESSES', '0'))
+  if process_id < 0:
+    process_id = int(os.environ.get('T2T_PROCESS_ID', '-1'))
+  if coordinator_address:
+    if num_processes < 1 or not 0 <= process_id < num_processes:
+      raise ValueError(f'--coordinator_address={coordinator_address} needs --num_processes >= 1 '
+                       f'and 0 <= --process_id < num_processes, got {num_processes} and '
+                       f'{process_id}')
+    kwargs = dict(coordinator_address=coordinator_address, num_processes=num_processes,
+                  process_id=process_id)
+    where = f'the coordinator {coordinator_address} (process {process_id} of {num_processes})'
+  elif _on_multi_task_slurm() or _on_tpu_vm():
+    kwargs, where = {}, 'the coordinator detected from the SLURM/TPU environment'
+  else:
+    return False
+  # CPU devices of different processes need a collectives backend to talk to each other.
+  jax.config.update('jax_cpu_collectives_implementation', 'gloo')
+  message = (f'could not join {where} within --distributed_timeout={timeout_seconds} s: a peer '
+             'never joined. Start every process with the same --coordinator_address and '
+             '--num_processes and its own --process_id, and check that the coordinator is '
+             'reachable from every host.')
+  logging.info('Waiting up to %d s for all processes to join %s', timeout_seconds, where)
+  # JAX aborts the process from C++ when the deadline passes; say why first, in plain words.
+  watchdog = threading.Timer(timeout_seconds, _exit_with, (message,))
+  watchdog.daemon = True
+  watchdog.start()
+  try:
+    jax.distributed.initialize(initialization_timeout=timeout_seconds, **kwargs)
+  except Exception as e:  # pylint: disable=broad-except
+    raise RuntimeError(f'{message} ({type(e).__name__}: {e})') from None
+  finally:
+    watchdog.cancel()
+  logging.info('Process %d of %d joined %s; %d local / %d global devices', jax.process_index(),
+               jax.process_count(), where, jax.local_device_count(), jax.device_count())
+  return True
+
+
+def _exit_with(message: str) -> None:
+  logging.error(message)
+  print(f'ERROR: {message}', file=sys.stderr, flush=True)
+  os._exit(2)  # pylint: disable=protected-access

@@ -22,6 +22,7 @@ from t2t_jax import checkpoint
 from t2t_jax import data
 from t2t_jax import decode
 from t2t_jax import evaluate
+from t2t_jax import hang_guard
 from t2t_jax import optim
 from t2t_jax import preemption
 from t2t_jax import sharding
@@ -43,19 +44,54 @@ def apply_model(model: Transformer, params, batch: dict, **kwargs) -> jax.Array:
 
 
 def train_step(state: TrainState, batch: dict, rng: jax.Array, *, model: Transformer,
-               optimizer: optax.GradientTransformation, label_smoothing: float):
-  """One update on the loss per real target token of the whole (global) batch."""
+               optimizer: optax.GradientTransformation, label_smoothing: float,
+               grad_accum_steps: int = 1):
+  """One update on the loss per real target token of the whole (global) batch.
+
+  With `grad_accum_steps` = A the batch is split into A micro-batches whose gradients and
+  metrics are summed in a scan before the single division by the batch's target tokens, so
+  A micro-batches of B/A rows give the update of one batch of B rows.
+  """
   dropout_rng = jax.random.fold_in(rng, state.step)
+  rows = batch['targets'].shape[0]
+  if rows % grad_accum_steps:
+    raise ValueError(f'the batch has {rows} rows, which do not split into '
+                     f'config.opt.grad_accum_steps={grad_accum_steps} equal micro-batches')
 
-  def loss_fn(params):
-    logits_BLV = apply_model(model, params, batch, rngs={'dropout': dropout_rng})
-    metrics = optim.compute_metrics(logits_BLV, batch['targets'], label_smoothing)
-    return metrics['loss'] / jnp.maximum(metrics['weight'], 1.0), metrics
+  def loss_sum_fn(params, micro_batch, micro_rng):
+    logits_BLV = apply_model(model, params, micro_batch, rngs={'dropout': micro_rng})
+    metrics = optim.compute_metrics(logits_BLV, micro_batch['targets'], label_smoothing)
+    return metrics['loss'], metrics
 
-  grads, metrics = jax.grad(loss_fn, has_aux=True)(state.params)
+  grad_fn = jax.grad(loss_sum_fn, has_aux=True)
+  if grad_accum_steps == 1:
+    grad_sums, metrics = grad_fn(state.params, batch, dropout_rng)
+  else:
+    micro_batches = jax.tree.map(lambda x: _split_rows(x, grad_accum_steps), batch)
+
+    def accumulate(carry, inputs):
+      index, micro_batch = inputs
+      grads, metrics = grad_fn(state.params, micro_batch, jax.random.fold_in(dropout_rng, index))
+      return jax.tree.map(jnp.add, carry, (grads, metrics)), None
+
+    zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(
+        grad_fn, state.params, jax.tree.map(lambda x: x[0], micro_batches), dropout_rng))
+    (grad_sums, metrics), _ = jax.lax.scan(
+        accumulate, zeros, (jnp.arange(grad_accum_steps), micro_batches))
+  grads = jax.tree.map(lambda g: g / jnp.maximum(metrics['weight'], 1.0), grad_sums)
   updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+
+def _split_rows(x_BL: jax.Array, parts: int) -> jax.Array:
+  """[B, ...] -> [parts, B / parts, ...], micro-batch i = rows i, i + parts, i + 2 parts, ...
+
+  Strided rather than contiguous, so each micro-batch keeps the batch's split over the
+  devices and no rows move between devices.
+  """
+  x = x_BL.reshape((x_BL.shape[0] // parts, parts) + x_BL.shape[1:]).swapaxes(0, 1)
+  return nn.with_logical_constraint(x, (None, 'batch') + (None,) * (x_BL.ndim - 1))
 
 
 def eval_step(params, batch: dict, *, model: Transformer, label_smoothing: float):
@@ -80,6 +116,8 @@ class Setup:
 def build(config, vocab_size: int, mesh=None) -> Setup:
   """Model, optimiser and the jitted init/train/eval with shardings from the logical axes."""
   mesh = mesh if mesh is not None else sharding.make_mesh(config.mesh)
+  if config.opt.grad_accum_steps < 1:
+    raise ValueError(f'config.opt.grad_accum_steps={config.opt.grad_accum_steps} must be >= 1')
   axis_rules = sharding.rules(config.mesh)
   model_config = TransformerConfig.from_config(config.model, vocab_size)
   model = Transformer(model_config)
@@ -102,7 +140,8 @@ def build(config, vocab_size: int, mesh=None) -> Setup:
   ls = config.opt.label_smoothing
   jit_init = jax.jit(lambda rng: nn.meta.unbox(init(rng)), out_shardings=shardings)
   jit_train = jax.jit(
-      functools.partial(train_step, model=model, optimizer=optimizer, label_smoothing=ls),
+      functools.partial(train_step, model=model, optimizer=optimizer, label_smoothing=ls,
+                        grad_accum_steps=config.opt.grad_accum_steps),
       in_shardings=(shardings, batch_sharding, replicated),
       out_shardings=(shardings, replicated), donate_argnums=0)
   jit_eval = jax.jit(
@@ -135,7 +174,7 @@ def count_params(params) -> int:
 def dry_run(config) -> dict:
   """Compiles the train step for the configured mesh without data; returns size and cost."""
   setup = build(config, data.vocab_size(config))
-  shards = sharding.batch_shards(setup.mesh)
+  shards = sharding.batch_shards(setup.mesh) * config.opt.grad_accum_steps
   if config.data.batching == 'packed':
     length = data.pack_length(config.data)
     keys = ('inputs', 'targets', 'inputs_positions', 'targets_positions', 'inputs_segments',
@@ -152,21 +191,49 @@ def dry_run(config) -> dict:
   start = time.perf_counter()
   compiled = setup.train_step.lower(setup.abstract_state, batch, rng).compile()
   compile_seconds = time.perf_counter() - start
-  cost = compiled.cost_analysis()
-  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  flops = _global_flops(setup, config, batch, rng)
   memory = compiled.memory_analysis()
   per_device = {name: int(getattr(memory, f'{name}_size_in_bytes', 0))
-                for name in ('argument', 'output', 'temp', 'generated_code')}
+                for name in ('argument', 'output', 'temp', 'alias', 'generated_code')}
+  # Donated state is both argument and output: count it once.
+  per_device['total'] = (per_device['argument'] + per_device['output'] + per_device['temp']
+                         - per_device['alias'])
   return {
       'config': config.name,
       'params': count_params(setup.abstract_state.params),
-      'flops_per_step': float(cost.get('flops', 0.0)),
+      'flops_per_step': flops,
+      'flops_per_step_per_device': flops / setup.mesh.size,
       'batch_shape': [rows, length],
+      'grad_accum_steps': config.opt.grad_accum_steps,
+      'dtype': config.model.dtype,
       'mesh': dict(setup.mesh.shape),
+      'device_count': setup.mesh.size,
       'device_kind': jax.devices()[0].device_kind,
       'memory_per_device_bytes': per_device,
       'compile_seconds': round(compile_seconds, 2),
+      **_device_fit(per_device['total']),
   }
+
+
+def _global_flops(setup: Setup, config, batch, rng) -> float:
+  """FLOPs of one whole update, from XLA's cost analysis of the program before partitioning.
+
+  Counted without accumulation: the analysis counts a loop body once, and A micro-batches do
+  the arithmetic of one batch of A times their rows.
+  """
+  step = jax.jit(functools.partial(train_step, model=Transformer(setup.model_config),
+                                   optimizer=setup.optimizer,
+                                   label_smoothing=config.opt.label_smoothing))
+  with sharding.mesh_context(setup.mesh, setup.axis_rules):
+    cost = step.lower(setup.abstract_state, batch, rng).cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  return float(cost.get('flops', 0.0))
+
+
+def _device_fit(total_bytes: int) -> dict:
+  """On an accelerator that reports its memory, whether the step fits in it."""
+  limit = (jax.devices()[0].memory_stats() or {}).get('bytes_limit')
+  return {'device_memory_bytes': int(limit), 'fits': total_bytes <= limit} if limit else {}
 
 
 # The training loop.
@@ -233,6 +300,7 @@ class _MetricLog:
     self.writer, self.schedule, self.num_steps = writer, schedule, num_steps
     self.sums, self.steps, self.start = None, 0, time.perf_counter()
     self.last_good_step = start_step
+    self.last_loss, self.intervals = float('nan'), []  # (steps, seconds) per logged interval.
 
   def add(self, step: int, metrics) -> None:
     metrics = jax.device_get(metrics)
@@ -262,7 +330,15 @@ class _MetricLog:
                  steps_per_second, time.strftime('%H:%M:%S', time.gmtime(eta)))
     for name, value in summary.items():
       self.writer.add_scalar(f'train/{name}', value, step)
+    self.last_loss = summary['loss']
+    self.intervals.append((self.steps, elapsed))
     self.sums, self.steps, self.start = None, 0, time.perf_counter()
+
+  def final(self) -> dict[str, float]:
+    """The last logged training loss and the run's steps/s, leaving out the compiling interval."""
+    intervals = self.intervals[1:] or self.intervals or [(0, 1.0)]
+    steps, seconds = (sum(column) for column in zip(*intervals))
+    return {'train_loss': self.last_loss, 'steps_per_second': steps / max(seconds, 1e-9)}
 
 
 def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
@@ -297,34 +373,42 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
   results, pending, train_start = {}, None, time.perf_counter()
   sigterm, preempted = preemption.Preemption(config.ckpt.preemption_grace_seconds), False
   logging.info('Training from step %d to %d', start_step, num_steps)
-  for step in range(start_step + 1, num_steps + 1):
-    batch = sharding.global_batch(next(train_iter), mesh)
-    state, metrics = setup.train_step(state, batch, dropout_rng)
-    if pending:  # Read the previous step's metrics only now, so the device never waits.
-      metric_log.add(*pending)
-    pending = (step, metrics)
-    is_last, preempted = step == num_steps, sigterm.requested(step)
-    evaluate_now = is_last or step % config.train.eval_every == 0
-    save_now = is_last or preempted or checkpointer.should_save(step)
-    if is_last or evaluate_now or save_now or step % config.train.log_every == 0:
-      metric_log.add(*pending)
-      pending = None
-      metric_log.write(step)
-    if save_now:
-      checkpointer.save(step, state, dropout_rng, train_iter.get_state(), config_json)
-    if preempted:
-      break
-    if evaluate_now:
-      results = run_evaluation(setup, state.params, task, eval_batches, config, translator)
-      if config.eval.average_last and save_now:
-        averaged, steps = checkpointer.average_last(config.eval.average_last,
-                                                    setup.abstract_state.params)
-        results.update({f'averaged_{name}': value for name, value in run_evaluation(
-            setup, averaged, task, eval_batches, config, translator).items()})
-        logging.info('Averaged checkpoints %s', steps)
-      for name, value in results.items():
-        writer.add_scalar(name.replace('eval_', 'eval/'), value, step)
-      logging.info('step %d eval: %s', step, json.dumps(results))
+  seen_shapes = set()
+  with hang_guard.HangGuard(config.train.step_timeout_seconds) as guard:
+    for step in range(start_step + 1, num_steps + 1):
+      guard.arm(f'training step {step} (or reading the metrics of step {step - 1})')
+      host_batch = next(train_iter)
+      if host_batch['targets'].shape not in seen_shapes:  # Compiles the step: not guarded.
+        seen_shapes.add(host_batch['targets'].shape)
+        guard.disarm()
+      state, metrics = setup.train_step(state, sharding.global_batch(host_batch, mesh),
+                                        dropout_rng)
+      if pending:  # Read the previous step's metrics only now, so the device never waits.
+        metric_log.add(*pending)
+      pending = (step, metrics)
+      is_last, preempted = step == num_steps, sigterm.requested(step)
+      evaluate_now = is_last or step % config.train.eval_every == 0
+      save_now = is_last or preempted or checkpointer.should_save(step)
+      if is_last or evaluate_now or save_now or step % config.train.log_every == 0:
+        metric_log.add(*pending)
+        pending = None
+        metric_log.write(step)
+      guard.disarm()  # Saving and evaluating (which compiles decoding) are not steps.
+      if save_now:
+        checkpointer.save(step, state, dropout_rng, train_iter.get_state(), config_json)
+      if preempted:
+        break
+      if evaluate_now:
+        results = run_evaluation(setup, state.params, task, eval_batches, config, translator)
+        if config.eval.average_last and save_now:
+          averaged, steps = checkpointer.average_last(config.eval.average_last,
+                                                      setup.abstract_state.params)
+          results.update({f'averaged_{name}': value for name, value in run_evaluation(
+              setup, averaged, task, eval_batches, config, translator).items()})
+          logging.info('Averaged checkpoints %s', steps)
+        for name, value in results.items():
+          writer.add_scalar(name.replace('eval_', 'eval/'), value, step)
+        logging.info('step %d eval: %s', step, json.dumps(results))
   sigterm.close()
   if preempted:
     checkpointer.close()
@@ -334,7 +418,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     results = run_evaluation(setup, state.params, task, eval_batches, config, translator)
   checkpointer.close()
   writer.close()
-  return {'config': config.name, 'step': int(state.step), **results,
+  return {'config': config.name, 'step': int(state.step), **results, **metric_log.final(),
           'train_seconds': round(time.perf_counter() - train_start, 1)}
 
 

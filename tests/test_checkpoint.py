@@ -335,9 +335,11 @@ def test_kill9_twice_then_resume_equals_an_uninterrupted_run(tmp_path):
     rc, log, _ = _run_until(_command(interrupted, *steps), kill_at or 10**9)
     assert rc == (0 if kill_at is None else -signal.SIGKILL), log[-3000:]
     starts.append(int(re.search(r'Training from step (\d+) to 24', log).group(1)))
-  # Each launch resumed from a checkpoint the previous one wrote (every 3 steps).
-  assert starts[0] == 0 and 0 < starts[1] <= first and starts[1] < starts[2] <= second, (
+  # Each launch resumed from the newest checkpoint the previous one finished writing (saves
+  # are asynchronous, so one in flight at the kill is absent), and the last one did resume.
+  assert starts[0] == 0 and starts[1] <= first and 0 < starts[2] <= second, (
       first, second, starts)
+  assert starts[1] <= starts[2], (first, second, starts)
 
   for step in (24,) + tuple(s for s in range(3, 24, 3) if s > second):
     a, b = (checkpoint.Checkpointer(str(w), _config().ckpt).manager for w in

@@ -1,0 +1,228 @@
+"""Expands a sweep file into one training run per point, and summarises a finished sweep.
+
+  python launch/sweep.py configs/sweeps/tiny_grid.py -- \
+      python -m t2t_jax.main --config=configs/tiny.py --workdir=/tmp/sweep
+  python launch/sweep.py --mode=slurm configs/sweeps/wmt14_ende_lr.py -- \
+      python -m t2t_jax.main --config=configs/wmt14_ende.py:big --workdir=/shared/sweep
+  python launch/sweep.py --dry_run FILE -- <base command>     # print the commands only
+  python launch/sweep.py --summarize /tmp/sweep                # table of final metrics
+
+A sweep file defines `get_sweep()` returning {'product': {key: [values]}, 'zip': {key:
+[values]}} (either or both), keys being config keys such as 'opt.lr_scale'. The points are
+every combination of the 'product' values, each combined with every position of the 'zip'
+lists. Each point runs as the base command with `--config.KEY=VALUE` appended and `--workdir`
+replaced by `<workdir>/<point name>`; the point's overrides and command are written to
+`sweep_point.json` there. Runs go one after another here (`--mode=local`), or as one SLURM
+array job (`--mode=slurm`). No training logic lives here.
+"""
+
+import argparse
+import importlib.util
+import itertools
+import json
+import os
+import shlex
+import subprocess
+import sys
+
+SUMMARY_COLUMNS = ('step', 'bleu', 'eval_loss', 'train_loss', 'steps_per_second')
+
+
+class SweepError(ValueError):
+  """A malformed sweep file or base command."""
+
+
+def load_sweep(path: str) -> dict:
+  spec = importlib.util.spec_from_file_location('sweep_file', path)
+  if spec is None or not os.path.exists(path):
+    raise SweepError(f'{path}: no such sweep file')
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  if not hasattr(module, 'get_sweep'):
+    raise SweepError(f'{path}: a sweep file must define get_sweep()')
+  return module.get_sweep()
+
+
+def _key(key: str) -> str:
+  key = key.removeprefix('--').removeprefix('config.')
+  if not key or '=' in key:
+    raise SweepError(f'bad sweep key {key!r}: use a config key such as "opt.lr_scale"')
+  return key
+
+
+def expand(sweep: dict, path: str = 'sweep') -> list[dict[str, object]]:
+  """The points of a sweep, each an ordered {config key: value}."""
+  unknown = set(sweep) - {'product', 'zip'}
+  if unknown or not sweep:
+    raise SweepError(f"{path}: get_sweep() must return 'product' and/or 'zip', got "
+                     f'{sorted(sweep)}')
+  product, zipped = sweep.get('product', {}), sweep.get('zip', {})
+  for kind, axes in (('product', product), ('zip', zipped)):
+    for key, values in axes.items():
+      if not isinstance(values, (list, tuple)) or not values:
+        raise SweepError(f'{path}: {kind} key {key!r} needs a non-empty list of values')
+  lengths = {key: len(values) for key, values in zipped.items()}
+  if len(set(lengths.values())) > 1:
+    raise SweepError(f'{path}: zip lists must have equal lengths, got {lengths}')
+  grid = [dict(zip(map(_key, product), values))
+          for values in itertools.product(*product.values())]
+  lines = [dict(zip(map(_key, zipped), values)) for values in zip(*zipped.values())] or [{}]
+  return [{**point, **line} for point in grid for line in lines]
+
+
+def point_name(point: dict[str, object]) -> str:
+  """A directory name from the values: the last part of each key, '=' its value, joined by ','."""
+  short = [key.rsplit('.', 1)[-1] for key in point]
+  names = short if len(set(short)) == len(short) else list(point)
+  text = ','.join(f'{name}={value}' for name, value in zip(names, point.values()))
+  return ''.join(c if c.isalnum() or c in '=,.-_+' else '_' for c in text)
+
+
+def _split_workdir(command: list[str]) -> tuple[list[str], str]:
+  """The base command without its --workdir, and that workdir (the sweep's root)."""
+  rest, root, skip = [], None, False
+  for i, arg in enumerate(command):
+    if skip:
+      skip = False
+    elif arg.startswith('--workdir='):
+      root = arg.split('=', 1)[1]
+    elif arg == '--workdir' and i + 1 < len(command):
+      root, skip = command[i + 1], True
+    else:
+      rest.append(arg)
+  if not root:
+    raise SweepError('the base command needs --workdir=DIR: each run of the sweep gets '
+                     'DIR/<point name>')
+  return rest, root
+
+
+def commands(points: list[dict], base_command: list[str]) -> tuple[str, list[tuple[str, list]]]:
+  """The sweep root and (workdir, command) per point."""
+  rest, root = _split_workdir(base_command)
+  runs = []
+  for point in points:
+    workdir = os.path.join(root, point_name(point))
+    overrides = [f'--config.{key}={value}' for key, value in point.items()]
+    runs.append((workdir, rest + overrides + [f'--workdir={workdir}']))
+  return root, runs
+
+
+def _record(workdir: str, point: dict, command: list[str]) -> None:
+  os.makedirs(workdir, exist_ok=True)
+  with open(os.path.join(workdir, 'sweep_point.json'), 'w') as f:
+    json.dump({'overrides': point, 'command': shlex.join(command)}, f, indent=2)
+
+
+def run_local(points, runs) -> int:
+  """Runs the points one after another; returns how many failed."""
+  failed = 0
+  for index, (point, (workdir, command)) in enumerate(zip(points, runs), start=1):
+    _record(workdir, point, command)
+    print(f'=== sweep run {index}/{len(runs)}: {workdir}', flush=True)
+    code = subprocess.call(command)
+    if code:
+      failed += 1
+      print(f'=== sweep run {workdir} exited with status {code}', flush=True)
+  return failed
+
+
+def slurm_script(root: str, runs, sbatch_options: list[str]) -> str:
+  """An sbatch array script running line $SLURM_ARRAY_TASK_ID of the command list."""
+  options = '\n'.join(f'#SBATCH {option}' for option in sbatch_options)
+  return f'''#!/bin/bash
+#SBATCH --job-name=t2t_sweep
+#SBATCH --array=0-{len(runs) - 1}
+#SBATCH --output={root}/slurm-%A_%a.out
+{options}
+set -euo pipefail
+mapfile -t COMMANDS < {shlex.quote(os.path.join(root, 'sweep_commands.txt'))}
+eval "srun ${{COMMANDS[$SLURM_ARRAY_TASK_ID]}}"
+'''
+
+
+def run_slurm(points, root, runs, sbatch_options, dry_run: bool) -> int:
+  script = slurm_script(root, runs, sbatch_options)
+  if dry_run:
+    print(script)
+    return 0
+  for point, (workdir, command) in zip(points, runs):
+    _record(workdir, point, command)
+  with open(os.path.join(root, 'sweep_commands.txt'), 'w') as f:
+    f.write(''.join(shlex.join(command) + '\n' for _, command in runs))
+  path = os.path.join(root, 'sweep.sbatch')
+  with open(path, 'w') as f:
+    f.write(script)
+  return subprocess.call(['sbatch', path])
+
+
+def _format(value) -> str:
+  if value is None:
+    return '-'
+  if isinstance(value, float):
+    return f'{value:.4g}'
+  return str(value)
+
+
+def summarize(root: str) -> str:
+  """A table of the final figures (final.json) of every run under `root`."""
+  if not os.path.isdir(root):
+    raise SweepError(f'{root}: no such sweep directory')
+  rows = []
+  for name in sorted(os.listdir(root)):
+    workdir = os.path.join(root, name)
+    if not os.path.isdir(workdir):
+      continue
+    final_path = os.path.join(workdir, 'final.json')
+    if os.path.exists(final_path):
+      with open(final_path) as f:
+        final = json.loads(f.read().strip().splitlines()[-1])
+      rows.append([name] + [_format(final.get(column)) for column in SUMMARY_COLUMNS])
+    elif os.path.exists(os.path.join(workdir, 'sweep_point.json')):
+      rows.append([name] + ['(no final.json: running or failed)'] + [''] * 4)
+  if not rows:
+    raise SweepError(f'{root}: no runs found (no subdirectory holds final.json or '
+                     'sweep_point.json)')
+  header = ['run'] + list(SUMMARY_COLUMNS)
+  widths = [max(len(row[i]) for row in rows + [header]) for i in range(len(header))]
+  lines = ['  '.join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip()
+           for row in [header] + rows]
+  return '\n'.join(lines)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0],
+                                   usage='%(prog)s [options] SWEEP_FILE -- command ... | '
+                                         '%(prog)s --summarize DIR')
+  parser.add_argument('--mode', choices=('local', 'slurm'), default='local',
+                      help='Run the points here one after another, or as a SLURM array.')
+  parser.add_argument('--dry_run', action='store_true', help='Print the commands (or the '
+                      'SLURM script) and write nothing.')
+  parser.add_argument('--sbatch', action='append', default=[],
+                      help='Extra #SBATCH option for --mode=slurm, e.g. --sbatch=--gpus=8.')
+  parser.add_argument('--summarize', metavar='DIR', help='Print final metrics of all runs.')
+  parser.add_argument('rest', nargs=argparse.REMAINDER, help='SWEEP_FILE -- base command')
+  args = parser.parse_args()
+  try:
+    if args.summarize:
+      print(summarize(args.summarize))
+      return
+    if '--' not in args.rest or args.rest.index('--') != 1:
+      parser.error('give the sweep file, then -- and the base command')
+    sweep_file, base_command = args.rest[0], args.rest[2:]
+    points = expand(load_sweep(sweep_file), sweep_file)
+    root, runs = commands(points, base_command)
+    if args.mode == 'slurm':
+      sys.exit(run_slurm(points, root, runs, args.sbatch, args.dry_run))
+    if args.dry_run:
+      for _, command in runs:
+        print(shlex.join(command))
+      return
+    failed = run_local(points, runs)
+    print(summarize(root))
+    sys.exit(1 if failed else 0)
+  except SweepError as e:
+    sys.exit(f'launch/sweep.py: {e}')
+
+
+if __name__ == '__main__':
+  main()

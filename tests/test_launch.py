@@ -1,0 +1,150 @@
+"""Sweeps, the dry run on a simulated mesh, the hang guard, and the launch scripts."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from conftest import ROOT
+
+sys.path.insert(0, os.path.join(ROOT, 'launch'))
+import sweep  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+
+def _run(command, timeout=300, **kwargs):
+  env = dict(os.environ, PYTHONPATH=ROOT)
+  env['XLA_FLAGS'] = ''
+  return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
+                        timeout=timeout, **kwargs)
+
+
+def test_sweep_expands_products_and_zips():
+  points = sweep.expand({'product': {'opt.lr_scale': [1, 2]},
+                         'zip': {'--config.model.dropout': [0.1, 0.3], 'seed': [5, 6]}})
+  assert points == [{'opt.lr_scale': 1, 'model.dropout': 0.1, 'seed': 5},
+                    {'opt.lr_scale': 1, 'model.dropout': 0.3, 'seed': 6},
+                    {'opt.lr_scale': 2, 'model.dropout': 0.1, 'seed': 5},
+                    {'opt.lr_scale': 2, 'model.dropout': 0.3, 'seed': 6}]
+  assert sweep.point_name(points[0]) == 'lr_scale=1,dropout=0.1,seed=5'
+  assert sweep.point_name({'a.dropout': 1, 'b.dropout': 2}) == 'a.dropout=1,b.dropout=2'
+  with pytest.raises(sweep.SweepError, match=r'zip lists must have equal lengths'):
+    sweep.expand({'zip': {'a': [1, 2], 'b': [1]}})
+  with pytest.raises(sweep.SweepError, match=r"must return 'product' and/or 'zip'"):
+    sweep.expand({'grid': {'a': [1]}})
+  with pytest.raises(sweep.SweepError, match=r'needs --workdir=DIR'):
+    sweep.commands(points, ['python', '-m', 't2t_jax.main'])
+
+
+def test_sweep_dry_run_prints_commands_and_slurm_array(tmp_path):
+  base = ['--', 'python', '-m', 't2t_jax.main', '--config=configs/tiny.py',
+          f'--workdir={tmp_path}']
+  printed = _run([sys.executable, 'launch/sweep.py', '--dry_run', 'configs/sweeps/tiny_grid.py']
+                 + base, check=True).stdout.splitlines()
+  assert printed == [f'python -m t2t_jax.main --config=configs/tiny.py '
+                     f'--config.opt.lr_scale={lr} --config.opt.warmup_steps={w} '
+                     f'--workdir={tmp_path}/lr_scale={lr},warmup_steps={w}'
+                     for lr in (1.0, 2.0) for w in (10, 20)]
+  script = _run([sys.executable, 'launch/sweep.py', '--mode=slurm', '--dry_run',
+                 '--sbatch=--gpus=8', 'configs/sweeps/tiny_grid.py'] + base, check=True).stdout
+  assert '#SBATCH --array=0-3' in script and '#SBATCH --gpus=8' in script
+  assert os.listdir(tmp_path) == []  # A dry run writes nothing.
+
+
+@pytest.mark.slow
+def test_sweep_runs_a_two_by_two_grid_and_summarizes_it(tmp_path):
+  sweep_file = tmp_path / 'grid.py'
+  # Seeds and data sizes leave the compiled program unchanged: four short runs, one compile.
+  sweep_file.write_text("def get_sweep():\n  return {'product': {'seed': [0, 1], "
+                        "'data.num_train': [256, 512]}}\n")
+  root = tmp_path / 'runs'
+  run = _run([sys.executable, 'launch/sweep.py', str(sweep_file), '--', sys.executable, '-m',
+              't2t_jax.main', '--config=configs/tiny.py', f'--workdir={root}',
+              '--config.train.num_steps=3', '--config.train.eval_every=3',
+              '--config.train.log_every=1', '--config.ckpt.every=0',
+              '--config.eval.bleu_sentences=4'], timeout=600)
+  assert run.returncode == 0, run.stderr[-3000:]
+  names = sorted(os.listdir(root))
+  assert names == sorted(f'seed={s},num_train={n}' for s in (0, 1) for n in (256, 512))
+  for name in names:
+    point = json.load(open(root / name / 'sweep_point.json'))
+    config = json.load(open(root / name / 'config.json'))
+    assert config['seed'] == point['overrides']['seed']
+    assert config['data']['num_train'] == point['overrides']['data.num_train']
+  table = _run([sys.executable, 'launch/sweep.py', '--summarize', str(root)],
+               check=True).stdout.splitlines()
+  assert table[0].split() == ['run', 'step', 'bleu', 'eval_loss', 'train_loss',
+                              'steps_per_second']
+  assert len(table) == 5
+  for line in table[1:]:
+    name, step, bleu, eval_loss, train_loss, _ = line.split()
+    final = json.load(open(root / name / 'final.json'))
+    assert step == '3' and float(bleu) == pytest.approx(final['bleu'], rel=1e-3)
+    assert float(eval_loss) == pytest.approx(final['eval_loss'], rel=1e-3)
+    assert float(train_loss) == pytest.approx(final['train_loss'], rel=1e-3)
+  losses = {json.load(open(root / name / 'final.json'))['train_loss'] for name in names}
+  assert len(losses) == 4  # Four different runs, not one repeated.
+
+
+@pytest.mark.slow
+def test_dry_run_of_big_on_a_simulated_4_2_1_mesh_prints_memory_per_device():
+  run = _run([sys.executable, '-m', 't2t_jax.main', '--config=configs/wmt14_ende.py:big',
+              '--dry_run', '--dry_run_devices=8', "--config.mesh.shape=(4,2,1)"], timeout=600)
+  assert run.returncode == 0, run.stderr[-3000:]
+  result = json.loads(run.stdout.strip().splitlines()[-1])
+  assert result['mesh'] == {'data': 4, 'fsdp': 2, 'tensor': 1} and result['device_count'] == 8
+  assert 200e6 < result['params'] < 220e6 and result['flops_per_step'] > 1e12
+  memory = result['memory_per_device_bytes']
+  # Parameters and Adam's two moments (float32), split two ways over fsdp, are the arguments.
+  assert memory['argument'] == pytest.approx(3 * 4 * result['params'] / 2, rel=0.01)
+  assert memory['temp'] > 0 and memory['output'] > 0
+
+
+def test_hang_guard_dumps_stacks_and_exits_on_a_stalled_step(tmp_path):
+  script = textwrap.dedent(f'''
+      import os
+      import time
+      import jax
+      from configs import tiny
+      from t2t_jax import train
+
+      def stall_forever(x):
+        time.sleep(600)
+        return x
+
+      build = train.build
+      def stalling_build(*args, **kwargs):
+        setup = build(*args, **kwargs)
+        step, calls = setup.train_step, [0]
+        def train_step(state, batch, rng):
+          calls[0] += 1
+          state, metrics = step(state, batch, rng)
+          if calls[0] == 4:  # The fourth step never finishes on the device.
+            metrics = jax.pure_callback(stall_forever, metrics, metrics)
+          return state, metrics
+        setup.train_step = train_step
+        return setup
+      train.build = stalling_build
+      jax.config.update('jax_compilation_cache_dir', os.path.expanduser('~/.cache/t2t_jax/xla'))
+
+      config = tiny.get_config()
+      config.train.step_timeout_seconds = 5.0
+      config.train.num_steps, config.ckpt.every, config.eval.bleu_sentences = 8, 0, 0
+      train.train_and_evaluate(config, {str(tmp_path)!r})
+  ''')
+  run = _run([sys.executable, '-c', script], timeout=300)
+  assert run.returncode == 3, run.stderr[-3000:]
+  assert re.search(r'training step [45] \(or reading the metrics of step [34]\) took longer '
+                   r'than config.train.step_timeout_seconds=5 s on process 0', run.stderr)
+  assert 'Thread 0x' in run.stderr and 'in stall_forever' in run.stderr
+  assert 'in train_and_evaluate' in run.stderr  # The main thread, waiting on the step.
+
+
+def test_launch_scripts_parse():
+  for script in ('launch/slurm.sbatch', 'launch/tpu_vm.sh'):
+    subprocess.run(['bash', '-n', script], cwd=ROOT, check=True)
+  usage = _run(['bash', 'launch/tpu_vm.sh'])
+  assert usage.returncode == 2 and 'launch/tpu_vm.sh run' in usage.stdout

@@ -1,0 +1,88 @@
+"""Two processes x 4 CPU devices train like one process x 8, and their checkpoints restore."""
+
+import glob
+import json
+import os
+import socket
+import struct
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from tensorboardX.proto import event_pb2
+
+from conftest import ROOT
+from t2t_jax import train
+
+STEPS = 4
+OVERRIDES = {'train.num_steps': STEPS, 'train.log_every': 1, 'train.eval_every': STEPS,
+             'ckpt.every': 2, 'eval.bleu_sentences': 0}
+
+
+def _train_losses(workdir):
+  """train/loss per step from the workdir's event files (TFRecord framing)."""
+  losses = {}
+  for path in glob.glob(os.path.join(workdir, 'events.out.tfevents.*')):
+    with open(path, 'rb') as f:
+      while header := f.read(12):
+        (length,) = struct.unpack('<Q', header[:8])
+        event = event_pb2.Event.FromString(f.read(length))
+        f.read(4)
+        for value in event.summary.value:
+          if value.tag == 'train/loss':
+            losses[event.step] = value.simple_value
+  return [losses[step] for step in sorted(losses)]
+
+
+def _env():
+  env = dict(os.environ, PYTHONPATH=ROOT)
+  env['XLA_FLAGS'] = ''  # launch/local.py sets each process's device count.
+  return env
+
+
+@pytest.mark.multihost
+def test_two_processes_match_one_and_their_checkpoint_restores(tiny_config, tmp_path):
+  two = str(tmp_path / 'two')
+  command = [sys.executable, 'launch/local.py', '--num_processes=2', '--devices_per_process=4',
+             '--', sys.executable, '-m', 't2t_jax.main', '--config=configs/tiny.py',
+             f'--workdir={two}', '--config.mesh.dcn_data=2'  # Each process as one slice.
+             ] + [f'--config.{k}={v}' for k, v in OVERRIDES.items()]
+  run = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True,
+                       timeout=600)
+  assert run.returncode == 0, run.stdout[-3000:]
+  assert '[1] ' in run.stdout and 'Process 1 of 2 joined' in run.stdout
+  final_two = json.load(open(os.path.join(two, 'final.json')))
+
+  for key, value in OVERRIDES.items():
+    section, name = key.split('.')
+    tiny_config[section][name] = value
+  one = train.train_and_evaluate(tiny_config, str(tmp_path / 'one'))  # 1 process x 8 devices.
+  assert final_two['step'] == one['step'] == STEPS
+  np.testing.assert_allclose(_train_losses(two), _train_losses(str(tmp_path / 'one')),
+                             rtol=1e-5)
+  assert len(_train_losses(two)) == STEPS
+  np.testing.assert_allclose(final_two['eval_loss'], one['eval_loss'], rtol=1e-5)
+
+  # Both workdirs resume in this single process and must continue identically.
+  tiny_config.train.num_steps = STEPS + 2
+  resumed_two = train.train_and_evaluate(tiny_config, two)
+  resumed_one = train.train_and_evaluate(tiny_config, str(tmp_path / 'one'))
+  assert resumed_two['step'] == resumed_one['step'] == STEPS + 2
+  np.testing.assert_allclose(resumed_two['train_loss'], resumed_one['train_loss'], rtol=1e-5)
+  np.testing.assert_allclose(resumed_two['eval_loss'], resumed_one['eval_loss'], rtol=1e-5)
+
+
+@pytest.mark.multihost
+def test_a_peer_that_never_joins_gives_a_clear_error(tmp_path):
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    port = s.getsockname()[1]
+  env = dict(_env(), T2T_COORDINATOR_ADDRESS=f'127.0.0.1:{port}', T2T_NUM_PROCESSES='2',
+             T2T_PROCESS_ID='0')
+  run = subprocess.run([sys.executable, '-m', 't2t_jax.main', '--config=configs/tiny.py',
+                        f'--workdir={tmp_path}', '--distributed_timeout=3'], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=120)
+  assert run.returncode == 2
+  assert ('within --distributed_timeout=3 s: a peer never joined. Start every process with '
+          'the same --coordinator_address') in run.stderr

@@ -1,0 +1,210 @@
+"""Meshes give the same training, weights are split as the rules say, accumulation and bf16."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from t2t_jax import data
+from t2t_jax import sharding
+from t2t_jax import train
+
+STEPS = 4
+
+
+def _batches(config, count, rows=32):
+  """`count` fixed training batches of `rows` rows, the same whatever the mesh."""
+  task = data.load(config, '')
+  batches = data.TokenBudgetBatches(task.train, rows * 16, [16], rows, shuffle=True, seed=0)
+  return [batches[i] for i in range(count)]
+
+
+def _losses(config, batches, devices=None, mesh_shape=None):
+  """Per-step losses and the final parameters of `len(batches)` steps on the given mesh."""
+  if mesh_shape:
+    config.mesh.shape = mesh_shape
+  mesh = sharding.make_mesh(config.mesh, devices)
+  setup = train.build(config, data.vocab_size(config), mesh)
+  state = setup.init(jax.random.PRNGKey(0))
+  losses = []
+  for batch in batches:
+    state, metrics = setup.train_step(state, sharding.global_batch(batch, mesh),
+                                      jax.random.PRNGKey(1))
+    losses.append(float(metrics['loss'] / metrics['weight']))
+  return np.array(losses), jax.device_get(state.params), state
+
+
+@pytest.fixture
+def config(tiny_config):
+  tiny_config.model.dropout = 0.0  # Dropout masks depend on how the batch is split.
+  tiny_config.model.attention_dropout = 0.0
+  tiny_config.model.relu_dropout = 0.0
+  tiny_config.opt.schedule = 'constant'
+  tiny_config.opt.lr_scale = 3e-3
+  return tiny_config
+
+
+@pytest.fixture
+def reference(config):
+  """Losses and parameters on one device: what every mesh must reproduce."""
+  batches = _batches(config, STEPS)
+  losses, params, _ = _losses(config, batches, jax.devices()[:1], (1, 1, 1))
+  return batches, losses, params
+
+
+@pytest.mark.parametrize('mesh_shape', [(8, 1, 1), (2, 4, 1), (2, 2, 2)])
+def test_meshes_give_the_single_device_trajectory(config, reference, mesh_shape):
+  batches, expected_losses, expected_params = reference
+  losses, params, _ = _losses(config, batches, mesh_shape=mesh_shape)
+  assert expected_losses[-1] < expected_losses[0]  # It trains, so the comparison means something.
+  np.testing.assert_allclose(losses, expected_losses, rtol=2e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), params,
+               expected_params)
+
+
+def _expected_fraction(path, mesh):
+  """The share of a weight one device holds, from the model's layout and the base rules."""
+  name = '/'.join(str(getattr(k, 'key', k)) for k in path)
+  fsdp, tensor = mesh.shape['fsdp'], mesh.shape['tensor']
+  if name.endswith(('query', 'key', 'value', 'out')):  # (embed, heads, kv) / (heads, kv, embed)
+    return 1 / (fsdp * tensor)
+  if name.endswith('wi/kernel') or name.endswith('wo/kernel'):  # (embed, mlp) / (mlp, embed)
+    return 1 / (fsdp * tensor)
+  if name.endswith('wi/bias'):  # (mlp,)
+    return 1 / tensor
+  if name.endswith(('wo/bias', 'scale', 'norm/bias')):  # (embed,)
+    return 1 / fsdp
+  if name.endswith('embedding'):  # (vocab, embed)
+    return 1 / (fsdp * tensor)
+  raise AssertionError(f'no expectation for {name}')
+
+
+@pytest.mark.parametrize('mesh_shape', [(2, 2, 2), (1, 4, 2), (1, 8, 1)])
+def test_each_device_holds_its_fraction_of_each_weight(config, mesh_shape):
+  config.model.d_model, config.model.d_ff, config.model.num_heads = 32, 64, 4
+  config.data.num_symbols = 14  # 16 ids with pad and EOS: divisible by the axes.
+  config.mesh.shape = mesh_shape
+  mesh = sharding.make_mesh(config.mesh)
+  setup = train.build(config, data.vocab_size(config), mesh)
+  state = setup.init(jax.random.PRNGKey(0))
+
+  def check(path, param, *moments):
+    expected = _expected_fraction(path, mesh)
+    for array in (param,) + moments:
+      for shard in array.addressable_shards:
+        assert shard.data.size == pytest.approx(array.size * expected), jax.tree_util.keystr(path)
+
+  adam = state.opt_state[0]
+  jax.tree_util.tree_map_with_path(check, state.params, adam.mu, adam.nu)
+  devices_per_weight = {len({str(s.index) for s in p.addressable_shards})
+                        for p in jax.tree.leaves(state.params)}
+  assert max(devices_per_weight) == mesh.shape['fsdp'] * mesh.shape['tensor']
+
+
+def test_batch_that_does_not_divide_the_batch_axes_is_refused(config):
+  config.mesh.shape = (2, 4, 1)
+  mesh = sharding.make_mesh(config.mesh)
+  batch = {'inputs': np.ones((12, 16), np.int32), 'targets': np.ones((12, 16), np.int32)}
+  with pytest.raises(ValueError, match=r"batch field 'inputs' has 12 rows, which do not divide "
+                                       r'into 8 equal parts \(data=2 x fsdp=4\)'):
+    sharding.global_batch(batch, mesh)
+
+
+def test_weight_that_does_not_divide_its_axes_is_refused(config):
+  config.data.num_symbols = 13  # A vocabulary of 15 cannot split over tensor=2.
+  config.mesh.shape = (2, 2, 2)
+  with pytest.raises(ValueError, match=r"\['embedding'\]\['embedding'\] of shape \(15, 32\): "
+                                       r"dimension 0 \(logical axis 'vocab'\) has size 15, which "
+                                       r"does not split 2 ways over mesh axes \('tensor',\)"):
+    train.build(config, data.vocab_size(config))
+
+
+def test_accumulation_rows_must_divide(config):
+  config.opt.grad_accum_steps = 3
+  setup = train.build(config, data.vocab_size(config))
+  state = setup.init(jax.random.PRNGKey(0))
+  batch = sharding.global_batch(_batches(config, 1, rows=32)[0], setup.mesh)
+  with pytest.raises(ValueError, match=r'32 rows, which do not split into '
+                                       r'config.opt.grad_accum_steps=3'):
+    setup.train_step(state, batch, jax.random.PRNGKey(1))
+
+
+def test_dcn_slices_must_match_the_processes(config):
+  config.mesh.shape = (4, 2, 1)
+  config.mesh.dcn_data = 2
+  with pytest.raises(ValueError, match=r'dcn_data=2 slices were asked for, but the devices form '
+                                       r'1 \(processes\)'):
+    sharding.make_mesh(config.mesh)
+  config.mesh.dcn_data = 3
+  with pytest.raises(ValueError, match=r'dcn_data=3 must be a positive divisor of the data axis'):
+    sharding.make_mesh(config.mesh)
+
+
+def test_accumulating_four_micro_batches_matches_one_batch(config, reference):
+  batches, expected_losses, expected_params = reference
+  config.opt.grad_accum_steps = 4
+  losses, params, _ = _losses(config, batches, mesh_shape=(8, 1, 1))
+  np.testing.assert_allclose(losses, expected_losses, rtol=2e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), params,
+               expected_params)
+
+
+def test_accumulation_normalises_by_the_tokens_of_the_whole_batch(config):
+  """Micro-batches with very different token counts: a per-micro-batch mean would differ."""
+  batch = _batches(config, 1)[0]
+  batch['targets'][::2, 2:] = 0  # Even rows (micro-batches 0 and 2) keep 2 target tokens.
+  config.opt.schedule = 'constant'
+  grads = {}
+  for accumulation in (1, 4):
+    config.opt.grad_accum_steps = accumulation
+    setup = train.build(config, data.vocab_size(config))
+    state = setup.init(jax.random.PRNGKey(0))
+    new_state, _ = setup.train_step(state, sharding.global_batch(batch, setup.mesh),
+                                    jax.random.PRNGKey(1))
+    # Adam's first step moves each weight by about lr * sign(gradient): compare the moments.
+    grads[accumulation] = jax.device_get(new_state.opt_state[0].mu)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-8), grads[1],
+               grads[4])
+
+
+def test_bfloat16_computes_in_bf16_with_float32_state_and_close_loss(config, reference):
+  batches, expected_losses, _ = reference
+  config.model.dtype = 'bfloat16'
+  losses, params, state = _losses(config, batches, mesh_shape=(8, 1, 1))
+  assert {p.dtype for p in jax.tree.leaves(params)} == {np.dtype('float32')}
+  assert {m.dtype for m in jax.tree.leaves(state.opt_state[0].mu)} == {np.dtype('float32')}
+  np.testing.assert_allclose(losses, expected_losses, rtol=2e-2)
+  assert not np.allclose(losses, expected_losses, rtol=1e-6)  # It did compute differently.
+  setup = train.build(config, data.vocab_size(config))
+  hlo = setup.train_step.lower(setup.abstract_state, jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding.batch_sharding(
+          setup.mesh)), batches[0]), jax.ShapeDtypeStruct((2,), jnp.uint32)).as_text()
+  matmuls = [line for line in hlo.splitlines() if 'dot_general' in line]
+  assert matmuls and sum('bf16' in line for line in matmuls) > 0.8 * len(matmuls)
+
+
+def test_flops_and_parameter_count_of_the_dry_run(config):
+  config.mesh.shape = (2, 2, 2)
+  config.data.batch_tokens = 512  # 16 rows of 32: whole micro-batches on both meshes below.
+  result = train.dry_run(config)
+  d, f, v = config.model.d_model, config.model.d_ff, data.vocab_size(config)
+  layer = 4 * d * d + 2 * d * f + f + d + 4 * d  # Attention, FFN, biases, two LayerNorms.
+  decoder_layer = 8 * d * d + 2 * d * f + f + d + 6 * d
+  assert result['params'] == v * d + layer + decoder_layer
+  assert result['device_count'] == 8 and result['mesh'] == {'data': 2, 'fsdp': 2, 'tensor': 2}
+  # Forward and backward cost at least 6 FLOPs per weight of every matmul per token.
+  rows, length = result['batch_shape']
+  matmul_weights = 2 * (4 * d * d + 2 * d * f) + 4 * d * d + v * d
+  assert result['flops_per_step'] > 6 * matmul_weights * rows * length
+  assert result['flops_per_step'] < 3 * 6 * matmul_weights * rows * length
+  assert result['flops_per_step_per_device'] == result['flops_per_step'] / 8
+  config.mesh.shape = (8, 1, 1)
+  config.opt.grad_accum_steps = 2  # The same arithmetic in two halves, on another mesh.
+  assert train.dry_run(config)['flops_per_step'] == pytest.approx(result['flops_per_step'],
+                                                                  rel=1e-3)
+  memory = result['memory_per_device_bytes']
+  assert memory['argument'] > 0 and memory['temp'] > 0
+  assert math.isclose(memory['total'], memory['argument'] + memory['output'] + memory['temp']
+                      - memory['alias'])
