@@ -1,18 +1,15 @@
 """Two processes x 4 CPU devices train like one process x 8, and their checkpoints restore."""
 
-import glob
 import json
 import os
 import socket
-import struct
 import subprocess
 import sys
 
 import numpy as np
 import pytest
-from tensorboardX.proto import event_pb2
 
-from conftest import ROOT
+from conftest import ROOT, scalar_events
 from t2t_jax import train
 
 STEPS = 4
@@ -21,17 +18,7 @@ OVERRIDES = {'train.num_steps': STEPS, 'train.log_every': 1, 'train.eval_every':
 
 
 def _train_losses(workdir):
-  """train/loss per step from the workdir's event files (TFRecord framing)."""
-  losses = {}
-  for path in glob.glob(os.path.join(workdir, 'events.out.tfevents.*')):
-    with open(path, 'rb') as f:
-      while header := f.read(12):
-        (length,) = struct.unpack('<Q', header[:8])
-        event = event_pb2.Event.FromString(f.read(length))
-        f.read(4)
-        for value in event.summary.value:
-          if value.tag == 'train/loss':
-            losses[event.step] = value.simple_value
+  losses = scalar_events(workdir)['train/loss']
   return [losses[step] for step in sorted(losses)]
 
 

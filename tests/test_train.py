@@ -1,34 +1,18 @@
 """The training loop end to end on the tiny config, resume, NaN handling and the dry run."""
 
-import glob
 import json
 import os
-import struct
 import subprocess
 import sys
 
 import jax
 import numpy as np
 import pytest
-from tensorboardX.proto import event_pb2
 
-from conftest import ROOT, text_config
+from conftest import ROOT, scalar_events, text_config
 from t2t_jax import data
 from t2t_jax import sharding
 from t2t_jax import train
-
-
-def _event_tags(workdir):
-  """Scalar tags in the workdir's event files, read record by record (TFRecord framing)."""
-  tags = set()
-  for path in glob.glob(os.path.join(workdir, 'events.out.tfevents.*')):
-    with open(path, 'rb') as f:
-      while header := f.read(12):
-        (length,) = struct.unpack('<Q', header[:8])
-        event = event_pb2.Event.FromString(f.read(length))
-        f.read(4)
-        tags |= {value.tag for value in event.summary.value}
-  return tags
 
 
 def test_train_and_evaluate_writes_events_config_and_checkpoint(tiny_config, tmp_path):
@@ -37,7 +21,7 @@ def test_train_and_evaluate_writes_events_config_and_checkpoint(tiny_config, tmp
   assert results['step'] == 20 and results['config'] == 'tiny'
   for key in ('eval_loss', 'eval_accuracy', 'bleu', 'exact_match'):
     assert np.isfinite(results[key])
-  assert {'train/loss', 'train/learning_rate', 'eval/loss', 'bleu'} <= _event_tags(workdir)
+  assert {'train/loss', 'train/learning_rate', 'eval/loss', 'bleu'} <= set(scalar_events(workdir))
   assert json.load(open(tmp_path / 'config.json'))['model']['d_model'] == 32
   assert 'd_model: 32' in open(tmp_path / 'config.txt').read()
   assert sorted(os.listdir(tmp_path / 'checkpoints')) == ['10', '20']
