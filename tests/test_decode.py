@@ -1,0 +1,162 @@
+"""Greedy and beam search: beam 1 = greedy, exactness against enumeration, EOS, batching."""
+
+import dataclasses
+import itertools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from t2t_jax import EOS_ID, PAD_ID
+from t2t_jax import decode
+from t2t_jax import model as model_lib
+from t2t_jax import sharding
+
+CONFIG = model_lib.TransformerConfig(
+    vocab_size=9, d_model=16, d_ff=32, num_heads=2, num_encoder_layers=1,
+    num_decoder_layers=2, max_len=32, norm='pre', deterministic=True)
+
+
+def _random_params(config=CONFIG, seed=1, std=1.0):
+  """Weights drawn N(0, std): unlike the init, they give varied outputs and EOS positions."""
+  tokens = jnp.ones((1, 4), jnp.int32)
+  params = nn.meta.unbox(model_lib.Transformer(config).init(jax.random.PRNGKey(0), tokens,
+                                                            tokens)['params'])
+  leaves, tree = jax.tree.flatten(params)
+  keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
+  return jax.tree.unflatten(tree, [jax.random.normal(k, x.shape) * std
+                                   for k, x in zip(keys, leaves)])
+
+
+def _sources(vocab=9, rows=8, length=5, seed=0):
+  """A padded batch of mixed source lengths (rows 4.. are 3 tokens long)."""
+  tokens = np.random.default_rng(seed).integers(2, vocab, (rows, length))
+  tokens[rows // 2:, 3:] = PAD_ID
+  return jnp.asarray(tokens, jnp.int32)
+
+
+def _trim(tokens) -> tuple[int, ...]:
+  """Tokens up to and including the first EOS (all of them if there is none)."""
+  tokens = [int(t) for t in tokens]
+  return tuple(tokens[:tokens.index(EOS_ID) + 1] if EOS_ID in tokens else tokens)
+
+
+def _sequence_log_prob(params, config, source, sequence) -> float:
+  """log p(sequence | source) from the teacher-forced (uncached) forward pass."""
+  logits = model_lib.Transformer(config).apply(
+      {'params': params}, jnp.asarray(source)[None], jnp.asarray(sequence, jnp.int32)[None])
+  log_probs = jax.nn.log_softmax(logits[0])
+  return float(sum(log_probs[t, token] for t, token in enumerate(sequence)))
+
+
+def test_length_penalty_is_the_gnmt_formula():
+  assert float(decode.length_penalty(3, 0.6)) == pytest.approx((8 / 6) ** 0.6)
+  assert float(decode.length_penalty(7, 0.0)) == 1.0
+  assert decode.max_decode_length(20, 50, 64) == 64
+  assert decode.max_decode_length(10, 50, 512) == 60
+
+
+def test_beam_size_one_equals_greedy():
+  params, inputs = _random_params(), _sources()
+  greedy = np.asarray(decode.greedy_search(params, inputs, CONFIG, max_len=8))
+  tokens, scores = decode.beam_search(params, inputs, CONFIG, max_len=8, beam_size=1, alpha=0.0)
+  np.testing.assert_array_equal(np.asarray(tokens)[:, 0], greedy)
+  # Both ways of ending occur in this batch: EOS, and running into the length limit.
+  ended = [EOS_ID in row for row in greedy]
+  assert any(ended) and not all(ended)
+
+
+@pytest.mark.parametrize('vocab, max_len, beam, alpha', [
+    (4, 2, 4, 0.6), (5, 2, 5, 0.0), (5, 2, 5, 2.0), (4, 3, 9, 0.6)])
+def test_wide_beam_returns_the_exhaustive_best(vocab, max_len, beam, alpha):
+  config = dataclasses.replace(CONFIG, vocab_size=vocab)
+  params, inputs = _random_params(config, seed=3, std=0.7), _sources(vocab, rows=3, seed=4)
+  tokens, scores = decode.beam_search(params, inputs, config, max_len, beam, alpha)
+  symbols = [t for t in range(vocab) if t not in (PAD_ID, EOS_ID)]
+  hypotheses = [prefix + (EOS_ID,) for n in range(max_len)
+                for prefix in itertools.product(symbols, repeat=n)]
+  hypotheses += list(itertools.product(symbols, repeat=max_len))  # Cut by the length limit.
+  for row in range(inputs.shape[0]):
+    scored = sorted(((_sequence_log_prob(params, config, inputs[row], h) /
+                      float(decode.length_penalty(len(h), alpha)), h) for h in hypotheses),
+                    reverse=True)
+    assert _trim(tokens[row, 0]) == scored[0][1]
+    k = min(beam, len(scored))
+    np.testing.assert_allclose(np.asarray(scores[row, :k]), [s for s, _ in scored[:k]],
+                               atol=1e-4)
+
+
+def test_scores_are_length_normalised_log_probs_and_eos_ends_each_hypothesis():
+  params, inputs = _random_params(seed=2), _sources()
+  tokens, scores = decode.beam_search(params, inputs, CONFIG, max_len=8, beam_size=3, alpha=0.6)
+  tokens, scores = np.asarray(tokens), np.asarray(scores)
+  assert np.all(np.diff(scores, axis=1) <= 0)
+  for row in range(inputs.shape[0]):
+    for k in range(3):
+      hypothesis = _trim(tokens[row, k])
+      assert PAD_ID not in hypothesis and EOS_ID not in hypothesis[:-1]
+      assert hypothesis[-1] == EOS_ID or len(hypothesis) == 8
+      assert np.all(tokens[row, k, len(hypothesis):] == PAD_ID)
+      expected = (_sequence_log_prob(params, CONFIG, inputs[row], hypothesis) /
+                  float(decode.length_penalty(len(hypothesis), 0.6)))
+      assert scores[row, k] == pytest.approx(expected, abs=1e-4)
+
+
+def test_early_stop_returns_what_the_full_search_returns(monkeypatch):
+  params, inputs = _random_params(seed=2), _sources(rows=6)
+  stopped = decode.beam_search(params, inputs, CONFIG, max_len=12, beam_size=3, alpha=0.6)
+  monkeypatch.setattr(decode, '_can_improve', lambda state, max_len, alpha: jnp.array(True))
+  full = decode.beam_search(params, inputs, CONFIG, max_len=12, beam_size=3, alpha=0.6)
+  np.testing.assert_array_equal(stopped[0], full[0])
+  np.testing.assert_allclose(stopped[1], full[1], atol=1e-6)
+
+
+def test_greedy_stops_at_eos_and_pads_after_it():
+  params, inputs = _random_params(), _sources()
+  greedy = np.asarray(decode.greedy_search(params, inputs, CONFIG, max_len=8))
+  for row in greedy:
+    hypothesis = _trim(row)
+    assert PAD_ID not in hypothesis and np.all(row[len(hypothesis):] == PAD_ID)
+
+
+@pytest.mark.parametrize('beam_size', [1, 3])
+def test_translator_keeps_input_order_through_length_sorting(beam_size):
+  config = dataclasses.replace(CONFIG, max_len=24)
+  params = _random_params(config)
+  mesh_config = _mesh_config()
+  mesh = sharding.make_mesh(mesh_config)
+  rng = np.random.default_rng(5)
+  inputs = [rng.integers(2, 9, n).astype(np.int32) for n in (3, 11, 0, 7, 2, 12, 5, 9, 1, 4)]
+  translator = decode.Translator(config, mesh, sharding.rules(mesh_config),
+                                 batch_tokens=64 * beam_size, min_bucket=4, max_extra_len=3,
+                                 beam_size=beam_size, alpha=0.6)
+  outputs = translator.translate(params, inputs)
+  assert len(outputs) == len(inputs) and len(outputs[2]) == 0  # The empty input.
+  for seq, output in zip(inputs, outputs):
+    if not len(seq):
+      continue
+    bucket = -(-len(seq) // 4) * 4
+    single = jnp.asarray(seq)[None]
+    if beam_size == 1:
+      expected = decode.greedy_search(params, single, config, bucket + 3)[0]
+    else:
+      expected = decode.beam_search(params, single, config, bucket + 3, beam_size, 0.6)[0][0, 0]
+    assert _trim(output) == _trim(expected)
+  assert translator.translate(params, []) == []
+
+
+def test_bfloat16_beam_search_runs_and_caches_in_bfloat16():
+  config = dataclasses.replace(CONFIG, dtype=jnp.bfloat16)
+  params, inputs = _random_params(), _sources()
+  tokens, scores = decode.beam_search(params, inputs, config, max_len=8, beam_size=2, alpha=0.6)
+  assert tokens.shape == (8, 2, 8) and np.all(np.isfinite(scores))
+  assert np.all(np.diff(np.asarray(scores), axis=1) <= 0)
+  cache = decode.init_cache(config, 2, 8)
+  assert cache['decoder_0']['self_attention']['key'].dtype == jnp.bfloat16
+
+
+def _mesh_config():
+  from configs import tiny  # pylint: disable=g-import-not-at-top
+  return tiny.get_config().mesh
