@@ -30,6 +30,11 @@ def _random_params(config=CONFIG, seed=1, std=1.0):
                                    for k, x in zip(keys, leaves)])
 
 
+greedy_search = jax.jit(decode.greedy_search, static_argnames=('config', 'max_len'))
+beam_search = jax.jit(decode.beam_search,
+                      static_argnames=('config', 'max_len', 'beam_size', 'alpha'))
+
+
 def _sources(vocab=9, rows=8, length=5, seed=0):
   """A padded batch of mixed source lengths (rows 4.. are 3 tokens long)."""
   tokens = np.random.default_rng(seed).integers(2, vocab, (rows, length))
@@ -43,12 +48,24 @@ def _trim(tokens) -> tuple[int, ...]:
   return tuple(tokens[:tokens.index(EOS_ID) + 1] if EOS_ID in tokens else tokens)
 
 
-def _sequence_log_prob(params, config, source, sequence) -> float:
-  """log p(sequence | source) from the teacher-forced (uncached) forward pass."""
-  logits = model_lib.Transformer(config).apply(
-      {'params': params}, jnp.asarray(source)[None], jnp.asarray(sequence, jnp.int32)[None])
-  log_probs = jax.nn.log_softmax(logits[0])
-  return float(sum(log_probs[t, token] for t, token in enumerate(sequence)))
+@jax.jit(static_argnames='config')
+def _teacher_forced_log_probs(params, source_S, sequences_BL, config):
+  logits_BLV = model_lib.Transformer(config).apply(
+      {'params': params}, jnp.broadcast_to(source_S, (len(sequences_BL), len(source_S))),
+      sequences_BL)
+  log_probs_BLV = jax.nn.log_softmax(logits_BLV)
+  return jnp.take_along_axis(log_probs_BLV, sequences_BL[:, :, None], axis=2)[..., 0].sum(1)
+
+
+def _sequence_log_probs(params, config, source, sequences) -> list[float]:
+  """log p(sequence | source) of each sequence, from the teacher-forced (uncached) pass."""
+  result = {}
+  for length in {len(s) for s in sequences}:
+    group = [s for s in sequences if len(s) == length]
+    values = _teacher_forced_log_probs(params, source, jnp.asarray(group, jnp.int32),
+                                       config=config)
+    result.update(zip(group, np.asarray(values).tolist()))
+  return [result[s] for s in sequences]
 
 
 def test_length_penalty_is_the_gnmt_formula():
@@ -60,8 +77,8 @@ def test_length_penalty_is_the_gnmt_formula():
 
 def test_beam_size_one_equals_greedy():
   params, inputs = _random_params(), _sources()
-  greedy = np.asarray(decode.greedy_search(params, inputs, CONFIG, max_len=8))
-  tokens, scores = decode.beam_search(params, inputs, CONFIG, max_len=8, beam_size=1, alpha=0.0)
+  greedy = np.asarray(greedy_search(params, inputs, config=CONFIG, max_len=8))
+  tokens, scores = beam_search(params, inputs, config=CONFIG, max_len=8, beam_size=1, alpha=0.0)
   np.testing.assert_array_equal(np.asarray(tokens)[:, 0], greedy)
   # Both ways of ending occur in this batch: EOS, and running into the length limit.
   ended = [EOS_ID in row for row in greedy]
@@ -69,19 +86,20 @@ def test_beam_size_one_equals_greedy():
 
 
 @pytest.mark.parametrize('vocab, max_len, beam, alpha', [
-    (4, 2, 4, 0.6), (5, 2, 5, 0.0), (5, 2, 5, 2.0), (4, 3, 9, 0.6)])
+    (4, 2, 4, 0.6), (5, 2, 5, 2.0), (4, 3, 9, 0.0)])
 def test_wide_beam_returns_the_exhaustive_best(vocab, max_len, beam, alpha):
   config = dataclasses.replace(CONFIG, vocab_size=vocab)
   params, inputs = _random_params(config, seed=3, std=0.7), _sources(vocab, rows=3, seed=4)
-  tokens, scores = decode.beam_search(params, inputs, config, max_len, beam, alpha)
+  tokens, scores = beam_search(params, inputs, config=config, max_len=max_len, beam_size=beam,
+                                alpha=alpha)
   symbols = [t for t in range(vocab) if t not in (PAD_ID, EOS_ID)]
   hypotheses = [prefix + (EOS_ID,) for n in range(max_len)
                 for prefix in itertools.product(symbols, repeat=n)]
   hypotheses += list(itertools.product(symbols, repeat=max_len))  # Cut by the length limit.
   for row in range(inputs.shape[0]):
-    scored = sorted(((_sequence_log_prob(params, config, inputs[row], h) /
-                      float(decode.length_penalty(len(h), alpha)), h) for h in hypotheses),
-                    reverse=True)
+    log_probs = _sequence_log_probs(params, config, inputs[row], hypotheses)
+    scored = sorted(((p / float(decode.length_penalty(len(h), alpha)), h)
+                     for p, h in zip(log_probs, hypotheses)), reverse=True)
     assert _trim(tokens[row, 0]) == scored[0][1]
     k = min(beam, len(scored))
     np.testing.assert_allclose(np.asarray(scores[row, :k]), [s for s, _ in scored[:k]],
@@ -90,32 +108,35 @@ def test_wide_beam_returns_the_exhaustive_best(vocab, max_len, beam, alpha):
 
 def test_scores_are_length_normalised_log_probs_and_eos_ends_each_hypothesis():
   params, inputs = _random_params(seed=2), _sources()
-  tokens, scores = decode.beam_search(params, inputs, CONFIG, max_len=8, beam_size=3, alpha=0.6)
+  tokens, scores = beam_search(params, inputs, config=CONFIG, max_len=8, beam_size=3, alpha=0.6)
   tokens, scores = np.asarray(tokens), np.asarray(scores)
   assert np.all(np.diff(scores, axis=1) <= 0)
   for row in range(inputs.shape[0]):
-    for k in range(3):
-      hypothesis = _trim(tokens[row, k])
+    hypotheses = [_trim(tokens[row, k]) for k in range(3)]
+    log_probs = _sequence_log_probs(params, CONFIG, inputs[row], hypotheses)
+    for k, (hypothesis, log_prob) in enumerate(zip(hypotheses, log_probs)):
       assert PAD_ID not in hypothesis and EOS_ID not in hypothesis[:-1]
       assert hypothesis[-1] == EOS_ID or len(hypothesis) == 8
       assert np.all(tokens[row, k, len(hypothesis):] == PAD_ID)
-      expected = (_sequence_log_prob(params, CONFIG, inputs[row], hypothesis) /
-                  float(decode.length_penalty(len(hypothesis), 0.6)))
+      expected = log_prob / float(decode.length_penalty(len(hypothesis), 0.6))
       assert scores[row, k] == pytest.approx(expected, abs=1e-4)
 
 
 def test_early_stop_returns_what_the_full_search_returns(monkeypatch):
   params, inputs = _random_params(seed=2), _sources(rows=6)
-  stopped = decode.beam_search(params, inputs, CONFIG, max_len=12, beam_size=3, alpha=0.6)
+  def search():  # A new function each time, so each call traces `beam_search` afresh.
+    return jax.jit(lambda p, i: decode.beam_search(p, i, CONFIG, 12, 3, 0.6))(params, inputs)
+
+  stopped = search()
   monkeypatch.setattr(decode, '_can_improve', lambda state, max_len, alpha: jnp.array(True))
-  full = decode.beam_search(params, inputs, CONFIG, max_len=12, beam_size=3, alpha=0.6)
+  full = search()
   np.testing.assert_array_equal(stopped[0], full[0])
   np.testing.assert_allclose(stopped[1], full[1], atol=1e-6)
 
 
 def test_greedy_stops_at_eos_and_pads_after_it():
   params, inputs = _random_params(), _sources()
-  greedy = np.asarray(decode.greedy_search(params, inputs, CONFIG, max_len=8))
+  greedy = np.asarray(greedy_search(params, inputs, config=CONFIG, max_len=8))
   for row in greedy:
     hypothesis = _trim(row)
     assert PAD_ID not in hypothesis and np.all(row[len(hypothesis):] == PAD_ID)
@@ -134,23 +155,17 @@ def test_translator_keeps_input_order_through_length_sorting(beam_size):
                                  beam_size=beam_size, alpha=0.6)
   outputs = translator.translate(params, inputs)
   assert len(outputs) == len(inputs) and len(outputs[2]) == 0  # The empty input.
+  # Translated one at a time (same bucket shapes, so no new compilation), nothing can move.
   for seq, output in zip(inputs, outputs):
-    if not len(seq):
-      continue
-    bucket = -(-len(seq) // 4) * 4
-    single = jnp.asarray(seq)[None]
-    if beam_size == 1:
-      expected = decode.greedy_search(params, single, config, bucket + 3)[0]
-    else:
-      expected = decode.beam_search(params, single, config, bucket + 3, beam_size, 0.6)[0][0, 0]
-    assert _trim(output) == _trim(expected)
+    assert _trim(output) == _trim(translator.translate(params, [seq])[0])
+  assert len(set(_trim(o) for o in outputs)) > 3  # Distinct outputs, so a swap would show.
   assert translator.translate(params, []) == []
 
 
 def test_bfloat16_beam_search_runs_and_caches_in_bfloat16():
   config = dataclasses.replace(CONFIG, dtype=jnp.bfloat16)
   params, inputs = _random_params(), _sources()
-  tokens, scores = decode.beam_search(params, inputs, config, max_len=8, beam_size=2, alpha=0.6)
+  tokens, scores = beam_search(params, inputs, config=config, max_len=8, beam_size=2, alpha=0.6)
   assert tokens.shape == (8, 2, 8) and np.all(np.isfinite(scores))
   assert np.all(np.diff(np.asarray(scores), axis=1) <= 0)
   cache = decode.init_cache(config, 2, 8)
