@@ -43,3 +43,35 @@ class Checkpointer:
   def close(self) -> None:
     self.manager.wait_until_finished()
     self.manager.close()
+
+
+def restore_params(workdir: str, abstract_params, checkpoint: str | None = None):
+  """Parameters only, from the latest step (None), a step ('12000'), or a checkpoint directory.
+
+  `abstract_params` gives the tree, shapes, dtypes and shardings to restore into; the
+  optimiser state is never read.
+  """
+  directory = os.path.join(os.path.abspath(workdir), 'checkpoints')
+  if checkpoint is None or checkpoint.isdigit():
+    steps = sorted(int(name) for name in (os.listdir(directory) if os.path.isdir(directory)
+                                          else []) if name.isdigit())
+    if not steps:
+      raise FileNotFoundError(f'no checkpoint in {directory}: train in {workdir} first, or '
+                              'pass --checkpoint=PATH to a checkpoint directory')
+    step = steps[-1] if checkpoint is None else int(checkpoint)
+    if step not in steps:
+      raise FileNotFoundError(f'no checkpoint of step {step} in {directory}; it holds steps '
+                              f'{steps}')
+    path = os.path.join(directory, str(step), 'state')
+  else:
+    path = os.path.abspath(checkpoint)
+    if os.path.isdir(os.path.join(path, 'state')):
+      path = os.path.join(path, 'state')
+  if not os.path.isdir(path):
+    raise FileNotFoundError(f'checkpoint {path} does not exist')
+  item = {'params': abstract_params}
+  restored = ocp.PyTreeCheckpointer().restore(path, args=ocp.args.PyTreeRestore(
+      item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+      partial_restore=True))
+  logging.info('Restored parameters from %s', path)
+  return restored['params']

@@ -12,7 +12,7 @@ EOS ends there. PAD is never generated.
 import collections
 import dataclasses
 import functools
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -226,8 +226,12 @@ class Translator:
     return self._compiled[key]
 
   def translate(self, params, inputs: Sequence[np.ndarray], beam_size: int | None = None,
-                alpha: float | None = None) -> list[np.ndarray]:
-    """Output ids (EOS included) for each input, in the input order; [] for an empty input."""
+                alpha: float | None = None,
+                progress: Callable[[int], object] | None = None) -> list[np.ndarray]:
+    """Output ids (EOS included) for each input, in the input order; [] for an empty input.
+
+    `progress(n)` is called with the number of sentences each finished batch held.
+    """
     from t2t_jax import sharding  # Decoding needs only the batch placement helpers.
     beam_size = self.beam_size if beam_size is None else beam_size
     alpha = self.alpha if alpha is None else alpha
@@ -257,4 +261,8 @@ class Translator:
         tokens = np.asarray(jax.device_get(tokens))
         for row, index in enumerate(chunk):
           outputs[index] = tokens[row]
+        if progress:
+          progress(len(chunk))
+    if progress and len(inputs) > sum(len(m) for m in by_length.values()):
+      progress(len(inputs) - sum(len(m) for m in by_length.values()))  # The empty inputs.
     return outputs
