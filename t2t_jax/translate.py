@@ -152,10 +152,9 @@ def save_attention_pngs(run: Run, source_ids, output_ids, directory: str,
     heads = weights_HQK.shape[0]
     columns = min(heads, 4)
     rows = -(-heads // columns)
-    cell = 0.3
-    figure, axes = plt.subplots(
-        rows, columns, squeeze=False,
-        figsize=(columns * (1.5 + cell * len(source_names)), rows * (1.5 + cell * len(output_names))))
+    width, height = 1.5 + 0.3 * len(source_names), 1.5 + 0.3 * len(output_names)
+    figure, axes = plt.subplots(rows, columns, squeeze=False,
+                                figsize=(columns * width, rows * height))
     for head, axis in enumerate(axes.flat):
       if head >= heads:
         axis.axis('off')
@@ -178,22 +177,6 @@ def save_attention_pngs(run: Run, source_ids, output_ids, directory: str,
 
 # The command line.
 
-_WORKDIR = flags.DEFINE_string('workdir', None, 'Training run directory (config.json, '
-                               'checkpoints/, vocabulary).')
-_CHECKPOINT = flags.DEFINE_string('checkpoint', None, 'A step of <workdir>/checkpoints, or the '
-                                  'path of a checkpoint directory (e.g. an averaged one); '
-                                  'default: the latest step.')
-_INPUT = flags.DEFINE_string('input', '', 'Source sentences, one per line; empty: stdin.')
-_OUTPUT = flags.DEFINE_string('output', '', 'Where translations go, one per line; empty: stdout.')
-_BEAM_SIZE = flags.DEFINE_integer('beam_size', None, 'Beam width; 1 is greedy. Default: the '
-                                  "run's config.eval.beam_size.")
-_ALPHA = flags.DEFINE_float('alpha', None, 'Length penalty exponent. Default: config.eval.alpha.')
-_BATCH_TOKENS = flags.DEFINE_integer('batch_tokens', None, 'Tokens per decoding batch, counted '
-                                     'over all beams. Default: config.data.batch_tokens.')
-_ATTENTION_PNG = flags.DEFINE_string('attention_png', '', 'Directory for encoder-decoder '
-                                     'attention pictures (one PNG per decoder layer).')
-_ATTENTION_LINES = flags.DEFINE_integer('attention_lines', 1, 'With --attention_png: how many '
-                                        'input lines (the first non-empty ones) get pictures.')
 
 
 def _read_input(path: str) -> list[str]:
@@ -208,30 +191,55 @@ def _read_input(path: str) -> list[str]:
     raise app.UsageError(f'--input={path} is not UTF-8 text (byte {e.start})')
 
 
+FLAGS = flags.FLAGS
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
-  if not _WORKDIR.value:
+  if not FLAGS.workdir:
     raise app.UsageError('--workdir is required')
-  lines = _read_input(_INPUT.value)
-  run = load(_WORKDIR.value, _CHECKPOINT.value, _BEAM_SIZE.value, _ALPHA.value,
-             _BATCH_TOKENS.value)
-  translations, inputs, outputs = translate_lines(run, lines, _INPUT.value or '<stdin>',
-                                                  progress=bool(_INPUT.value))
+  lines = _read_input(FLAGS.input)
+  try:
+    run = load(FLAGS.workdir, FLAGS.checkpoint, FLAGS.beam_size, FLAGS.alpha,
+               FLAGS.batch_tokens)
+    translations, inputs, outputs = translate_lines(run, lines, FLAGS.input or '<stdin>',
+                                                    progress=bool(FLAGS.input))
+  except (OSError, ValueError) as e:
+    sys.exit(f'translate: {e}')
   text = ''.join(t + '\n' for t in translations)
-  if _OUTPUT.value:
-    with open(_OUTPUT.value, 'w', encoding='utf-8') as f:
+  if FLAGS.output:
+    with open(FLAGS.output, 'w', encoding='utf-8') as f:
       f.write(text)
   else:
     sys.stdout.write(text)
     sys.stdout.flush()
-  if _ATTENTION_PNG.value:
-    chosen = [n for n, ids in enumerate(inputs) if len(ids)][:_ATTENTION_LINES.value]
+  if FLAGS.attention_png:
+    chosen = [n for n, ids in enumerate(inputs) if len(ids)][:FLAGS.attention_lines]
     for n in chosen:
-      for path in save_attention_pngs(run, inputs[n], outputs[n], _ATTENTION_PNG.value,
+      for path in save_attention_pngs(run, inputs[n], outputs[n], FLAGS.attention_png,
                                       f'line{n + 1}'):
         logging.info('Wrote %s', path)
 
 
+def _define_flags():
+  """Defined only when run as a command, so importing this module defines no flags."""
+  flags.DEFINE_string('workdir', None, 'Training run directory (config.json, checkpoints/, '
+                      'vocabulary).')
+  flags.DEFINE_string('checkpoint', None, 'A step of <workdir>/checkpoints, or the path of a '
+                      'checkpoint directory (e.g. an averaged one); default: the latest step.')
+  flags.DEFINE_string('input', '', 'Source sentences, one per line; empty: stdin.')
+  flags.DEFINE_string('output', '', 'Where translations go, one per line; empty: stdout.')
+  flags.DEFINE_integer('beam_size', None, "Beam width; 1 is greedy. Default: the run's "
+                       'config.eval.beam_size.')
+  flags.DEFINE_float('alpha', None, 'Length penalty exponent. Default: config.eval.alpha.')
+  flags.DEFINE_integer('batch_tokens', None, 'Tokens per decoding batch, counted over all '
+                       'beams. Default: config.data.batch_tokens.')
+  flags.DEFINE_string('attention_png', '', 'Directory for encoder-decoder attention pictures '
+                      '(one PNG per decoder layer).')
+  flags.DEFINE_integer('attention_lines', 1, 'With --attention_png: how many input lines (the '
+                       'first non-empty ones) get pictures.')
+
 if __name__ == '__main__':
+  _define_flags()
   app.run(main)
