@@ -120,7 +120,7 @@ def _beam_update(state: BeamState, log_probs_BKV: jax.Array, max_len: int,
   is_last = i + 1 >= max_len
   # EOS ends a hypothesis only if it ranks among the best K candidates (so beam 1 is greedy);
   # at the length limit every candidate ends.
-  ends_BC = (token_BC == EOS_ID) & (jnp.arange(2 * beam_size) < beam_size) | is_last
+  ends_BC = ((token_BC == EOS_ID) & (jnp.arange(2 * beam_size) < beam_size)) | is_last
   scores_BC = jnp.where(ends_BC, log_probs_BC / length_penalty(i + 1, alpha), _NEG)
   finished_scores_BK, keep_BK = jax.lax.top_k(
       jnp.concatenate([state.finished_scores_BK, scores_BC], axis=1), beam_size)

@@ -93,21 +93,28 @@ def load(workdir: str, checkpoint: str | None = None, beam_size: int | None = No
 
 def encode_lines(vocab, lines, max_tokens: int, name: str) -> list[np.ndarray]:
   """Ids ending in EOS per line; empty lines give no ids; longer lines are cut with a warning."""
+  lines = [line.strip() for line in lines]
+  texts = [line for line in lines if line]
+  try:
+    ids_of_texts = iter(vocab.encode(texts))
+  except ValueError:  # Find the line at fault.
+    for number, line in enumerate(lines, start=1):
+      try:
+        vocab.encode([line])
+      except ValueError as e:
+        raise ValueError(f'{name}:{number}: {e}') from None
+    raise
   encoded = []
   for number, line in enumerate(lines, start=1):
-    line = line.strip()
     if not line:
       encoded.append(np.zeros((0,), np.int32))
       continue
-    try:
-      ids = vocab.encode([line])[0]
-    except ValueError as e:
-      raise ValueError(f'{name}:{number}: {e}') from None
+    ids = list(next(ids_of_texts))
     if len(ids) + 1 > max_tokens:
       logging.warning('%s:%d: %d tokens, truncated to the first %d (the model reads at most %d '
                       'including EOS)', name, number, len(ids), max_tokens - 1, max_tokens)
       ids = ids[:max_tokens - 1]
-    encoded.append(np.asarray(list(ids) + [EOS_ID], np.int32))
+    encoded.append(np.asarray(ids + [EOS_ID], np.int32))
   return encoded
 
 
