@@ -123,11 +123,19 @@ def test_scores_are_length_normalised_log_probs_and_eos_ends_each_hypothesis():
 
 
 def test_early_stop_returns_what_the_full_search_returns(monkeypatch):
-  params, inputs = _random_params(seed=2), _sources(rows=6)
+  params, inputs = _random_params(seed=1, std=0.5), _sources(rows=6)
+  original, steps = decode._can_improve, []
+
+  def recording(state, max_len, alpha):
+    jax.debug.callback(lambda step: steps.append(int(step)), state.step)
+    return original(state, max_len, alpha)
+
   def search():  # A new function each time, so each call traces `beam_search` afresh.
     return jax.jit(lambda p, i: decode.beam_search(p, i, CONFIG, 12, 3, 0.6))(params, inputs)
 
-  stopped = search()
+  monkeypatch.setattr(decode, '_can_improve', recording)
+  stopped = jax.block_until_ready(search())
+  assert max(steps) < 12  # It did stop early: every row's finished beams were out of reach.
   monkeypatch.setattr(decode, '_can_improve', lambda state, max_len, alpha: jnp.array(True))
   full = search()
   np.testing.assert_array_equal(stopped[0], full[0])
