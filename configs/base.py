@@ -81,7 +81,8 @@ def get_config():
 
   evaluation = config.eval = ml_collections.ConfigDict()
   evaluation.num_batches = 0  # Eval-loss batches per evaluation; 0 uses the whole eval set.
-  evaluation.bleu_sentences = 256  # Eval sentences decoded for BLEU per evaluation; 0 skips it.
+  evaluation.bleu_sentences = -1  # Eval sentences decoded for BLEU: -1 all, N the first N, 0 none.
+  evaluation.bleu_every = 0  # Evaluations at multiples of this (and the last) decode; 0: all do.
   evaluation.beam_size = 4  # Beam width for evaluation decoding; 1 is greedy.
   evaluation.alpha = 0.6  # Length penalty exponent: ((5 + len) / 6) ** alpha.
   evaluation.max_extra_len = 50  # Longest output = source length + this (capped by model.max_len).

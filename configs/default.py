@@ -29,7 +29,7 @@ def get_config():
   config.train.num_steps = 3000
   config.train.log_every = 250
   config.train.eval_every = 1000
-  config.eval.bleu_sentences = 256
+  config.eval.bleu_sentences = -1
   config.eval.beam_size = 1
   config.eval.max_extra_len = 5
   config.ckpt.every = 1000

@@ -17,5 +17,5 @@ def get_config():
   config.opt.lr_scale = 2.0
   config.opt.warmup_steps = 2000
   config.train.num_steps = 20_000
-  config.eval.bleu_sentences = 500
+  config.eval.bleu_sentences = -1
   return config

@@ -35,7 +35,8 @@ def get_config(variant='base'):
   config.eval.beam_size = 4
   config.eval.alpha = 0.6
   config.eval.max_extra_len = 50
-  config.eval.bleu_sentences = 3000
+  config.eval.bleu_sentences = -1  # All of newstest2013.
+  config.eval.bleu_every = 10_000
   config.eval.average_last = 5 if variant == 'base' else 20  # As the paper evaluated.
   config.ckpt.keep = config.eval.average_last
   if variant == 'big':

@@ -1,7 +1,26 @@
-"""BLEU as papers report it, always through sacreBLEU, always labelled."""
+"""BLEU as papers report it, always through sacreBLEU, always labelled.
+
+Three figures:
+  * sacreBLEU: detokenised output against raw references, with sacreBLEU's signature (primary).
+  * tokenised BLEU with compound splitting, as tensor2tensor's get_ende_bleu.sh computed the
+    paper's WMT14 en-de numbers: Moses tokenisation of both sides, then every `-` between two
+    non-space characters becomes ` ##AT##-##AT## `, then BLEU on the resulting tokens.
+  * tokenised BLEU (tokenize='none') against references that are already tokenised, with
+    optional lowercasing and Moses tokenisation of the hypotheses.
+
+  python -m t2t_jax.evaluate --workdir=/tmp/t2t_default --src=test.src --ref=test.ref
+"""
 
 import dataclasses
+import json
+import os
+import re
+import sys
+from typing import Sequence
 
+from absl import app
+from absl import flags
+from absl import logging
 import sacrebleu
 
 
@@ -23,9 +42,164 @@ def sacrebleu_score(hypotheses, references, tokenize: str = '13a',
   return Bleu(result.score, 'sacreBLEU', str(metric.get_signature()))
 
 
+def moses_tokenize(lines: Sequence[str], lang: str) -> list[str]:
+  """Moses tokenisation (tokenizer.perl defaults: escaping on, no aggressive dash splits)."""
+  from sacremoses import MosesTokenizer  # pylint: disable=g-import-not-at-top
+  tokenizer = MosesTokenizer(lang=lang)
+  return [tokenizer.tokenize(line, return_str=True) for line in lines]
+
+
+_COMPOUND = re.compile(r'(\S)-(\S)')
+
+
+def split_compounds(line: str) -> str:
+  """get_ende_bleu.sh's `s{(\\S)-(\\S)}{$1 ##AT##-##AT## $2}g`, with its non-overlapping scan."""
+  return _COMPOUND.sub(r'\1 ##AT##-##AT## \2', line)
+
+
+def compound_split_bleu(hypotheses, references, lang: str = 'de') -> Bleu:
+  """The paper-comparable figure: Moses-tokenised, compound-split BLEU (tensor2tensor)."""
+  sides = [[split_compounds(line) for line in moses_tokenize(lines, lang)]
+           for lines in (hypotheses, references)]
+  metric = sacrebleu.metrics.BLEU(tokenize='none')
+  result = metric.corpus_score(sides[0], [sides[1]])
+  return Bleu(result.score, f'tokenised BLEU, compound split (Moses {lang}, tensor2tensor '
+              'get_ende_bleu)', str(metric.get_signature()))
+
+
+def tokenized_bleu(hypotheses, tokenized_references, lowercase: bool = False,
+                   tokenize_hypotheses: bool = False, lang: str = 'en') -> Bleu:
+  """BLEU with tokenize='none' against already tokenised references."""
+  hypotheses = list(hypotheses)
+  if tokenize_hypotheses:
+    hypotheses = moses_tokenize(hypotheses, lang)
+  metric = sacrebleu.metrics.BLEU(tokenize='none', lowercase=lowercase)
+  result = metric.corpus_score(hypotheses, [list(tokenized_references)])
+  details = ['tokenised references'] + (['lowercased'] if lowercase else []) + (
+      [f'hypotheses Moses-tokenised ({lang})'] if tokenize_hypotheses else [])
+  return Bleu(result.score, f'tokenised BLEU ({", ".join(details)})',
+              str(metric.get_signature()))
+
+
 def exact_match(hypotheses, references) -> float:
   """Percentage of hypotheses identical to their reference (after whitespace normalisation)."""
   pairs = list(zip(hypotheses, references))
   if not pairs:
     return 0.0
   return 100.0 * sum(h.split() == r.split() for h, r in pairs) / len(pairs)
+
+
+# BLEU during training.
+
+def bleu_due(step: int, num_steps: int, eval_config) -> bool:
+  """Whether the evaluation at `step` also decodes for BLEU (always at the last step)."""
+  if eval_config.bleu_sentences == 0:
+    return False
+  return step == num_steps or eval_config.bleu_every <= 0 or step % eval_config.bleu_every == 0
+
+
+def validation_bleu(translator, params, split, vocab, eval_config,
+                    examples_to_print: int = 0) -> tuple[dict[str, float], Bleu]:
+  """sacreBLEU and exact match on the validation set (its first `bleu_sentences` if > 0)."""
+  count = len(split) if eval_config.bleu_sentences < 0 else min(eval_config.bleu_sentences,
+                                                                 len(split))
+  references = split.references[:count]
+  hypotheses = [vocab.decode(ids) for ids in translator.translate(params, split.inputs[:count])]
+  bleu = sacrebleu_score(hypotheses, references)
+  how = 'greedy' if translator.beam_size == 1 else (
+      f'beam {translator.beam_size}, alpha {translator.alpha}')
+  logging.info('%s on %d validation sentences (%s)', bleu, count, how)
+  for source, reference, hypothesis in list(zip(split.sources, references,
+                                               hypotheses))[:examples_to_print]:
+    logging.info('  source:     %s\n  reference:  %s\n  hypothesis: %s', source, reference,
+                 hypothesis)
+  return {'bleu': bleu.score, 'exact_match': exact_match(hypotheses, references)}, bleu
+
+
+def record_best_bleu(workdir: str, step: int, bleu: Bleu) -> bool:
+  """Keeps <workdir>/best_bleu.json naming the step with the highest BLEU; True if `step` is it."""
+  path = os.path.join(workdir, 'best_bleu.json')
+  if os.path.exists(path):
+    with open(path) as f:
+      best = json.load(f)
+    if best['bleu'] >= bleu.score and best['step'] != step:
+      return False
+  record = {'step': step, 'bleu': bleu.score, 'label': bleu.label, 'signature': bleu.signature}
+  with open(path + '.tmp', 'w') as f:
+    json.dump(record, f)
+  os.replace(path + '.tmp', path)
+  return True
+
+
+# The command line: translate and score in one step.
+
+
+
+def _read(path: str, flag: str) -> list[str]:
+  try:
+    with open(path, encoding='utf-8') as f:
+      return f.read().splitlines()
+  except (OSError, UnicodeDecodeError) as e:
+    raise app.UsageError(f'cannot read --{flag}={path}: {e}')
+
+
+FLAGS = flags.FLAGS
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+  for name in ('workdir', 'src', 'ref'):
+    if not FLAGS[name].value:
+      raise app.UsageError(f'--{name} is required')
+  sources, references = _read(FLAGS.src, 'src'), _read(FLAGS.ref, 'ref')
+  tokenized = _read(FLAGS.tokenized_ref, 'tokenized_ref') if FLAGS.tokenized_ref else None
+  for name, lines in (('ref', references), ('tokenized_ref', tokenized)):
+    if lines is not None and len(lines) != len(sources):
+      raise app.UsageError(f'--src has {len(sources)} lines but --{name} has {len(lines)}: '
+                           'line N of each must belong to the same sentence')
+  from t2t_jax import translate  # pylint: disable=g-import-not-at-top
+  try:
+    run = translate.load(FLAGS.workdir, FLAGS.checkpoint, FLAGS.beam_size, FLAGS.alpha,
+                         FLAGS.batch_tokens)
+    hypotheses, _, _ = translate.translate_lines(run, sources, FLAGS.src, progress=True)
+  except (OSError, ValueError, translate.checkpoint_lib.CheckpointError) as e:
+    sys.exit(f'evaluate: {e}')
+  if FLAGS.output:
+    with open(FLAGS.output, 'w', encoding='utf-8') as f:
+      f.write(''.join(h + '\n' for h in hypotheses))
+  figures = [sacrebleu_score(hypotheses, references),
+             compound_split_bleu(hypotheses, references, FLAGS.lang)]
+  if tokenized is not None:
+    figures.append(tokenized_bleu(hypotheses, tokenized, FLAGS.lowercase,
+                                  FLAGS.tokenize_hypotheses, FLAGS.lang))
+  beam = run.translator
+  print(f'{len(sources)} sentences, checkpoint {FLAGS.checkpoint or "latest"}, '
+        f'beam {beam.beam_size}, alpha {beam.alpha}')
+  for bleu in figures:
+    print(bleu)
+  sys.stdout.flush()
+
+
+def _define_flags():
+  """Defined only when run as a command, so importing this module defines no flags."""
+  flags.DEFINE_string('workdir', None, 'Training run directory.')
+  flags.DEFINE_string('src', None, 'Source sentences, one per line.')
+  flags.DEFINE_string('ref', None, 'Raw (detokenised) references, line-aligned with --src.')
+  flags.DEFINE_string('tokenized_ref', '', "Optional tokenised references: adds BLEU with "
+                      "tokenize='none' against them.")
+  flags.DEFINE_bool('lowercase', False, 'With --tokenized_ref: lowercase both sides.')
+  flags.DEFINE_bool('tokenize_hypotheses', False, 'With --tokenized_ref: Moses-tokenise the '
+                    'hypotheses first.')
+  flags.DEFINE_string('lang', 'de', 'Target language for Moses tokenisation.')
+  flags.DEFINE_string('checkpoint', None, 'A step or a checkpoint directory; default: the '
+                      'latest step.')
+  flags.DEFINE_integer('beam_size', None, 'Beam width; default: config.eval.beam_size.')
+  flags.DEFINE_float('alpha', None, 'Length penalty exponent; default: config.eval.alpha.')
+  flags.DEFINE_integer('batch_tokens', None, 'Tokens per decoding batch over all beams; '
+                       'default: config.data.batch_tokens.')
+  flags.DEFINE_string('output', '', 'Also write the translations to this file.')
+
+if __name__ == '__main__':
+  _define_flags()
+  app.run(main)

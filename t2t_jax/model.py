@@ -91,12 +91,18 @@ def _dense_init(names):
 
 
 class MultiHeadAttention(nn.Module):
-  """Scaled dot-product attention; in decode mode self-attention keeps a key/value cache."""
+  """Scaled dot-product attention with decode-mode caches.
+
+  In decode mode self-attention keeps a key/value cache of the tokens so far, and
+  cross-attention projects the encoder output to keys/values on its first call only and
+  reads them from the cache afterwards (`memory_BKE` may then be None).
+  """
   config: TransformerConfig
   self_attention_cache: bool = False
+  memory_cache: bool = False  # Decoder cross-attention: cache the projected encoder output.
 
   @nn.compact
-  def __call__(self, x_BQE: Array, memory_BKE: Array, mask_B1QK: Array | None) -> Array:
+  def __call__(self, x_BQE: Array, memory_BKE: Array | None, mask_B1QK: Array | None) -> Array:
     cfg = self.config
     head_dim = cfg.d_model // cfg.num_heads
     def kernel(name, shape, names, in_axis, out_axis):
@@ -105,14 +111,18 @@ class MultiHeadAttention(nn.Module):
                         cfg.param_dtype).astype(cfg.dtype)
 
     qkv_shape, qkv_names = (cfg.d_model, cfg.num_heads, head_dim), ('embed', 'heads', 'kv')
-    x_BQE, memory_BKE = x_BQE.astype(cfg.dtype), memory_BKE.astype(cfg.dtype)
-    q_BQHD = jnp.einsum('BQE,EHD->BQHD', x_BQE,
-                        kernel('query', qkv_shape, qkv_names, 0, (1, 2))) * head_dim**-0.5
-    k_BKHD = jnp.einsum('BKE,EHD->BKHD', memory_BKE,
-                        kernel('key', qkv_shape, qkv_names, 0, (1, 2)))
-    v_BKHD = jnp.einsum('BKE,EHD->BKHD', memory_BKE,
-                        kernel('value', qkv_shape, qkv_names, 0, (1, 2)))
+    def project(name, y_BKE):
+      return jnp.einsum('BKE,EHD->BKHD', y_BKE.astype(cfg.dtype),
+                        kernel(name, qkv_shape, qkv_names, 0, (1, 2)))
+
+    q_BQHD = project('query', x_BQE) * head_dim**-0.5
     q_BQHD = nn.with_logical_constraint(q_BQHD, ('batch', 'length', 'heads', 'kv'))
+    if cfg.decode and self.memory_cache:
+      # The init function runs only while the cache lacks the entry: once per batch.
+      k_BKHD = self.variable('cache', 'memory_key', project, 'key', memory_BKE).value
+      v_BKHD = self.variable('cache', 'memory_value', project, 'value', memory_BKE).value
+    else:
+      k_BKHD, v_BKHD = project('key', memory_BKE), project('value', memory_BKE)
 
     if cfg.decode and self.self_attention_cache:
       k_BKHD, v_BKHD, mask_B1QK = self._update_cache(k_BKHD, v_BKHD, mask_B1QK)
@@ -204,7 +214,7 @@ class DecoderLayer(nn.Module):
   def __call__(self, y_BLE, encoded_BKE, self_mask_B1LL, cross_mask_B1LK):
     cfg = self.config
     self_attention = MultiHeadAttention(cfg, self_attention_cache=True, name='self_attention')
-    cross_attention = MultiHeadAttention(cfg, name='cross_attention')
+    cross_attention = MultiHeadAttention(cfg, memory_cache=True, name='cross_attention')
     y_BLE = Sublayer(cfg, name='self_attention_block')(
         lambda y: self_attention(y, y, self_mask_B1LL), y_BLE)
     y_BLE = Sublayer(cfg, name='cross_attention_block')(
@@ -287,14 +297,15 @@ class Transformer(nn.Module):
       x_BLE = layer(x_BLE, mask)
     return self.encoder_norm(x_BLE) if cfg.norm == 'pre' else x_BLE
 
-  def decode(self, encoded_BKE: Array, inputs_BK: Array, targets_BL: Array,
+  def decode(self, encoded_BKE: Array | None, inputs_BK: Array, targets_BL: Array,
              targets_positions_BL: Array | None = None,
              inputs_segments_BK: Array | None = None,
              targets_segments_BL: Array | None = None) -> Array:
     """Logits [B, L, V] in float32.
 
     In training, `targets_BL` are the gold targets (shifted right here). In decode mode they
-    are the previous tokens, one step at a time, and the positions come from the cache.
+    are the previous tokens, one step at a time, and the positions come from the cache;
+    `encoded_BKE` is needed on the first step only, after which its projections are cached.
     """
     cfg = self.config
     inputs_valid_BK = inputs_BK != PAD_ID

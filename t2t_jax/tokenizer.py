@@ -24,6 +24,8 @@ class Vocabulary(Protocol):
 
   def decode(self, ids: Sequence[int]) -> str: ...
 
+  def piece(self, token_id: int) -> str: ...
+
 
 def _strip(ids: Sequence[int]) -> list[int]:
   """Ids up to the first EOS, without padding."""
@@ -54,6 +56,13 @@ class SymbolVocabulary:
   def decode(self, ids: Sequence[int]) -> str:
     return ' '.join(self.symbols[i - 2] for i in _strip(ids) if 2 <= i < self.vocab_size)
 
+  def piece(self, token_id: int) -> str:
+    """The text of one id, for display; PAD and EOS show as <pad> and </s>."""
+    token_id = int(token_id)
+    if token_id in (PAD_ID, EOS_ID):
+      return ('<pad>', '</s>')[token_id]
+    return self.symbols[token_id - 2] if token_id < self.vocab_size else f'<{token_id}>'
+
 
 class SentencePieceVocabulary:
   """A SentencePiece model shared by source and target."""
@@ -72,6 +81,10 @@ class SentencePieceVocabulary:
 
   def decode(self, ids: Sequence[int]) -> str:
     return self._processor.decode(_strip(ids))
+
+  def piece(self, token_id: int) -> str:
+    """The SentencePiece piece of one id, for display."""
+    return self._processor.id_to_piece(int(token_id))
 
 
 def train_sentencepiece(sentences: Iterable[str], path: str, vocab_size: int,

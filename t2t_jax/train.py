@@ -267,8 +267,9 @@ def _write_config(config, workdir: str) -> str:
 
 
 def run_evaluation(setup: Setup, params, task: data.TaskData, eval_batches, config,
-                   translator: decode.Translator) -> dict[str, float]:
-  """Eval loss/accuracy on the eval set; BLEU and exact match of greedy decodes."""
+                   translator: decode.Translator, with_bleu: bool = True
+                   ) -> tuple[dict[str, float], evaluate.Bleu | None]:
+  """Eval loss/accuracy on the eval set; with `with_bleu`, BLEU and exact match of decodes."""
   sums = None
   for batch in data.eval_batches(eval_batches, config.eval.num_batches):
     metrics = jax.device_get(setup.eval_step(params, sharding.global_batch(batch, setup.mesh)))
@@ -277,20 +278,12 @@ def run_evaluation(setup: Setup, params, task: data.TaskData, eval_batches, conf
     logging.warning('The eval set is empty: no eval figures.')
     return {}
   results = {f'eval_{k}': v for k, v in optim.summarize(sums).items()}
-  count = min(config.eval.bleu_sentences, len(task.eval))
-  if count:
-    sources, references = task.eval.sources[:count], task.eval.references[:count]
-    hypotheses = translator.translate(params, task.eval.inputs[:count])
-    hypotheses = [task.vocab.decode(h) for h in hypotheses]
-    bleu = evaluate.sacrebleu_score(hypotheses, references)
-    results['bleu'] = bleu.score
-    results['exact_match'] = evaluate.exact_match(hypotheses, references)
-    logging.info('Greedy %s on %d eval sentences', bleu, count)
-    for source, reference, hypothesis in list(zip(sources, references,
-                                                 hypotheses))[:config.eval.examples_to_print]:
-      logging.info('  source:     %s\n  reference:  %s\n  hypothesis: %s', source, reference,
-                   hypothesis)
-  return results
+  bleu = None
+  if with_bleu and config.eval.bleu_sentences and len(task.eval):
+    scores, bleu = evaluate.validation_bleu(translator, params, task.eval, task.vocab,
+                                            config.eval, config.eval.examples_to_print)
+    results.update(scores)
+  return results, bleu
 
 
 class _MetricLog:
@@ -366,7 +359,8 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
   config_json = _write_config(config, workdir)
   translator = decode.Translator(setup.model_config, setup.mesh, setup.axis_rules,
                                  config.data.batch_tokens, config.data.min_bucket,
-                                 config.eval.max_extra_len)
+                                 config.eval.max_extra_len, config.eval.beam_size,
+                                 config.eval.alpha)
   writer = tensorboardX.SummaryWriter(workdir) if jax.process_index() == 0 else _NullWriter()
   num_steps, start_step = config.train.num_steps, int(state.step)
   metric_log = _MetricLog(writer, setup.schedule, num_steps, start_step)
@@ -399,12 +393,17 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
       if preempted:
         break
       if evaluate_now:
-        results = run_evaluation(setup, state.params, task, eval_batches, config, translator)
+        bleu_due = evaluate.bleu_due(step, num_steps, config.eval)
+        results, bleu = run_evaluation(setup, state.params, task, eval_batches, config,
+                                       translator, bleu_due)
+        if bleu and jax.process_index() == 0:
+          evaluate.record_best_bleu(workdir, step, bleu)
         if config.eval.average_last and save_now:
           averaged, steps = checkpointer.average_last(config.eval.average_last,
                                                       setup.abstract_state.params)
-          results.update({f'averaged_{name}': value for name, value in run_evaluation(
-              setup, averaged, task, eval_batches, config, translator).items()})
+          averaged_results, _ = run_evaluation(setup, averaged, task, eval_batches, config,
+                                               translator, bleu_due)
+          results.update({f'averaged_{name}': value for name, value in averaged_results.items()})
           logging.info('Averaged checkpoints %s', steps)
         for name, value in results.items():
           writer.add_scalar(name.replace('eval_', 'eval/'), value, step)
@@ -415,7 +414,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     writer.close()
     raise preemption.Preempted(int(state.step), checkpointer.directory)
   if not results:  # Resumed at the end: nothing left to train, but report the figures.
-    results = run_evaluation(setup, state.params, task, eval_batches, config, translator)
+    results, _ = run_evaluation(setup, state.params, task, eval_batches, config, translator)
   checkpointer.close()
   writer.close()
   return {'config': config.name, 'step': int(state.step), **results, **metric_log.final(),

@@ -1,0 +1,252 @@
+"""Translates text with a trained run: sentences in, translations out, in the same order.
+
+  python -m t2t_jax.translate --workdir=/tmp/t2t_default --input=src.txt --output=out.txt
+  echo "3 1 4 1 5" | python -m t2t_jax.translate --workdir=/tmp/t2t_default --beam_size=4
+  python -m t2t_jax.translate --workdir=... --input=one.txt --attention_png=/tmp/attention
+"""
+
+import dataclasses
+import json
+import os
+import sys
+
+from absl import app
+from absl import flags
+from absl import logging
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import tqdm
+
+from t2t_jax import EOS_ID
+from t2t_jax import checkpoint as checkpoint_lib
+from t2t_jax import data
+from t2t_jax import decode
+from t2t_jax import sharding
+from t2t_jax import tokenizer
+from t2t_jax.model import Transformer, TransformerConfig
+
+
+@dataclasses.dataclass
+class Run:
+  """A trained model ready to translate: its config, vocabulary, parameters and decoder."""
+  config: ml_collections.ConfigDict
+  vocab: tokenizer.Vocabulary
+  model_config: TransformerConfig
+  params: object
+  translator: decode.Translator
+
+
+def load_config(workdir: str) -> ml_collections.ConfigDict:
+  """The resolved config training wrote to <workdir>/config.json."""
+  path = os.path.join(workdir, 'config.json')
+  try:
+    with open(path) as f:
+      return ml_collections.ConfigDict(json.load(f))
+  except OSError as e:
+    raise FileNotFoundError(f'cannot read {path} ({e.strerror}): --workdir must be the '
+                            'directory of a training run') from None
+
+
+def load_vocabulary(config, workdir: str) -> tokenizer.Vocabulary:
+  if config.data.source == 'synthetic':
+    return data.synthetic_vocabulary(config.data)
+  path = data.vocab_path(config, workdir)
+  if not os.path.exists(path):
+    raise FileNotFoundError(f'the vocabulary {path} of this run is missing')
+  return tokenizer.SentencePieceVocabulary(path)
+
+
+def abstract_params(model_config: TransformerConfig, mesh, axis_rules):
+  """Parameter shapes and dtypes with their shardings, without materialising anything."""
+  def init():
+    tokens = jnp.ones((1, 1), jnp.int32)
+    return Transformer(dataclasses.replace(model_config, deterministic=True)).init(
+        jax.random.PRNGKey(0), tokens, tokens)['params']
+  with sharding.mesh_context(mesh, axis_rules):
+    boxed = jax.eval_shape(init)
+    shardings = sharding.logical_shardings(boxed, mesh, axis_rules)
+  return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                      nn.meta.unbox(boxed), shardings)
+
+
+def load(workdir: str, checkpoint: str | None = None, beam_size: int | None = None,
+         alpha: float | None = None, batch_tokens: int | None = None) -> Run:
+  """Config, vocabulary and parameters of a run; unset decoding options come from its config."""
+  config = load_config(workdir)
+  vocab = load_vocabulary(config, workdir)
+  mesh = sharding.make_mesh(config.mesh)
+  axis_rules = sharding.rules(config.mesh)
+  model_config = TransformerConfig.from_config(config.model, vocab.vocab_size)
+  params = checkpoint_lib.restore_params(
+      workdir, abstract_params(model_config, mesh, axis_rules), checkpoint)
+  translator = decode.Translator(
+      model_config, mesh, axis_rules,
+      batch_tokens or config.data.batch_tokens, config.data.min_bucket,
+      config.eval.max_extra_len,
+      beam_size=config.eval.beam_size if beam_size is None else beam_size,
+      alpha=config.eval.alpha if alpha is None else alpha)
+  return Run(config, vocab, model_config, params, translator)
+
+
+def encode_lines(vocab, lines, max_tokens: int, name: str) -> list[np.ndarray]:
+  """Ids ending in EOS per line; empty lines give no ids; longer lines are cut with a warning."""
+  lines = [line.strip() for line in lines]
+  texts = [line for line in lines if line]
+  try:
+    ids_of_texts = iter(vocab.encode(texts))
+  except ValueError:  # Find the line at fault.
+    for number, line in enumerate(lines, start=1):
+      try:
+        vocab.encode([line])
+      except ValueError as e:
+        raise ValueError(f'{name}:{number}: {e}') from None
+    raise
+  encoded = []
+  for number, line in enumerate(lines, start=1):
+    if not line:
+      encoded.append(np.zeros((0,), np.int32))
+      continue
+    ids = list(next(ids_of_texts))
+    if len(ids) + 1 > max_tokens:
+      logging.warning('%s:%d: %d tokens, truncated to the first %d (the model reads at most %d '
+                      'including EOS)', name, number, len(ids), max_tokens - 1, max_tokens)
+      ids = ids[:max_tokens - 1]
+    encoded.append(np.asarray(ids + [EOS_ID], np.int32))
+  return encoded
+
+
+def translate_lines(run: Run, lines, name: str = '<stdin>', progress: bool = False
+                    ) -> tuple[list[str], list[np.ndarray], list[np.ndarray]]:
+  """Translations of `lines` in order, with the source and output ids behind them."""
+  max_tokens = min(run.config.data.max_len, run.model_config.max_len)
+  inputs = encode_lines(run.vocab, lines, max_tokens, name)
+  with tqdm.tqdm(total=len(inputs), desc='translating', unit=' sentences', file=sys.stderr,
+                 disable=not progress) as bar:
+    outputs = run.translator.translate(run.params, inputs, progress=bar.update)
+  return [run.vocab.decode(o) if len(o) else '' for o in outputs], inputs, outputs
+
+
+def _strip_to_eos(ids) -> list[int]:
+  ids = [int(i) for i in ids]
+  return ids[:ids.index(EOS_ID) + 1] if EOS_ID in ids else ids
+
+
+def cross_attention(run: Run, source_ids, output_ids) -> list[np.ndarray]:
+  """Encoder-decoder attention [heads, output, source] of every decoder layer."""
+  model = Transformer(dataclasses.replace(run.model_config, deterministic=True))
+  _, state = model.apply({'params': run.params}, jnp.asarray(source_ids)[None],
+                         jnp.asarray(output_ids)[None], mutable=['intermediates'])
+  layers = state['intermediates']
+  return [np.asarray(layers[f'decoder_{i}']['cross_attention']['attention_weights'][0][0],
+                     np.float32) for i in range(run.model_config.num_decoder_layers)]
+
+
+def save_attention_pngs(run: Run, source_ids, output_ids, directory: str,
+                        prefix: str) -> list[str]:
+  """One PNG per decoder layer of encoder-decoder attention, one panel per head."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use('Agg')
+  from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
+  output_ids = _strip_to_eos(output_ids)
+  source_names = [run.vocab.piece(i) for i in source_ids]
+  output_names = [run.vocab.piece(i) for i in output_ids]
+  os.makedirs(directory, exist_ok=True)
+  paths = []
+  for layer, weights_HQK in enumerate(cross_attention(run, source_ids, output_ids)):
+    heads = weights_HQK.shape[0]
+    columns = min(heads, 4)
+    rows = -(-heads // columns)
+    width, height = 1.5 + 0.3 * len(source_names), 1.5 + 0.3 * len(output_names)
+    figure, axes = plt.subplots(rows, columns, squeeze=False,
+                                figsize=(columns * width, rows * height))
+    for head, axis in enumerate(axes.flat):
+      if head >= heads:
+        axis.axis('off')
+        continue
+      axis.imshow(weights_HQK[head], cmap='viridis', vmin=0.0, vmax=weights_HQK.max(),
+                  aspect='equal')
+      axis.set_title(f'head {head + 1}', fontsize=9)
+      axis.set_xticks(range(len(source_names)), source_names, rotation=90, fontsize=7)
+      axis.set_yticks(range(len(output_names)), output_names, fontsize=7)
+      axis.set_xlabel('source', fontsize=8)
+      axis.set_ylabel('output', fontsize=8)
+    figure.suptitle(f'encoder-decoder attention, decoder layer {layer + 1}')
+    figure.tight_layout()
+    path = os.path.join(directory, f'{prefix}_layer{layer + 1}.png')
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    paths.append(path)
+  return paths
+
+
+# The command line.
+
+
+
+def _read_input(path: str) -> list[str]:
+  if not path:
+    return sys.stdin.read().splitlines()
+  try:
+    with open(path, encoding='utf-8') as f:
+      return f.read().splitlines()
+  except OSError as e:
+    raise app.UsageError(f'cannot read --input={path}: {e.strerror}')
+  except UnicodeDecodeError as e:
+    raise app.UsageError(f'--input={path} is not UTF-8 text (byte {e.start})')
+
+
+FLAGS = flags.FLAGS
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+  if not FLAGS.workdir:
+    raise app.UsageError('--workdir is required')
+  lines = _read_input(FLAGS.input)
+  try:
+    run = load(FLAGS.workdir, FLAGS.checkpoint, FLAGS.beam_size, FLAGS.alpha,
+               FLAGS.batch_tokens)
+    translations, inputs, outputs = translate_lines(run, lines, FLAGS.input or '<stdin>',
+                                                    progress=bool(FLAGS.input))
+  except (OSError, ValueError, checkpoint_lib.CheckpointError) as e:
+    sys.exit(f'translate: {e}')
+  text = ''.join(t + '\n' for t in translations)
+  if FLAGS.output:
+    with open(FLAGS.output, 'w', encoding='utf-8') as f:
+      f.write(text)
+  else:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+  if FLAGS.attention_png:
+    chosen = [n for n, ids in enumerate(inputs) if len(ids)][:FLAGS.attention_lines]
+    for n in chosen:
+      for path in save_attention_pngs(run, inputs[n], outputs[n], FLAGS.attention_png,
+                                      f'line{n + 1}'):
+        logging.info('Wrote %s', path)
+
+
+def _define_flags():
+  """Defined only when run as a command, so importing this module defines no flags."""
+  flags.DEFINE_string('workdir', None, 'Training run directory (config.json, checkpoints/, '
+                      'vocabulary).')
+  flags.DEFINE_string('checkpoint', None, 'A step of <workdir>/checkpoints, or the path of a '
+                      'checkpoint directory (e.g. an averaged one); default: the latest step.')
+  flags.DEFINE_string('input', '', 'Source sentences, one per line; empty: stdin.')
+  flags.DEFINE_string('output', '', 'Where translations go, one per line; empty: stdout.')
+  flags.DEFINE_integer('beam_size', None, "Beam width; 1 is greedy. Default: the run's "
+                       'config.eval.beam_size.')
+  flags.DEFINE_float('alpha', None, 'Length penalty exponent. Default: config.eval.alpha.')
+  flags.DEFINE_integer('batch_tokens', None, 'Tokens per decoding batch, counted over all '
+                       'beams. Default: config.data.batch_tokens.')
+  flags.DEFINE_string('attention_png', '', 'Directory for encoder-decoder attention pictures '
+                      '(one PNG per decoder layer).')
+  flags.DEFINE_integer('attention_lines', 1, 'With --attention_png: how many input lines (the '
+                       'first non-empty ones) get pictures.')
+
+if __name__ == '__main__':
+  _define_flags()
+  app.run(main)

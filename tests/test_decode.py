@@ -1,0 +1,185 @@
+"""Greedy and beam search: beam 1 = greedy, exactness against enumeration, EOS, batching."""
+
+import dataclasses
+import itertools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from t2t_jax import EOS_ID, PAD_ID
+from t2t_jax import decode
+from t2t_jax import model as model_lib
+from t2t_jax import sharding
+
+CONFIG = model_lib.TransformerConfig(
+    vocab_size=9, d_model=16, d_ff=32, num_heads=2, num_encoder_layers=1,
+    num_decoder_layers=2, max_len=32, norm='pre', deterministic=True)
+
+
+def _random_params(config=CONFIG, seed=1, std=1.0):
+  """Weights drawn N(0, std): unlike the init, they give varied outputs and EOS positions."""
+  tokens = jnp.ones((1, 4), jnp.int32)
+  params = nn.meta.unbox(model_lib.Transformer(config).init(jax.random.PRNGKey(0), tokens,
+                                                            tokens)['params'])
+  leaves, tree = jax.tree.flatten(params)
+  keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
+  return jax.tree.unflatten(tree, [jax.random.normal(k, x.shape) * std
+                                   for k, x in zip(keys, leaves)])
+
+
+greedy_search = jax.jit(decode.greedy_search, static_argnames=('config', 'max_len'))
+beam_search = jax.jit(decode.beam_search,
+                      static_argnames=('config', 'max_len', 'beam_size', 'alpha'))
+
+
+def _sources(vocab=9, rows=8, length=5, seed=0):
+  """A padded batch of mixed source lengths (rows 4.. are 3 tokens long)."""
+  tokens = np.random.default_rng(seed).integers(2, vocab, (rows, length))
+  tokens[rows // 2:, 3:] = PAD_ID
+  return jnp.asarray(tokens, jnp.int32)
+
+
+def _trim(tokens) -> tuple[int, ...]:
+  """Tokens up to and including the first EOS (all of them if there is none)."""
+  tokens = [int(t) for t in tokens]
+  return tuple(tokens[:tokens.index(EOS_ID) + 1] if EOS_ID in tokens else tokens)
+
+
+@jax.jit(static_argnames='config')
+def _teacher_forced_log_probs(params, source_S, sequences_BL, config):
+  logits_BLV = model_lib.Transformer(config).apply(
+      {'params': params}, jnp.broadcast_to(source_S, (len(sequences_BL), len(source_S))),
+      sequences_BL)
+  log_probs_BLV = jax.nn.log_softmax(logits_BLV)
+  return jnp.take_along_axis(log_probs_BLV, sequences_BL[:, :, None], axis=2)[..., 0].sum(1)
+
+
+def _sequence_log_probs(params, config, source, sequences) -> list[float]:
+  """log p(sequence | source) of each sequence, from the teacher-forced (uncached) pass."""
+  result = {}
+  for length in {len(s) for s in sequences}:
+    group = [s for s in sequences if len(s) == length]
+    values = _teacher_forced_log_probs(params, source, jnp.asarray(group, jnp.int32),
+                                       config=config)
+    result.update(zip(group, np.asarray(values).tolist()))
+  return [result[s] for s in sequences]
+
+
+def test_length_penalty_is_the_gnmt_formula():
+  assert float(decode.length_penalty(3, 0.6)) == pytest.approx((8 / 6) ** 0.6)
+  assert float(decode.length_penalty(7, 0.0)) == 1.0
+  assert decode.max_decode_length(20, 50, 64) == 64
+  assert decode.max_decode_length(10, 50, 512) == 60
+
+
+def test_beam_size_one_equals_greedy():
+  params, inputs = _random_params(), _sources()
+  greedy = np.asarray(greedy_search(params, inputs, config=CONFIG, max_len=8))
+  tokens, scores = beam_search(params, inputs, config=CONFIG, max_len=8, beam_size=1, alpha=0.0)
+  np.testing.assert_array_equal(np.asarray(tokens)[:, 0], greedy)
+  # Both ways of ending occur in this batch: EOS, and running into the length limit.
+  ended = [EOS_ID in row for row in greedy]
+  assert any(ended) and not all(ended)
+
+
+@pytest.mark.parametrize('vocab, max_len, beam, alpha', [
+    (4, 2, 4, 0.6), (5, 2, 5, 2.0), (4, 3, 9, 0.0)])
+def test_wide_beam_returns_the_exhaustive_best(vocab, max_len, beam, alpha):
+  config = dataclasses.replace(CONFIG, vocab_size=vocab)
+  params, inputs = _random_params(config, seed=3, std=0.7), _sources(vocab, rows=3, seed=4)
+  tokens, scores = beam_search(params, inputs, config=config, max_len=max_len, beam_size=beam,
+                                alpha=alpha)
+  symbols = [t for t in range(vocab) if t not in (PAD_ID, EOS_ID)]
+  hypotheses = [prefix + (EOS_ID,) for n in range(max_len)
+                for prefix in itertools.product(symbols, repeat=n)]
+  hypotheses += list(itertools.product(symbols, repeat=max_len))  # Cut by the length limit.
+  for row in range(inputs.shape[0]):
+    log_probs = _sequence_log_probs(params, config, inputs[row], hypotheses)
+    scored = sorted(((p / float(decode.length_penalty(len(h), alpha)), h)
+                     for p, h in zip(log_probs, hypotheses)), reverse=True)
+    assert _trim(tokens[row, 0]) == scored[0][1]
+    k = min(beam, len(scored))
+    np.testing.assert_allclose(np.asarray(scores[row, :k]), [s for s, _ in scored[:k]],
+                               atol=1e-4)
+
+
+def test_scores_are_length_normalised_log_probs_and_eos_ends_each_hypothesis():
+  params, inputs = _random_params(seed=2), _sources()
+  tokens, scores = beam_search(params, inputs, config=CONFIG, max_len=8, beam_size=3, alpha=0.6)
+  tokens, scores = np.asarray(tokens), np.asarray(scores)
+  assert np.all(np.diff(scores, axis=1) <= 0)
+  for row in range(inputs.shape[0]):
+    hypotheses = [_trim(tokens[row, k]) for k in range(3)]
+    log_probs = _sequence_log_probs(params, CONFIG, inputs[row], hypotheses)
+    for k, (hypothesis, log_prob) in enumerate(zip(hypotheses, log_probs)):
+      assert PAD_ID not in hypothesis and EOS_ID not in hypothesis[:-1]
+      assert hypothesis[-1] == EOS_ID or len(hypothesis) == 8
+      assert np.all(tokens[row, k, len(hypothesis):] == PAD_ID)
+      expected = log_prob / float(decode.length_penalty(len(hypothesis), 0.6))
+      assert scores[row, k] == pytest.approx(expected, abs=1e-4)
+
+
+def test_early_stop_returns_what_the_full_search_returns(monkeypatch):
+  params, inputs = _random_params(seed=1, std=0.5), _sources(rows=6)
+  original, steps = decode._can_improve, []
+
+  def recording(state, max_len, alpha):
+    jax.debug.callback(lambda step: steps.append(int(step)), state.step)
+    return original(state, max_len, alpha)
+
+  def search():  # A new function each time, so each call traces `beam_search` afresh.
+    return jax.jit(lambda p, i: decode.beam_search(p, i, CONFIG, 12, 3, 0.6))(params, inputs)
+
+  monkeypatch.setattr(decode, '_can_improve', recording)
+  stopped = jax.block_until_ready(search())
+  assert max(steps) < 12  # It did stop early: every row's finished beams were out of reach.
+  monkeypatch.setattr(decode, '_can_improve', lambda state, max_len, alpha: jnp.array(True))
+  full = search()
+  np.testing.assert_array_equal(stopped[0], full[0])
+  np.testing.assert_allclose(stopped[1], full[1], atol=1e-6)
+
+
+def test_greedy_stops_at_eos_and_pads_after_it():
+  params, inputs = _random_params(), _sources()
+  greedy = np.asarray(greedy_search(params, inputs, config=CONFIG, max_len=8))
+  for row in greedy:
+    hypothesis = _trim(row)
+    assert PAD_ID not in hypothesis and np.all(row[len(hypothesis):] == PAD_ID)
+
+
+@pytest.mark.parametrize('beam_size', [1, 3])
+def test_translator_keeps_input_order_through_length_sorting(beam_size):
+  config = dataclasses.replace(CONFIG, max_len=24)
+  params = _random_params(config)
+  mesh_config = _mesh_config()
+  mesh = sharding.make_mesh(mesh_config)
+  rng = np.random.default_rng(5)
+  inputs = [rng.integers(2, 9, n).astype(np.int32) for n in (3, 11, 0, 7, 2, 12, 5, 9, 1, 4)]
+  translator = decode.Translator(config, mesh, sharding.rules(mesh_config),
+                                 batch_tokens=64 * beam_size, min_bucket=4, max_extra_len=3,
+                                 beam_size=beam_size, alpha=0.6)
+  outputs = translator.translate(params, inputs)
+  assert len(outputs) == len(inputs) and len(outputs[2]) == 0  # The empty input.
+  # Translated one at a time (same bucket shapes, so no new compilation), nothing can move.
+  for seq, output in zip(inputs, outputs):
+    assert _trim(output) == _trim(translator.translate(params, [seq])[0])
+  assert len(set(_trim(o) for o in outputs)) > 3  # Distinct outputs, so a swap would show.
+  assert translator.translate(params, []) == []
+
+
+def test_bfloat16_beam_search_runs_and_caches_in_bfloat16():
+  config = dataclasses.replace(CONFIG, dtype=jnp.bfloat16)
+  params, inputs = _random_params(), _sources()
+  tokens, scores = beam_search(params, inputs, config=config, max_len=8, beam_size=2, alpha=0.6)
+  assert tokens.shape == (8, 2, 8) and np.all(np.isfinite(scores))
+  assert np.all(np.diff(np.asarray(scores), axis=1) <= 0)
+  cache = decode.init_cache(config, 2, 8)
+  assert cache['decoder_0']['self_attention']['key'].dtype == jnp.bfloat16
+
+
+def _mesh_config():
+  from configs import tiny  # pylint: disable=g-import-not-at-top
+  return tiny.get_config().mesh

@@ -1,0 +1,96 @@
+"""BLEU modes against sacreBLEU called directly, compound splitting, best-step bookkeeping."""
+
+import json
+
+import ml_collections
+import pytest
+import sacrebleu
+
+from t2t_jax import evaluate
+
+HYPOTHESES = ['Die Ein-Mann-Firma kostet 3,5 Mio. Euro.', 'Der US-Präsident sprach.',
+              'Es ist "gut" & schnell.']
+REFERENCES = ['Die Ein-Mann-Firma kostete 3,5 Mio. Euro.', 'Der US-Präsident sprach gestern.',
+              'Es ist "gut" und schnell.']
+
+
+def test_sacrebleu_is_sacrebleu_on_raw_text_with_its_signature():
+  bleu = evaluate.sacrebleu_score(HYPOTHESES, REFERENCES)
+  assert bleu.score == pytest.approx(sacrebleu.corpus_bleu(HYPOTHESES, [REFERENCES]).score)
+  assert bleu.label == 'sacreBLEU' and 'tok:13a' in bleu.signature
+  assert str(bleu).startswith(f'sacreBLEU {bleu.score:.2f} (nrefs:1|')
+
+
+@pytest.mark.parametrize('line, expected', [
+    ('Ein-Mann-Firma', 'Ein ##AT##-##AT## Mann ##AT##-##AT## Firma'),
+    ('US-Präsident', 'US ##AT##-##AT## Präsident'),
+    # The scan does not overlap: the `b` consumed by the first match cannot start a second.
+    ('a-b-c', 'a ##AT##-##AT## b-c'),
+    ('5 - 3 , -2 und x-', '5 - 3 , -2 und x-'),
+])
+def test_compound_splitting_matches_hand_worked_examples(line, expected):
+  assert evaluate.split_compounds(line) == expected
+
+
+def test_compound_split_bleu_is_sacrebleu_on_hand_tokenised_split_text():
+  # Moses (de) tokenisation, escaping included, then compound splitting, worked by hand.
+  hypotheses = ['Die Ein ##AT##-##AT## Mann ##AT##-##AT## Firma kostet 3,5 Mio. Euro .',
+                'Der US ##AT##-##AT## Präsident sprach .',
+                'Es ist &quot; gut &quot; &amp; schnell .']
+  references = ['Die Ein ##AT##-##AT## Mann ##AT##-##AT## Firma kostete 3,5 Mio. Euro .',
+                'Der US ##AT##-##AT## Präsident sprach gestern .',
+                'Es ist &quot; gut &quot; und schnell .']
+  assert evaluate.moses_tokenize(HYPOTHESES, 'de') == [
+      h.replace(' ##AT##-##AT## ', '-') for h in hypotheses]
+  bleu = evaluate.compound_split_bleu(HYPOTHESES, REFERENCES, 'de')
+  expected = sacrebleu.corpus_bleu(hypotheses, [references], tokenize='none')
+  assert bleu.score == pytest.approx(expected.score)
+  assert 'compound split' in bleu.label and 'tok:none' in bleu.signature
+  # Splitting matters: without it the two compounds count as single (wrong) words.
+  assert bleu.score != pytest.approx(sacrebleu.corpus_bleu(
+      [h.replace(' ##AT##-##AT## ', '-') for h in hypotheses],
+      [[r.replace(' ##AT##-##AT## ', '-') for r in references]], tokenize='none').score)
+
+
+def test_tokenized_bleu_against_tokenised_references():
+  references = ['die ein-mann-firma kostete 3,5 mio. euro .', 'der us-präsident sprach gestern .',
+                'es ist &quot; gut &quot; und schnell .']
+  plain = evaluate.tokenized_bleu(HYPOTHESES, references)
+  assert plain.score == pytest.approx(
+      sacrebleu.corpus_bleu(HYPOTHESES, [references], tokenize='none').score)
+  full = evaluate.tokenized_bleu(HYPOTHESES, references, lowercase=True,
+                                 tokenize_hypotheses=True, lang='de')
+  tokenised = ['Die Ein-Mann-Firma kostet 3,5 Mio. Euro .', 'Der US-Präsident sprach .',
+               'Es ist &quot; gut &quot; &amp; schnell .']
+  assert full.score == pytest.approx(sacrebleu.corpus_bleu(
+      tokenised, [references], tokenize='none', lowercase=True).score)
+  assert full.score > plain.score
+  assert 'lowercased' in full.label and 'Moses-tokenised' in full.label
+  assert 'case:lc' in full.signature and 'tok:none' in full.signature
+
+
+def test_exact_match_ignores_whitespace_only():
+  assert evaluate.exact_match(['a  b', 'c'], ['a b', 'd']) == 50.0
+  assert evaluate.exact_match([], []) == 0.0
+
+
+def test_bleu_schedule_and_sentence_count_semantics():
+  config = ml_collections.ConfigDict({'bleu_every': 3000, 'bleu_sentences': -1})
+  assert [s for s in (1000, 2000, 3000, 4000, 6000, 6500)
+          if evaluate.bleu_due(s, 6500, config)] == [3000, 6000, 6500]
+  config.bleu_every = 0
+  assert evaluate.bleu_due(1000, 6500, config)
+  config.bleu_sentences = 0
+  assert not evaluate.bleu_due(6500, 6500, config)
+
+
+def test_best_bleu_file_keeps_the_best_step(tmp_path):
+  def bleu(score):
+    return evaluate.Bleu(score, 'sacreBLEU', 'sig')
+
+  assert evaluate.record_best_bleu(str(tmp_path), 10, bleu(5.0))
+  assert not evaluate.record_best_bleu(str(tmp_path), 20, bleu(3.0))
+  assert json.load(open(tmp_path / 'best_bleu.json'))['step'] == 10
+  assert evaluate.record_best_bleu(str(tmp_path), 30, bleu(7.5))
+  assert json.load(open(tmp_path / 'best_bleu.json')) == {
+      'step': 30, 'bleu': 7.5, 'label': 'sacreBLEU', 'signature': 'sig'}

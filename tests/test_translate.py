@@ -1,0 +1,106 @@
+"""The translate and evaluate commands end to end on a run trained a few steps by configs/tiny.py."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import ROOT, write_lines
+from t2t_jax import checkpoint
+from t2t_jax import translate
+
+
+@pytest.fixture(scope='module')
+def workdir(tmp_path_factory):
+  from configs import tiny  # pylint: disable=g-import-not-at-top
+  from t2t_jax import train  # pylint: disable=g-import-not-at-top
+  directory = str(tmp_path_factory.mktemp('tiny_run'))
+  train.train_and_evaluate(tiny.get_config(), directory)
+  return directory
+
+
+def _run(module, *args, stdin=None):
+  env = dict(os.environ, PYTHONPATH=ROOT)
+  return subprocess.run([sys.executable, '-m', module, *args], cwd=ROOT, env=env, input=stdin,
+                        capture_output=True, text=True, timeout=300)
+
+
+def test_training_records_the_best_bleu_step(workdir):
+  best = json.load(open(os.path.join(workdir, 'best_bleu.json')))
+  assert best['step'] in (10, 20) and best['label'] == 'sacreBLEU'
+  assert 'tok:13a' in best['signature'] and 0 <= best['bleu'] <= 100
+
+
+def test_restore_params_reads_the_checkpointed_parameters(workdir):
+  run = translate.load(workdir, checkpoint='10')
+  state_dir = os.path.join(workdir, 'checkpoints', '10', 'state')
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  saved = ocp.PyTreeCheckpointer().restore(state_dir)['params']  # Everything, unsharded.
+  for restored, expected in zip(jax.tree.leaves(run.params), jax.tree.leaves(saved)):
+    np.testing.assert_array_equal(np.asarray(restored), np.asarray(expected))
+  latest = translate.load(workdir)
+  assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(latest.params),
+                                                      jax.tree.leaves(run.params)))
+  with pytest.raises(FileNotFoundError, match=r'no checkpoint of step 7 .* \[10, 20\]'):
+    translate.load(workdir, checkpoint='7')
+  with pytest.raises(FileNotFoundError, match='no checkpoint in'):
+    checkpoint.restore_params(os.path.join(workdir, 'nothing'), run.params)
+
+
+def test_translate_cli_keeps_order_blank_lines_and_warns_on_truncation(workdir, tmp_path):
+  lines = ['3 1 4 1 5', '', '2 7', ' '.join(['6'] * 40), '0 0 1']
+  source = write_lines(tmp_path / 'in.txt', lines)
+  output = tmp_path / 'out.txt'
+  result = _run('t2t_jax.translate', f'--workdir={workdir}', f'--input={source}',
+                f'--output={output}', '--beam_size=2', '--alpha=0.6')
+  assert result.returncode == 0, result.stderr
+  translations = output.read_text().split('\n')
+  assert len(translations) == len(lines) + 1 and translations[-1] == ''
+  assert translations[1] == ''
+  assert f'{source}:4: 40 tokens, truncated to the first 31' in result.stderr
+  assert result.stderr.count('truncated') == 1  # Only line 4 is named.
+  run = translate.load(workdir, beam_size=2, alpha=0.6)
+  assert translate.translate_lines(run, lines)[0] == translations[:-1]
+  # stdin to stdout gives the same text.
+  piped = _run('t2t_jax.translate', f'--workdir={workdir}', '--beam_size=2', '--alpha=0.6',
+               stdin='\n'.join(lines) + '\n')
+  assert piped.returncode == 0 and piped.stdout == output.read_text()
+
+
+def test_translate_cli_names_a_bad_symbol_and_a_missing_run(workdir, tmp_path):
+  result = _run('t2t_jax.translate', f'--workdir={workdir}', stdin='1 2\n1 x 2\n')
+  assert result.returncode != 0 and "<stdin>:2: unknown symbol 'x'" in result.stderr
+  result = _run('t2t_jax.translate', f'--workdir={tmp_path}', stdin='1 2\n')
+  assert result.returncode != 0 and 'config.json' in result.stderr
+  assert 'Traceback' not in result.stderr
+
+
+def test_attention_pictures_one_per_decoder_layer(workdir, tmp_path):
+  run = translate.load(workdir)
+  translations, inputs, outputs = translate.translate_lines(run, ['3 1 4 1 5'])
+  weights = translate.cross_attention(run, inputs[0], translate._strip_to_eos(outputs[0]))
+  assert len(weights) == run.model_config.num_decoder_layers
+  heads, queries, keys = weights[0].shape
+  assert heads == run.model_config.num_heads and keys == len(inputs[0])
+  np.testing.assert_allclose(weights[0].sum(-1), 1.0, atol=1e-5)
+  paths = translate.save_attention_pngs(run, inputs[0], outputs[0], str(tmp_path), 'line1')
+  assert [os.path.basename(p) for p in paths] == ['line1_layer1.png']
+  with open(paths[0], 'rb') as f:
+    assert f.read(8) == b'\x89PNG\r\n\x1a\n'
+
+
+def test_evaluate_cli_prints_every_bleu_with_its_label(workdir, tmp_path):
+  src = write_lines(tmp_path / 'src', ['3 1 4', '2 7 7 1', '5 5'])
+  ref = write_lines(tmp_path / 'ref', ['3 1 4', '2 7 7 1', '5 5'])
+  result = _run('t2t_jax.evaluate', f'--workdir={workdir}', f'--src={src}', f'--ref={ref}',
+                f'--tokenized_ref={ref}', '--lowercase', '--beam_size=1')
+  assert result.returncode == 0, result.stderr
+  printed = result.stdout.strip().splitlines()
+  assert printed[0].startswith('3 sentences, checkpoint latest, beam 1')
+  assert printed[1].startswith('sacreBLEU ') and 'tok:13a' in printed[1]
+  assert printed[2].startswith('tokenised BLEU, compound split (Moses de') and 'tok:none' in printed[2]
+  assert printed[3].startswith('tokenised BLEU (tokenised references, lowercased) ')
