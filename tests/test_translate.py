@@ -45,9 +45,9 @@ def test_restore_params_reads_the_checkpointed_parameters(workdir):
   latest = translate.load(workdir)
   assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(latest.params),
                                                       jax.tree.leaves(run.params)))
-  with pytest.raises(FileNotFoundError, match=r'no checkpoint of step 7 .* \[10, 20\]'):
+  with pytest.raises(checkpoint.CheckpointError, match=r'no checkpoint of step 7 .* \[10, 20\]'):
     translate.load(workdir, checkpoint='7')
-  with pytest.raises(FileNotFoundError, match='no checkpoint in'):
+  with pytest.raises(checkpoint.CheckpointError, match='no checkpoint in'):
     checkpoint.restore_params(os.path.join(workdir, 'nothing'), run.params)
 
 
