@@ -83,6 +83,10 @@ def main(argv):
     raise SystemExit(f'error: {e}') from None  # A clear line, not a traceback.
 
 
-if __name__ == '__main__':
+def run():
   _define_flags()
   app.run(main)
+
+
+if __name__ == '__main__':
+  run()

@@ -200,6 +200,10 @@ def _define_flags():
                        'default: config.data.batch_tokens.')
   flags.DEFINE_string('output', '', 'Also write the translations to this file.')
 
-if __name__ == '__main__':
+def run():
   _define_flags()
   app.run(main)
+
+
+if __name__ == '__main__':
+  run()

@@ -247,6 +247,10 @@ def _define_flags():
   flags.DEFINE_integer('attention_lines', 1, 'With --attention_png: how many input lines (the '
                        'first non-empty ones) get pictures.')
 
-if __name__ == '__main__':
+def run():
   _define_flags()
   app.run(main)
+
+
+if __name__ == '__main__':
+  run()
