@@ -26,9 +26,9 @@ def get_config():
   config.model.max_len = 64
   config.opt.lr_scale = 2.0
   config.opt.warmup_steps = 400
-  config.train.num_steps = 3000
+  config.train.num_steps = 3400
   config.train.log_every = 250
-  config.train.eval_every = 1000
+  config.train.eval_every = 1700
   config.eval.bleu_sentences = -1
   config.eval.beam_size = 1
   config.eval.max_extra_len = 5
