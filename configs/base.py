@@ -17,6 +17,7 @@ def get_config():
   data.max_length = 20  # Synthetic: longest source, in symbols (digits per operand for addition).
   data.num_train = 50_000  # Synthetic: training examples generated from the seed.
   data.num_eval = 512  # Synthetic: held-out examples, none of which occurs in training.
+  data.data_dir = ''  # Folder that relative text/TSV paths below are read from; '' is the cwd.
   data.train_src = ''  # Text: training source file, one sentence per line.
   data.train_tgt = ''  # Text: training target file, line-aligned with train_src.
   data.eval_src = ''  # Text: evaluation source file.
@@ -83,6 +84,8 @@ def get_config():
   evaluation.num_batches = 0  # Eval-loss batches per evaluation; 0 uses the whole eval set.
   evaluation.bleu_sentences = -1  # Eval sentences decoded for BLEU: -1 all, N the first N, 0 none.
   evaluation.bleu_every = 0  # Evaluations at multiples of this (and the last) decode; 0: all do.
+  evaluation.bleu_tokenize = '13a'  # sacreBLEU tokenizer; 'none' when references are tokenised.
+  evaluation.bleu_lowercase = False  # Case-insensitive BLEU (lowercase hypotheses and references).
   evaluation.beam_size = 4  # Beam width for evaluation decoding; 1 is greedy.
   evaluation.alpha = 0.6  # Length penalty exponent: ((5 + len) / 6) ** alpha.
   evaluation.max_extra_len = 50  # Longest output = source length + this (capped by model.max_len).

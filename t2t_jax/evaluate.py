@@ -39,7 +39,8 @@ def sacrebleu_score(hypotheses, references, tokenize: str = '13a',
   """Corpus BLEU of detokenised hypotheses against raw references, with its signature."""
   metric = sacrebleu.metrics.BLEU(tokenize=tokenize, lowercase=lowercase)
   result = metric.corpus_score(list(hypotheses), [list(references)])
-  return Bleu(result.score, 'sacreBLEU', str(metric.get_signature()))
+  label = 'tokenised BLEU' if tokenize == 'none' else 'sacreBLEU'
+  return Bleu(result.score, label, str(metric.get_signature()))
 
 
 def moses_tokenize(lines: Sequence[str], lang: str) -> list[str]:
@@ -105,7 +106,8 @@ def validation_bleu(translator, params, split, vocab, eval_config,
                                                                  len(split))
   references = split.references[:count]
   hypotheses = [vocab.decode(ids) for ids in translator.translate(params, split.inputs[:count])]
-  bleu = sacrebleu_score(hypotheses, references)
+  bleu = sacrebleu_score(hypotheses, references, eval_config.get('bleu_tokenize', '13a'),
+                         eval_config.get('bleu_lowercase', False))
   how = 'greedy' if translator.beam_size == 1 else (
       f'beam {translator.beam_size}, alpha {translator.alpha}')
   logging.info('%s on %d validation sentences (%s)', bleu, count, how)

@@ -1,8 +1,6 @@
 """Eight simulated CPU devices and a persistent compilation cache, set before jax loads."""
 
-import glob
 import os
-import struct
 import sys
 
 os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
@@ -52,15 +50,10 @@ def text_config(tiny_config, tmp_path, count=200):
 
 
 def scalar_events(workdir) -> dict[str, dict[int, float]]:
-  """{tag: {step: value}} from a workdir's event files, read record by record (TFRecord)."""
-  from tensorboardX.proto import event_pb2  # pylint: disable=g-import-not-at-top
-  scalars = {}
-  for path in glob.glob(os.path.join(workdir, 'events.out.tfevents.*')):
-    with open(path, 'rb') as f:
-      while header := f.read(12):
-        (length,) = struct.unpack('<Q', header[:8])
-        event = event_pb2.Event.FromString(f.read(length))
-        f.read(4)
-        for value in event.summary.value:
-          scalars.setdefault(value.tag, {})[event.step] = value.simple_value
-  return scalars
+  """{tag: {step: value}} from a workdir's event files ({} when it has none)."""
+  from t2t_jax import plot  # pylint: disable=g-import-not-at-top
+  try:
+    scalars = plot.read_scalars(str(workdir))
+  except FileNotFoundError:
+    return {}
+  return {tag: dict(zip(series.steps, series.values)) for tag, series in scalars.items()}

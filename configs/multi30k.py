@@ -1,0 +1,66 @@
+"""Multi30k English->German (task 1), the published small-Transformer recipe on 2 CPU cores.
+
+Variants, chosen after the file name:
+  configs/multi30k.py:tok  lowercased, Moses-tokenised `*.lc.norm.tok.*` files; BLEU with
+                           tokenize='none', the form published Multi30k figures use (default).
+  configs/multi30k.py:raw  the cased raw text; sacreBLEU with its 13a tokenizer.
+
+The data folder is `config.data.data_dir` (default: ../shared/data/multi30k, relative to the
+directory you run from); point it elsewhere with --config.data.data_dir=/path/to/multi30k.
+"""
+
+from configs import base
+
+FILES = {
+    'tok': ('tok/train.lc.norm.tok.{}', 'tok/valid.lc.norm.tok.{}'),
+    'raw': ('train.{}', 'valid.{}'),
+}
+
+
+def get_config(variant: str = 'tok'):
+  if variant not in FILES:
+    raise ValueError(f'configs/multi30k.py:{variant}: the variant must be one of {sorted(FILES)}')
+  config = base.get_config()
+  config.name = f'multi30k_{variant}'
+
+  data = config.data
+  data.source = 'text'
+  data.data_dir = '../shared/data/multi30k'
+  train, valid = FILES[variant]
+  data.train_src, data.train_tgt = train.format('en'), train.format('de')
+  data.eval_src, data.eval_tgt = valid.format('en'), valid.format('de')
+  data.vocab_size = 8000
+  data.vocab_type = 'bpe'
+  data.max_len = 64  # The longest Multi30k pair is 53 BPE tokens: nothing is dropped.
+  data.batching = 'packed'  # Rows of 64 tokens hold about four sentences; under 5% padding.
+  data.batch_tokens = 4096
+
+  # 4+4 layers, d_model 128, FFN 256, 4 heads, shared embeddings, dropout 0.3.
+  model = config.model
+  model.d_model = 128
+  model.d_ff = 256
+  model.num_heads = 4
+  model.num_encoder_layers = 4
+  model.num_decoder_layers = 4
+  model.dropout = 0.3
+  model.attention_dropout = 0.0
+  model.relu_dropout = 0.0
+  model.max_len = 128
+
+  config.opt.lr_scale = 1.0
+  config.opt.warmup_steps = 1000
+
+  config.train.num_steps = 8000
+  config.train.log_every = 100
+  config.train.eval_every = 500
+
+  evaluation = config.eval
+  evaluation.bleu_sentences = -1
+  evaluation.bleu_every = 2
+  evaluation.beam_size = 1  # Greedy while training; the recipe scores with beam 5 at the end.
+  evaluation.bleu_tokenize = 'none' if variant == 'tok' else '13a'
+  evaluation.examples_to_print = 2
+
+  config.ckpt.every = 100
+  config.ckpt.keep = 10  # The recipe averages the last 10 checkpoints (1,000 updates).
+  return config

@@ -1,0 +1,157 @@
+"""Training curves of a run, from its TensorBoard event files, drawn into one PNG.
+
+  python -m t2t_jax.plot --workdir=/tmp/m30 [--output=curves.png] [--bleu_target=41]
+
+Left column against steps, right column against training wall time: training and validation
+loss on top, validation BLEU (and the averaged-checkpoint BLEU when the run logged it) below.
+A resumed run writes one event file per launch; the wall-time axis joins them end to start, so
+the time a run spent stopped is not counted.
+"""
+
+import dataclasses
+import glob
+import os
+import struct
+import sys
+
+from absl import app
+from absl import flags
+
+# Tags written by train.py, and how the figure labels them.
+LOSSES = (('train/loss', 'training loss'), ('eval/loss', 'validation loss'),
+          ('averaged_eval/loss', 'validation loss, averaged checkpoints'))
+BLEUS = (('bleu', 'validation BLEU'), ('averaged_bleu', 'validation BLEU, averaged checkpoints'))
+
+
+@dataclasses.dataclass
+class Series:
+  """One scalar over a run: steps, values and training seconds at which each was written."""
+  steps: list[int] = dataclasses.field(default_factory=list)
+  values: list[float] = dataclasses.field(default_factory=list)
+  seconds: list[float] = dataclasses.field(default_factory=list)
+
+
+def _records(path: str):
+  """The serialised events of one event file (TFRecord framing); a torn last record ends it."""
+  with open(path, 'rb') as f:
+    while len(header := f.read(12)) == 12:
+      (length,) = struct.unpack('<Q', header[:8])
+      data = f.read(length)
+      if len(data) < length or len(f.read(4)) < 4:
+        return  # Still being written by a live run.
+      yield data
+
+
+def read_scalars(workdir: str) -> dict[str, Series]:
+  """{tag: Series} from every event file in `workdir`, launches joined in time order.
+
+  Later launches overwrite the values of steps an earlier launch also logged (a resume
+  repeats the steps after its checkpoint), so each step keeps the value of its last launch.
+  """
+  from tensorboardX.proto import event_pb2  # pylint: disable=g-import-not-at-top
+  paths = glob.glob(os.path.join(workdir, 'events.out.tfevents.*'))
+  if not paths:
+    raise FileNotFoundError(f'no TensorBoard event files (events.out.tfevents.*) in {workdir}')
+  launches = []
+  for path in paths:
+    events = [event_pb2.Event.FromString(record) for record in _records(path)]
+    if events:
+      launches.append(events)
+  launches.sort(key=lambda events: events[0].wall_time)
+  points: dict[str, dict[int, tuple[float, float]]] = {}
+  offset = 0.0
+  for events in launches:
+    start = events[0].wall_time  # The file_version event, written when the writer opened.
+    for event in events:
+      for value in event.summary.value:
+        points.setdefault(value.tag, {})[event.step] = (value.simple_value,
+                                                       offset + event.wall_time - start)
+    offset += events[-1].wall_time - start
+  scalars = {}
+  for tag, by_step in points.items():
+    series = scalars[tag] = Series()
+    for step in sorted(by_step):
+      series.steps.append(step)
+      series.values.append(by_step[step][0])
+      series.seconds.append(by_step[step][1])
+  return scalars
+
+
+def draw(scalars: dict[str, Series], output: str, title: str = '',
+         bleu_target: float = 0.0) -> None:
+  """Writes the 2x2 figure (loss and BLEU against steps and hours) to `output`."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use('Agg')
+  from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
+
+  figure, axes = plt.subplots(2, 2, figsize=(12, 8), sharex='col')
+  for column, (x_name, x_label) in enumerate((('steps', 'training steps'),
+                                              ('seconds', 'training wall time (hours)'))):
+    for row, (series_list, y_label) in enumerate(((LOSSES, 'loss (label-smoothed)'),
+                                                  (BLEUS, 'BLEU'))):
+      ax = axes[row][column]
+      for tag, label in series_list:
+        if tag not in scalars:
+          continue
+        series = scalars[tag]
+        xs = getattr(series, x_name)
+        if x_name == 'seconds':
+          xs = [x / 3600 for x in xs]
+        style = '-' if tag.startswith('train') else 'o-'
+        ax.plot(xs, series.values, style, label=label, markersize=3)
+      if row == 1 and bleu_target:
+        ax.axhline(bleu_target, color='gray', linestyle='--', label=f'target {bleu_target:g}')
+      ax.set_ylabel(y_label)
+      ax.grid(alpha=0.3)
+      if ax.has_data():
+        ax.legend(fontsize=8)
+      if row == 1:
+        ax.set_xlabel(x_label)
+  if title:
+    figure.suptitle(title)
+  figure.tight_layout()
+  figure.savefig(output, dpi=120)
+  plt.close(figure)
+
+
+FLAGS = flags.FLAGS
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+  if not FLAGS.workdir:
+    raise app.UsageError('--workdir is required')
+  try:
+    scalars = read_scalars(FLAGS.workdir)
+  except FileNotFoundError as e:
+    sys.exit(f'plot: {e}')
+  if not any(tag in scalars for tag, _ in LOSSES + BLEUS):
+    sys.exit(f'plot: the event files in {FLAGS.workdir} hold no training or evaluation scalars')
+  output = FLAGS.output or os.path.join(FLAGS.workdir, 'curves.png')
+  draw(scalars, output, FLAGS.title or os.path.basename(os.path.normpath(FLAGS.workdir)),
+       FLAGS.bleu_target)
+  print(f'wrote {output}')
+  for tag, _ in BLEUS:
+    if series := scalars.get(tag):
+      best = max(range(len(series.values)), key=series.values.__getitem__)
+      print(f'{tag}: last {series.values[-1]:.2f} at step {series.steps[-1]}; best '
+            f'{series.values[best]:.2f} at step {series.steps[best]} '
+            f'({series.seconds[best] / 60:.1f} training minutes)')
+
+
+def _define_flags():
+  """Defined only when run as a command, so importing this module defines no flags."""
+  flags.DEFINE_string('workdir', None, 'Training run directory (holds the event files).')
+  flags.DEFINE_string('output', '', 'PNG to write; default: <workdir>/curves.png.')
+  flags.DEFINE_string('title', '', 'Figure title; default: the workdir name.')
+  flags.DEFINE_float('bleu_target', 0.0, 'Draw a dashed line at this BLEU; 0: none.')
+
+
+def run():
+  _define_flags()
+  app.run(main)
+
+
+if __name__ == '__main__':
+  run()

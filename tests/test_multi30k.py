@@ -1,0 +1,167 @@
+"""configs/multi30k.py (both variants, its data folder as a config value) and the plot command."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import tensorboardX
+
+from conftest import ROOT, write_lines
+from configs import multi30k
+from t2t_jax import plot
+from t2t_jax import sources
+from t2t_jax import train
+
+ENGLISH = ['a', 'dog', 'cat', 'runs', 'sleeps', 'on', 'the', 'grass', 'red', 'ball']
+GERMAN = ['ein', 'Hund', 'Katze', 'rennt', 'schläft', 'auf', 'dem', 'Gras', 'roter', 'Ball']
+
+
+def _fake_multi30k(root, count=120):
+  """The folder layout of ../shared/data/multi30k, filled with a toy word-for-word language.
+
+  The raw files are cased and the tok files lowercased, so which ones a run read shows in its
+  vocabulary.
+  """
+  rng = np.random.default_rng(0)
+  picks = [rng.integers(0, len(ENGLISH), rng.integers(2, 6)) for _ in range(count)]
+  english = [' '.join(ENGLISH[i] for i in p) + ' .' for p in picks]
+  german = [' '.join(GERMAN[i] for i in p) + ' .' for p in picks]
+  os.makedirs(root / 'tok')
+  for split, rows in (('train', slice(None)), ('valid', slice(0, 16))):
+    write_lines(root / f'{split}.en', english[rows])
+    write_lines(root / f'{split}.de', german[rows])
+    write_lines(root / 'tok' / f'{split}.lc.norm.tok.en', [s.lower() for s in english[rows]])
+    write_lines(root / 'tok' / f'{split}.lc.norm.tok.de', [s.lower() for s in german[rows]])
+  return root
+
+
+def _shrunk(variant, data_dir):
+  config = multi30k.get_config(variant)
+  config.data.data_dir = str(data_dir)
+  config.data.vocab_size = 48
+  config.data.batch_tokens = 256
+  config.model.d_model = 32
+  config.model.d_ff = 64
+  config.model.num_heads = 2
+  config.model.num_encoder_layers = 1
+  config.model.num_decoder_layers = 1
+  config.train.num_steps = 6
+  config.train.log_every = 2
+  config.train.eval_every = 3
+  config.eval.bleu_every = 1
+  config.ckpt.every = 3
+  return config
+
+
+def test_the_variants_follow_the_published_recipe():
+  config = multi30k.get_config('tok')
+  model = config.model
+  assert (model.num_encoder_layers, model.num_decoder_layers, model.d_model, model.d_ff,
+          model.num_heads, model.dropout) == (4, 4, 128, 256, 4, 0.3)
+  assert model.share_embeddings and config.train.num_steps == 8000 and config.ckpt.keep == 10
+  assert config.data.train_src == 'tok/train.lc.norm.tok.en'
+  assert config.eval.bleu_tokenize == 'none'
+  raw = multi30k.get_config('raw')
+  assert (raw.data.eval_src, raw.data.eval_tgt) == ('valid.en', 'valid.de')
+  assert raw.eval.bleu_tokenize == '13a'
+  for name in ('train_src', 'train_tgt', 'eval_src', 'eval_tgt'):
+    assert 'test' not in config.data[name] and 'test' not in raw.data[name]
+  with pytest.raises(ValueError, match='multi30k.py:cased.*must be one of'):
+    multi30k.get_config('cased')
+
+
+def test_relative_paths_are_read_from_the_data_dir(tmp_path):
+  _fake_multi30k(tmp_path, count=20)
+  config = multi30k.get_config('tok').data
+  config.data_dir = str(tmp_path)
+  assert sources.open_split(config, 'eval').name == (
+      f'{tmp_path}/tok/valid.lc.norm.tok.en / {tmp_path}/tok/valid.lc.norm.tok.de')
+  # Absolute paths ignore the data folder.
+  config.eval_src, config.eval_tgt = str(tmp_path / 'valid.en'), str(tmp_path / 'valid.de')
+  config.data_dir = '/elsewhere'
+  assert sources.open_split(config, 'eval').name == f'{tmp_path}/valid.en / {tmp_path}/valid.de'
+  config.data_dir = str(tmp_path / 'missing')
+  with pytest.raises(sources.DataError, match='missing/tok/train.lc.norm.tok.en'):
+    sources.open_split(config, 'train')
+
+
+@pytest.mark.parametrize('variant, tokenize, cased', [('tok', 'none', False),
+                                                      ('raw', '13a', True)])
+def test_each_variant_trains_on_its_files_and_scores_its_bleu(tmp_path, variant, tokenize,
+                                                              cased):
+  config = _shrunk(variant, _fake_multi30k(tmp_path / 'multi30k'))
+  workdir = tmp_path / 'run'
+  results = train.train_and_evaluate(config, str(workdir))
+  assert results['step'] == 6 and 0 <= results['bleu'] <= 100
+  best = json.load(open(workdir / 'best_bleu.json'))
+  assert f'tok:{tokenize}' in best['signature'] and 'case:mixed' in best['signature']
+  assert best['label'] == ('tokenised BLEU' if tokenize == 'none' else 'sacreBLEU')
+  from t2t_jax import tokenizer  # pylint: disable=g-import-not-at-top
+  vocab = tokenizer.SentencePieceVocabulary(str(workdir / 'vocab.model'))
+  pieces = {vocab.piece(i) for i in range(vocab.vocab_size)}
+  assert any(any(c.isupper() for c in piece) for piece in pieces) == cased
+
+  # The event files of that run draw into a PNG, through the command line.
+  output = tmp_path / 'curves.png'
+  completed = subprocess.run(
+      [sys.executable, '-m', 't2t_jax.plot', f'--workdir={workdir}', f'--output={output}',
+       '--bleu_target=41'], cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert completed.returncode == 0, completed.stderr
+  assert 'bleu: last' in completed.stdout
+  with open(output, 'rb') as f:
+    assert f.read(8) == b'\x89PNG\r\n\x1a\n'
+  assert os.path.getsize(output) > 20_000
+
+
+def test_read_scalars_joins_launches_and_keeps_the_last_value_of_a_repeated_step(tmp_path):
+  start = time.time()
+  first = tensorboardX.SummaryWriter(str(tmp_path), filename_suffix='.first')
+  for step in (1, 2, 3):
+    first.add_scalar('train/loss', 10.0 - step, step, walltime=start + 100 * step)
+  first.close()
+  second = tensorboardX.SummaryWriter(str(tmp_path), filename_suffix='.second')
+  for step in (3, 4):  # A resume repeats the steps after its last checkpoint.
+    second.add_scalar('train/loss', 20.0 + step, step, walltime=start + 10_000 + 50 * step)
+  second.close()
+
+  series = plot.read_scalars(str(tmp_path))['train/loss']
+  assert series.steps == [1, 2, 3, 4]
+  assert series.values == [9.0, 8.0, 23.0, 24.0]
+  first_open, second_open = (_opened_at(tmp_path, suffix) for suffix in ('.first', '.second'))
+  first_span = start + 300 - first_open
+  np.testing.assert_allclose(series.seconds[:2], [start + 100 - first_open,
+                                                  start + 200 - first_open], atol=1e-3)
+  # The second launch continues where the first ended; the 10,000 s gap is not counted.
+  np.testing.assert_allclose(series.seconds[2:], [first_span + start + 10_150 - second_open,
+                                                  first_span + start + 10_200 - second_open],
+                             atol=1e-3)
+
+
+def _opened_at(directory, suffix):
+  """Wall time of the first (file_version) event of the event file ending in `suffix`."""
+  from tensorboardX.proto import event_pb2  # pylint: disable=g-import-not-at-top
+  [name] = [n for n in os.listdir(directory) if n.endswith(suffix)]
+  first = next(plot._records(os.path.join(directory, name)))  # pylint: disable=protected-access
+  return event_pb2.Event.FromString(first).wall_time
+
+
+def test_read_scalars_stops_at_a_torn_record_and_the_cli_explains_an_empty_workdir(tmp_path):
+  writer = tensorboardX.SummaryWriter(str(tmp_path))
+  for step in range(1, 4):
+    writer.add_scalar('eval/loss', float(step), step)
+  writer.close()
+  [name] = os.listdir(tmp_path)
+  with open(tmp_path / name, 'ab') as f:
+    f.write(b'\x40\x00\x00\x00\x00\x00\x00\x00' + b'\x00' * 10)  # A record still being written.
+  assert plot.read_scalars(str(tmp_path))['eval/loss'].values == [1.0, 2.0, 3.0]
+
+  with pytest.raises(FileNotFoundError, match='no TensorBoard event files'):
+    plot.read_scalars(str(tmp_path / 'nothing'))
+  completed = subprocess.run([sys.executable, '-m', 't2t_jax.plot',
+                              f'--workdir={tmp_path / "nothing"}'], cwd=ROOT,
+                             capture_output=True, text=True, timeout=120)
+  assert completed.returncode == 1 and 'plot: no TensorBoard event files' in completed.stderr
