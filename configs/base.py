@@ -83,7 +83,7 @@ def get_config():
   evaluation = config.eval = ml_collections.ConfigDict()
   evaluation.num_batches = 0  # Eval-loss batches per evaluation; 0 uses the whole eval set.
   evaluation.bleu_sentences = -1  # Eval sentences decoded for BLEU: -1 all, N the first N, 0 none.
-  evaluation.bleu_every = 0  # Evaluations at multiples of this (and the last) decode; 0: all do.
+  evaluation.bleu_every = 0  # Decode when the eval step is a multiple of this (and last); 0: all.
   evaluation.bleu_tokenize = '13a'  # sacreBLEU tokenizer; 'none' when references are tokenised.
   evaluation.bleu_lowercase = False  # Case-insensitive BLEU (lowercase hypotheses and references).
   evaluation.beam_size = 4  # Beam width for evaluation decoding; 1 is greedy.

@@ -56,7 +56,7 @@ def get_config(variant: str = 'tok'):
 
   evaluation = config.eval
   evaluation.bleu_sentences = -1
-  evaluation.bleu_every = 2
+  evaluation.bleu_every = 0  # Every evaluation (each 500 steps) decodes the 1,014 sentences.
   evaluation.beam_size = 1  # Greedy while training; the recipe scores with beam 5 at the end.
   evaluation.bleu_tokenize = 'none' if variant == 'tok' else '13a'
   evaluation.examples_to_print = 2
