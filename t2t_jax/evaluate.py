@@ -9,6 +9,8 @@ Three figures:
     optional lowercasing and Moses tokenisation of the hypotheses.
 
   python -m t2t_jax.evaluate --workdir=/tmp/t2t_default --src=test.src --ref=test.ref
+  python -m t2t_jax.evaluate --workdir=/tmp/m30 --checkpoint=/tmp/m30/averaged/avg10_7100-8000
+      (no --src/--ref: the run's own validation files)
 """
 
 import dataclasses
@@ -22,6 +24,8 @@ from absl import app
 from absl import flags
 from absl import logging
 import sacrebleu
+
+from t2t_jax import sources as sources_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,8 +110,8 @@ def validation_bleu(translator, params, split, vocab, eval_config,
                                                                  len(split))
   references = split.references[:count]
   hypotheses = [vocab.decode(ids) for ids in translator.translate(params, split.inputs[:count])]
-  bleu = sacrebleu_score(hypotheses, references, eval_config.get('bleu_tokenize', '13a'),
-                         eval_config.get('bleu_lowercase', False))
+  bleu = sacrebleu_score(hypotheses, references, eval_config.bleu_tokenize,
+                         eval_config.bleu_lowercase)
   how = 'greedy' if translator.beam_size == 1 else (
       f'beam {translator.beam_size}, alpha {translator.alpha}')
   logging.info('%s on %d validation sentences (%s)', bleu, count, how)
@@ -151,20 +155,27 @@ FLAGS = flags.FLAGS
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
-  for name in ('workdir', 'src', 'ref'):
-    if not FLAGS[name].value:
-      raise app.UsageError(f'--{name} is required')
-  sources, references = _read(FLAGS.src, 'src'), _read(FLAGS.ref, 'ref')
+  if not FLAGS.workdir:
+    raise app.UsageError('--workdir is required')
+  from t2t_jax import translate  # pylint: disable=g-import-not-at-top
+  if bool(FLAGS.src) != bool(FLAGS.ref):
+    raise app.UsageError('pass both --src and --ref, or neither to score the run\'s own '
+                         'validation files')
+  try:
+    src, ref = (FLAGS.src, FLAGS.ref) if FLAGS.src else _validation_files(
+        translate.load_config(FLAGS.workdir))
+  except FileNotFoundError as e:
+    sys.exit(f'evaluate: {e}')
+  sources, references = _read(src, 'src'), _read(ref, 'ref')
   tokenized = _read(FLAGS.tokenized_ref, 'tokenized_ref') if FLAGS.tokenized_ref else None
   for name, lines in (('ref', references), ('tokenized_ref', tokenized)):
     if lines is not None and len(lines) != len(sources):
-      raise app.UsageError(f'--src has {len(sources)} lines but --{name} has {len(lines)}: '
-                           'line N of each must belong to the same sentence')
-  from t2t_jax import translate  # pylint: disable=g-import-not-at-top
+      raise app.UsageError(f'--src={src} has {len(sources)} lines but --{name} has '
+                           f'{len(lines)}: line N of each must belong to the same sentence')
   try:
     run = translate.load(FLAGS.workdir, FLAGS.checkpoint, FLAGS.beam_size, FLAGS.alpha,
                          FLAGS.batch_tokens)
-    hypotheses, _, _ = translate.translate_lines(run, sources, FLAGS.src, progress=True)
+    hypotheses, _, _ = translate.translate_lines(run, sources, src, progress=True)
   except (OSError, ValueError, translate.checkpoint_lib.CheckpointError) as e:
     sys.exit(f'evaluate: {e}')
   if FLAGS.output:
@@ -175,19 +186,36 @@ def main(argv):
   if tokenized is not None:
     figures.append(tokenized_bleu(hypotheses, tokenized, FLAGS.lowercase,
                                   FLAGS.tokenize_hypotheses, FLAGS.lang))
+  configured = (run.config.eval.bleu_tokenize, run.config.eval.bleu_lowercase)
+  if configured != ('13a', False):  # The figure the run's validation BLEU was computed as.
+    bleu = sacrebleu_score(hypotheses, references, *configured)
+    figures.append(dataclasses.replace(
+        bleu, label=f'{bleu.label} (as configured: config.eval.bleu_tokenize='
+        f'{configured[0]!r}, bleu_lowercase={configured[1]})'))
   beam = run.translator
-  print(f'{len(sources)} sentences, checkpoint {FLAGS.checkpoint or "latest"}, '
+  print(f'{len(sources)} sentences of {src}, checkpoint {FLAGS.checkpoint or "latest"}, '
         f'beam {beam.beam_size}, alpha {beam.alpha}')
   for bleu in figures:
     print(bleu)
   sys.stdout.flush()
 
 
+def _validation_files(config) -> tuple[str, str]:
+  """The run's validation source and reference files, for --src and --ref left out."""
+  if config.data.source != 'text':
+    raise app.UsageError(f"--src and --ref are required: this run reads "
+                         f"config.data.source={config.data.source!r}, not two text files")
+  return (sources_lib.in_data_dir(config.data, 'eval_src'),
+          sources_lib.in_data_dir(config.data, 'eval_tgt'))
+
+
 def _define_flags():
   """Defined only when run as a command, so importing this module defines no flags."""
   flags.DEFINE_string('workdir', None, 'Training run directory.')
-  flags.DEFINE_string('src', None, 'Source sentences, one per line.')
-  flags.DEFINE_string('ref', None, 'Raw (detokenised) references, line-aligned with --src.')
+  flags.DEFINE_string('src', None, "Source sentences, one per line; default: the run's "
+                      'validation source (config.data.eval_src in config.data.data_dir).')
+  flags.DEFINE_string('ref', None, 'References, line-aligned with --src; default: the '
+                      "run's validation references (config.data.eval_tgt).")
   flags.DEFINE_string('tokenized_ref', '', "Optional tokenised references: adds BLEU with "
                       "tokenize='none' against them.")
   flags.DEFINE_bool('lowercase', False, 'With --tokenized_ref: lowercase both sides.')

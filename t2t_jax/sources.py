@@ -182,7 +182,7 @@ def _import_tfds():
   return tfds
 
 
-def _in_data_dir(data_config, key: str) -> str:
+def in_data_dir(data_config, key: str) -> str:
   """config.data[key], read from config.data.data_dir when it is a relative path."""
   path = data_config[key]
   if path and data_config.get('data_dir'):
@@ -204,9 +204,9 @@ def open_split(data_config, split: str) -> Source:
     raise DataError(f"config.data.source={kind!r} has no test split; evaluate a test set "
                     'by pointing the eval files at it')
   if kind == 'text':
-    return parallel_text(_in_data_dir(data_config, f'{split}_src'),
-                         _in_data_dir(data_config, f'{split}_tgt'), data_config.bad_lines)
+    return parallel_text(in_data_dir(data_config, f'{split}_src'),
+                         in_data_dir(data_config, f'{split}_tgt'), data_config.bad_lines)
   if kind == 'tsv':
-    return tsv(_in_data_dir(data_config, f'{split}_tsv'), data_config.bad_lines)
+    return tsv(in_data_dir(data_config, f'{split}_tsv'), data_config.bad_lines)
   raise ValueError(f"config.data.source must be 'synthetic', 'text', 'tsv' or 'tfds', "
                    f'got {kind!r}')

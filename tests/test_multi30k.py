@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 import tensorboardX
 
-from conftest import ROOT, write_lines
+from conftest import ROOT, scalar_events, write_lines
 from configs import multi30k
 from t2t_jax import plot
 from t2t_jax import sources
@@ -115,6 +116,25 @@ def test_each_variant_trains_on_its_files_and_scores_its_bleu(tmp_path, variant,
   with open(output, 'rb') as f:
     assert f.read(8) == b'\x89PNG\r\n\x1a\n'
   assert os.path.getsize(output) > 20_000
+
+  # Without --src/--ref, evaluate scores the run's own validation files, and prints the BLEU
+  # its config asks for: the figure training logged for the same (latest) parameters.
+  completed = subprocess.run(
+      [sys.executable, '-m', 't2t_jax.evaluate', f'--workdir={workdir}', '--beam_size=1'],
+      cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert completed.returncode == 0, completed.stderr
+  printed = completed.stdout.strip().splitlines()
+  valid = 'tok/valid.lc.norm.tok.en' if variant == 'tok' else 'valid.en'
+  assert printed[0].startswith(f'16 sentences of {tmp_path}/multi30k/{valid}, checkpoint latest')
+  logged = scalar_events(workdir)['bleu'][6]
+  if variant == 'tok':
+    assert len(printed) == 4 and 'as configured' in printed[3] and 'tok:none' in printed[3]
+    figure = printed[3]
+  else:  # 13a is the primary sacreBLEU line already.
+    assert len(printed) == 3 and printed[1].startswith('sacreBLEU ')
+    figure = printed[1]
+  score = float(re.search(r' (\d+\.\d\d) \(nrefs:', figure).group(1))
+  assert score == pytest.approx(logged, abs=0.01)
 
 
 def test_read_scalars_joins_launches_and_keeps_the_last_value_of_a_repeated_step(tmp_path):

@@ -100,7 +100,16 @@ def test_evaluate_cli_prints_every_bleu_with_its_label(workdir, tmp_path):
                 f'--tokenized_ref={ref}', '--lowercase', '--beam_size=1')
   assert result.returncode == 0, result.stderr
   printed = result.stdout.strip().splitlines()
-  assert printed[0].startswith('3 sentences, checkpoint latest, beam 1')
+  assert printed[0].startswith(f'3 sentences of {src}, checkpoint latest, beam 1')
   assert printed[1].startswith('sacreBLEU ') and 'tok:13a' in printed[1]
   assert printed[2].startswith('tokenised BLEU, compound split (Moses de') and 'tok:none' in printed[2]
   assert printed[3].startswith('tokenised BLEU (tokenised references, lowercased) ')
+
+
+def test_evaluate_cli_needs_files_for_a_run_without_text_files(workdir, tmp_path):
+  result = _run('t2t_jax.evaluate', f'--workdir={workdir}')
+  assert result.returncode != 0
+  assert "--src and --ref are required: this run reads config.data.source='synthetic'" in (
+      result.stderr)
+  result = _run('t2t_jax.evaluate', f'--workdir={workdir}', f'--src={tmp_path}/src')
+  assert result.returncode != 0 and 'pass both --src and --ref, or neither' in result.stderr
