@@ -25,6 +25,7 @@ from t2t_jax import evaluate
 from t2t_jax import hang_guard
 from t2t_jax import optim
 from t2t_jax import preemption
+from t2t_jax import prng
 from t2t_jax import sharding
 from t2t_jax.model import Transformer, TransformerConfig
 
@@ -45,14 +46,17 @@ def apply_model(model: Transformer, params, batch: dict, **kwargs) -> jax.Array:
 
 def train_step(state: TrainState, batch: dict, rng: jax.Array, *, model: Transformer,
                optimizer: optax.GradientTransformation, label_smoothing: float,
-               grad_accum_steps: int = 1):
+               grad_accum_steps: int = 1, dropout_prng: str = 'threefry2x32'):
   """One update on the loss per real target token of the whole (global) batch.
 
+  `rng` is the raw key data of PRNG `dropout_prng` (`prng.dropout_key`); the step's dropout
+  key is it folded with the step number, so a resumed run draws the same masks.
   With `grad_accum_steps` = A the batch is split into A micro-batches whose gradients and
   metrics are summed in a scan before the single division by the batch's target tokens, so
   A micro-batches of B/A rows give the update of one batch of B rows.
   """
-  dropout_rng = jax.random.fold_in(rng, state.step)
+  dropout_rng = jax.random.fold_in(jax.random.wrap_key_data(rng, impl=prng.impl(dropout_prng)),
+                                   state.step)
   rows = batch['targets'].shape[0]
   if rows % grad_accum_steps:
     raise ValueError(f'the batch has {rows} rows, which do not split into '
@@ -118,6 +122,7 @@ def build(config, vocab_size: int, mesh=None) -> Setup:
   mesh = mesh if mesh is not None else sharding.make_mesh(config.mesh)
   if config.opt.grad_accum_steps < 1:
     raise ValueError(f'config.opt.grad_accum_steps={config.opt.grad_accum_steps} must be >= 1')
+  prng.impl(config.model.dropout_prng)  # Refuses an unknown one before any work.
   axis_rules = sharding.rules(config.mesh)
   model_config = TransformerConfig.from_config(config.model, vocab_size)
   model = Transformer(model_config)
@@ -141,7 +146,8 @@ def build(config, vocab_size: int, mesh=None) -> Setup:
   jit_init = jax.jit(lambda rng: nn.meta.unbox(init(rng)), out_shardings=shardings)
   jit_train = jax.jit(
       functools.partial(train_step, model=model, optimizer=optimizer, label_smoothing=ls,
-                        grad_accum_steps=config.opt.grad_accum_steps),
+                        grad_accum_steps=config.opt.grad_accum_steps,
+                        dropout_prng=config.model.dropout_prng),
       in_shardings=(shardings, batch_sharding, replicated),
       out_shardings=(shardings, replicated), donate_argnums=0)
   jit_eval = jax.jit(
@@ -187,7 +193,8 @@ def dry_run(config) -> dict:
   batch = {key: jax.ShapeDtypeStruct((rows, length), jnp.int32,
                                      sharding=sharding.batch_sharding(setup.mesh))
            for key in keys}
-  rng = jax.ShapeDtypeStruct((2,), jnp.uint32)
+  rng = jax.ShapeDtypeStruct(prng.dropout_key(jnp.zeros((2,), jnp.uint32),
+                                          config.model.dropout_prng).shape, jnp.uint32)
   start = time.perf_counter()
   compiled = setup.train_step.lower(setup.abstract_state, batch, rng).compile()
   compile_seconds = time.perf_counter() - start
@@ -223,7 +230,8 @@ def _global_flops(setup: Setup, config, batch, rng) -> float:
   """
   step = jax.jit(functools.partial(train_step, model=Transformer(setup.model_config),
                                    optimizer=setup.optimizer,
-                                   label_smoothing=config.opt.label_smoothing))
+                                   label_smoothing=config.opt.label_smoothing,
+                                   dropout_prng=config.model.dropout_prng))
   with sharding.mesh_context(setup.mesh, setup.axis_rules):
     cost = step.lower(setup.abstract_state, batch, rng).cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
@@ -345,9 +353,10 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
                count_params(setup.abstract_state.params), dict(mesh.shape), len(task.train),
                len(task.eval), len(train_batches))
   init_rng, dropout_rng = jax.random.split(jax.random.PRNGKey(config.seed))
+  dropout_rng = prng.dropout_key(dropout_rng, config.model.dropout_prng)
   train_iter = data.train_iterator(train_batches)
   checkpointer = checkpoint.Checkpointer(workdir, config.ckpt, config.eval.average_last)
-  restored = checkpointer.restore(setup.abstract_state, config)
+  restored = checkpointer.restore(setup.abstract_state, config, dropout_rng.shape)
   if restored:
     state, dropout_rng = restored.state, restored.rng
     train_iter.set_state(restored.data_state)
