@@ -300,12 +300,14 @@ class Transformer(nn.Module):
   def decode(self, encoded_BKE: Array | None, inputs_BK: Array, targets_BL: Array,
              targets_positions_BL: Array | None = None,
              inputs_segments_BK: Array | None = None,
-             targets_segments_BL: Array | None = None) -> Array:
-    """Logits [B, L, V] in float32.
+             targets_segments_BL: Array | None = None, return_hidden: bool = False) -> Array:
+    """Logits [B, L, V] in float32, or with `return_hidden` the final states [B, L, E].
 
     In training, `targets_BL` are the gold targets (shifted right here). In decode mode they
     are the previous tokens, one step at a time, and the positions come from the cache;
     `encoded_BKE` is needed on the first step only, after which its projections are cached.
+    The hidden states, passed to `output_logits` a chunk at a time, let the loss avoid
+    holding all [B, L, V] logits at once.
     """
     cfg = self.config
     inputs_valid_BK = inputs_BK != PAD_ID
@@ -325,18 +327,33 @@ class Transformer(nn.Module):
       y_BLE = layer(y_BLE, encoded_BKE, self_mask, cross_mask)
     if cfg.norm == 'pre':
       y_BLE = self.decoder_norm(y_BLE)
-    if cfg.tie_output:
+    return y_BLE if return_hidden else self.output_logits(y_BLE)
+
+  def output_logits(self, y_BLE: Array) -> Array:
+    """Output softmax logits in float32 for final decoder states [..., E] (any leading axes).
+
+    The first axis is split like the batch, so a flat [N, E] chunk of tokens stays spread
+    over the devices; the vocabulary axis may be split over 'tensor'.
+    """
+    if self.config.tie_output:
       logits_BLV = self.target_embedding.attend(y_BLE)
     else:
       logits_BLV = self.output_projection(y_BLE)
-    logits_BLV = nn.with_logical_constraint(logits_BLV, ('batch', 'length', 'vocab'))
+    names = ('batch',) + ('length',) * (y_BLE.ndim - 2) + ('vocab',)
+    logits_BLV = nn.with_logical_constraint(logits_BLV, names)
     return logits_BLV.astype(jnp.float32)
 
   def __call__(self, inputs_BK: Array, targets_BL: Array,
                inputs_positions_BK: Array | None = None,
                targets_positions_BL: Array | None = None,
                inputs_segments_BK: Array | None = None,
-               targets_segments_BL: Array | None = None) -> Array:
+               targets_segments_BL: Array | None = None, return_hidden: bool = False) -> Array:
     encoded_BKE = self.encode(inputs_BK, inputs_positions_BK, inputs_segments_BK)
     return self.decode(encoded_BKE, inputs_BK, targets_BL, targets_positions_BL,
-                       inputs_segments_BK, targets_segments_BL)
+                       inputs_segments_BK, targets_segments_BL, return_hidden)
+
+
+def output_params(params, config: TransformerConfig) -> dict:
+  """The parameters `Transformer.output_logits` reads: the tied embedding or the output kernel."""
+  name = 'embedding' if config.tie_output else 'output_projection'
+  return {name: params[name]}

@@ -27,7 +27,7 @@ from t2t_jax import optim
 from t2t_jax import preemption
 from t2t_jax import prng
 from t2t_jax import sharding
-from t2t_jax.model import Transformer, TransformerConfig
+from t2t_jax.model import Transformer, TransformerConfig, output_params
 
 
 @flax.struct.dataclass
@@ -44,9 +44,23 @@ def apply_model(model: Transformer, params, batch: dict, **kwargs) -> jax.Array:
                      batch.get('inputs_segments'), batch.get('targets_segments'), **kwargs)
 
 
+def model_metrics(model: Transformer, params, batch: dict, label_smoothing: float,
+                  loss_chunk_tokens: int = 0, **kwargs) -> dict[str, jax.Array]:
+  """Metric sums of the model on a batch: from whole logits, or chunk by chunk of tokens."""
+  if not loss_chunk_tokens:
+    logits_BLV = apply_model(model, params, batch, **kwargs)
+    return optim.compute_metrics(logits_BLV, batch['targets'], label_smoothing)
+  hidden_BLE = apply_model(model, params, batch, return_hidden=True, **kwargs)
+  def project(weights, hidden_NE):
+    return model.apply({'params': weights}, hidden_NE, method=Transformer.output_logits)
+  return optim.chunked_metrics(project, output_params(params, model.config), hidden_BLE,
+                               batch['targets'], label_smoothing, loss_chunk_tokens)
+
+
 def train_step(state: TrainState, batch: dict, rng: jax.Array, *, model: Transformer,
                optimizer: optax.GradientTransformation, label_smoothing: float,
-               grad_accum_steps: int = 1, dropout_prng: str = 'threefry2x32'):
+               grad_accum_steps: int = 1, loss_chunk_tokens: int = 0,
+               dropout_prng: str = 'threefry2x32'):
   """One update on the loss per real target token of the whole (global) batch.
 
   `rng` is the raw key data of PRNG `dropout_prng` (`prng.dropout_key`); the step's dropout
@@ -63,8 +77,8 @@ def train_step(state: TrainState, batch: dict, rng: jax.Array, *, model: Transfo
                      f'config.opt.grad_accum_steps={grad_accum_steps} equal micro-batches')
 
   def loss_sum_fn(params, micro_batch, micro_rng):
-    logits_BLV = apply_model(model, params, micro_batch, rngs={'dropout': micro_rng})
-    metrics = optim.compute_metrics(logits_BLV, micro_batch['targets'], label_smoothing)
+    metrics = model_metrics(model, params, micro_batch, label_smoothing, loss_chunk_tokens,
+                            rngs={'dropout': micro_rng})
     return metrics['loss'], metrics
 
   grad_fn = jax.grad(loss_sum_fn, has_aux=True)
@@ -98,9 +112,9 @@ def _split_rows(x_BL: jax.Array, parts: int) -> jax.Array:
   return nn.with_logical_constraint(x, (None, 'batch') + (None,) * (x_BL.ndim - 1))
 
 
-def eval_step(params, batch: dict, *, model: Transformer, label_smoothing: float):
-  logits_BLV = apply_model(model, params, batch)
-  return optim.compute_metrics(logits_BLV, batch['targets'], label_smoothing)
+def eval_step(params, batch: dict, *, model: Transformer, label_smoothing: float,
+              loss_chunk_tokens: int = 0):
+  return model_metrics(model, params, batch, label_smoothing, loss_chunk_tokens)
 
 
 @dataclasses.dataclass
@@ -123,6 +137,9 @@ def build(config, vocab_size: int, mesh=None) -> Setup:
   if config.opt.grad_accum_steps < 1:
     raise ValueError(f'config.opt.grad_accum_steps={config.opt.grad_accum_steps} must be >= 1')
   prng.impl(config.model.dropout_prng)  # Refuses an unknown one before any work.
+  if config.opt.loss_chunk_tokens < 0:
+    raise ValueError(f'config.opt.loss_chunk_tokens={config.opt.loss_chunk_tokens} must be 0 '
+                     '(whole logits) or a positive number of tokens per chunk')
   axis_rules = sharding.rules(config.mesh)
   model_config = TransformerConfig.from_config(config.model, vocab_size)
   model = Transformer(model_config)
@@ -142,17 +159,17 @@ def build(config, vocab_size: int, mesh=None) -> Setup:
                                 nn.meta.unbox(boxed), shardings)
   batch_sharding = sharding.batch_sharding(mesh)
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  ls = config.opt.label_smoothing
+  ls, chunk = config.opt.label_smoothing, config.opt.loss_chunk_tokens
   jit_init = jax.jit(lambda rng: nn.meta.unbox(init(rng)), out_shardings=shardings)
   jit_train = jax.jit(
       functools.partial(train_step, model=model, optimizer=optimizer, label_smoothing=ls,
-                        grad_accum_steps=config.opt.grad_accum_steps,
+                        grad_accum_steps=config.opt.grad_accum_steps, loss_chunk_tokens=chunk,
                         dropout_prng=config.model.dropout_prng),
       in_shardings=(shardings, batch_sharding, replicated),
       out_shardings=(shardings, replicated), donate_argnums=0)
   jit_eval = jax.jit(
       functools.partial(eval_step, model=Transformer(dataclasses.replace(
-          model_config, deterministic=True)), label_smoothing=ls),
+          model_config, deterministic=True)), label_smoothing=ls, loss_chunk_tokens=chunk),
       in_shardings=(shardings.params, batch_sharding), out_shardings=replicated)
 
   def traced(fn):  # Tracing (first call per shape) must see the mesh and the rules.
@@ -225,8 +242,8 @@ def dry_run(config) -> dict:
 def _global_flops(setup: Setup, config, batch, rng) -> float:
   """FLOPs of one whole update, from XLA's cost analysis of the program before partitioning.
 
-  Counted without accumulation: the analysis counts a loop body once, and A micro-batches do
-  the arithmetic of one batch of A times their rows.
+  Counted without accumulation or loss chunks: the analysis counts a loop body once, and A
+  micro-batches (or C chunks) do the arithmetic of one batch of A times their rows (C chunks).
   """
   step = jax.jit(functools.partial(train_step, model=Transformer(setup.model_config),
                                    optimizer=setup.optimizer,
