@@ -60,6 +60,12 @@ def peak_flops_per_second(device_kind: str, dtype) -> float | None:
   return PEAK_FLOPS[family].get(jnp.dtype(dtype).name) if family else None
 
 
+def devices_peak_flops_per_second(devices, dtype) -> float | None:
+  """Summed peak of `devices` (one kind, as in a mesh) computing in `dtype`; None if unknown."""
+  peak = peak_flops_per_second(devices[0].device_kind, dtype)
+  return peak * len(devices) if peak else None
+
+
 def model_flops_per_step(*, d_model: int, d_ff: int, num_encoder_layers: int,
                          num_decoder_layers: int, vocab_size: int, source_tokens: int,
                          target_tokens: int, source_length: int, target_length: int) -> float:
