@@ -90,9 +90,23 @@ _REFERENCE_KEYS = {'inputs': 'inputs', 'targets': 'targets',
                    'inputs_positions': 'inputs_position', 'targets_positions': 'targets_position',
                    'inputs_segments': 'inputs_segmentation',
                    'targets_segments': 'targets_segmentation'}
-# Imported only by the reference's own training loop and input pipeline, never run here.
-_STUBBED = {'clu': ('metric_writers', 'periodic_actions', 'deterministic_data'),
-            'tensorflow_text': ()}
+# Imported by the reference's train.py for its own loop and input pipeline, never run here.
+_STUBBED = ('clu', 'tensorflow', 'tensorflow_datasets', 'tensorflow_text', 'sentencepiece')
+
+
+class _Stub(types.ModuleType):
+  """Stands in for a missing package: any attribute, item or call gives the stub again."""
+
+  def __getattr__(self, name):
+    if name.startswith('__'):  # Keeps the import machinery's probes honest.
+      raise AttributeError(name)
+    return self
+
+  def __getitem__(self, key):
+    return self
+
+  def __call__(self, *args, **kwargs):
+    return self
 
 
 def parse_args(argv):
@@ -125,7 +139,7 @@ def parse_args(argv):
 
 
 def import_reference(reference_dir: str) -> types.SimpleNamespace:
-  """The reference's `models` and `train` modules, stubbing what only its own loop imports."""
+  """The reference's `models` and `train`; packages only its own loop uses may be missing."""
   directory = os.path.abspath(reference_dir)
   if not os.path.isfile(os.path.join(directory, 'models.py')):
     raise FileNotFoundError(f'--reference_dir={reference_dir} ({directory}) holds no models.py: '
@@ -136,12 +150,9 @@ def import_reference(reference_dir: str) -> types.SimpleNamespace:
       raise ImportError(f'a module {name!r} from {module.__file__} is already imported, so the '
                         f"reference's {name}.py in {directory} would not be: run compare.py in "
                         'a process of its own')
-  for package, submodules in _STUBBED.items():
-    if importlib.util.find_spec(package) is None:
-      sys.modules[package] = types.ModuleType(package)
-      for sub in submodules:
-        sys.modules[f'{package}.{sub}'] = types.ModuleType(f'{package}.{sub}')
-        setattr(sys.modules[package], sub, sys.modules[f'{package}.{sub}'])
+  for package in _STUBBED:
+    if package not in sys.modules and importlib.util.find_spec(package) is None:
+      sys.modules[package] = _Stub(package)
   sys.path.insert(0, directory)
   return types.SimpleNamespace(models=importlib.import_module('models'),
                                train=importlib.import_module('train'))
