@@ -351,26 +351,28 @@ def compare_shape(name: str, args, reference, matmul: common.Matmul) -> dict:
   on_cpu = jax.devices()[0].platform == 'cpu'
   rows = args.rows or (shape.rows if on_cpu else shape.accelerator_rows or shape.rows)
   length = args.length or shape.length
-  dropout = dropout_settings(args)
-  config = t2t_config(shape, args, dropout)
+  config = t2t_config(shape, args, dropout_settings(args))
+  model = config.model  # After --t2t_override: the reference follows its dropout and dtype.
   batch = make_batch(shape, rows, length)
   sides = [t2t_side(config, shape, batch, rows, length),
            reference_side(reference, config, shape, batch, rows, length)]
   seconds, matmul_rates = run_rounds(name, sides, matmul, args)
   ratios = [r / t for t, r in zip(seconds['t2t_jax'], seconds['reference'])]
-  peak = flops.peak_flops_per_second(jax.devices()[0].device_kind, args.dtype)
+  peak = flops.peak_flops_per_second(jax.devices()[0].device_kind, model.dtype)
   return {
       'benchmark': 'compare', 'shape': name,
       **{key: value for key, value in dataclasses.asdict(shape).items()
          if key not in ('rows', 'accelerator_rows')},
       'rows': rows, 'length': length, **common.device_info(),
       'device_count': 1,  # Both sides run on the first device alone.
-      'dtype': args.dtype,
-      'norm': args.norm, 'recipe': args.recipe, 't2t_overrides': args.t2t_override,
-      'dropout': {'t2t_jax': dropout,
-                  'reference': {'dropout_rate': config.model.dropout,
-                                'attention_dropout_rate': config.model.attention_dropout,
-                                'mlp_hidden_dropout': config.model.dropout}},
+      'dtype': model.dtype, 'norm': model.norm, 'recipe': args.recipe,
+      't2t_overrides': args.t2t_override,
+      'dropout': {'t2t_jax': {'dropout': model.dropout,
+                              'attention_dropout': model.attention_dropout,
+                              'relu_dropout': model.relu_dropout},
+                  'reference': {'dropout_rate': model.dropout,
+                                'attention_dropout_rate': model.attention_dropout,
+                                'mlp_hidden_dropout': model.dropout}},
       'rounds': args.rounds, 'steps_per_round': args.steps,
       'ratio_per_round': [round(r, 4) for r in ratios],
       'ratio_median': round(statistics.median(ratios), 4),

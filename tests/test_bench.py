@@ -53,3 +53,16 @@ def test_packing_cuts_rows_into_segments_with_restarting_positions():
   starts = segments[:, 1:] != segments[:, :-1]
   assert (positions[:, 1:][starts] == 0).all()
   assert (positions[:, 1:][~starts] == positions[:, :-1][~starts] + 1).all()
+
+
+def test_t2t_config_takes_the_recipe_dropout_and_overrides():
+  compare = _load_compare()
+  args = compare.parse_args(['--recipe=m30k', '--t2t_override', 'model.norm=post',
+                             '--t2t_override', 'opt.warmup_steps=100'])
+  config = compare.t2t_config(compare.SHAPES['m30k'], args, compare.dropout_settings(args))
+  assert (config.model.dropout, config.model.attention_dropout,
+          config.model.relu_dropout) == (0.3, 0.0, 0.0)
+  assert config.model.norm == 'post' and config.opt.warmup_steps == 100
+  assert (config.model.d_model, config.model.num_encoder_layers) == (128, 4)
+  with pytest.raises(ValueError, match='model.no_such_key'):
+    compare.apply_override(config, 'model.no_such_key=1')
