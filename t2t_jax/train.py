@@ -22,6 +22,7 @@ from t2t_jax import checkpoint
 from t2t_jax import data
 from t2t_jax import decode
 from t2t_jax import evaluate
+from t2t_jax import flops
 from t2t_jax import hang_guard
 from t2t_jax import optim
 from t2t_jax import preemption
@@ -312,15 +313,21 @@ def run_evaluation(setup: Setup, params, task: data.TaskData, eval_batches, conf
 
 
 class _MetricLog:
-  """Accumulates per-step metric sums between logs, checks them, and writes one log line."""
+  """Accumulates per-step metric sums between logs, checks them, and writes one log line.
 
-  def __init__(self, writer, schedule, num_steps: int, start_step: int):
+  Beside loss and speed it reports model FLOP/s (the analytic count of `flops`, padding
+  included) and, where the devices' peak is known (not on CPU), MFU against that peak.
+  """
+
+  def __init__(self, writer, schedule, num_steps: int, start_step: int,
+               peak_flops_per_second: float | None):
     self.writer, self.schedule, self.num_steps = writer, schedule, num_steps
-    self.sums, self.steps, self.start = None, 0, time.perf_counter()
+    self.peak = peak_flops_per_second  # All devices of the mesh together; None if unknown.
+    self.sums, self.steps, self.model_flops, self.start = None, 0, 0.0, time.perf_counter()
     self.last_good_step = start_step
-    self.last_loss, self.intervals = float('nan'), []  # (steps, seconds) per logged interval.
+    self.last_loss, self.intervals = float('nan'), []  # (steps, seconds, model FLOPs) each.
 
-  def add(self, step: int, metrics) -> None:
+  def add(self, step: int, metrics, model_flops: float) -> None:
     metrics = jax.device_get(metrics)
     loss = float(metrics['loss']) / max(float(metrics['weight']), 1.0)
     if not math.isfinite(loss):
@@ -331,6 +338,7 @@ class _MetricLog:
     self.last_good_step = step
     self.sums = metrics if self.sums is None else jax.tree.map(np.add, self.sums, metrics)
     self.steps += 1
+    self.model_flops += model_flops
 
   def write(self, step: int) -> None:
     if not self.steps:
@@ -340,23 +348,39 @@ class _MetricLog:
     steps_per_second = self.steps / elapsed
     summary.update(learning_rate=float(self.schedule(step - 1)),
                    target_tokens_per_second=float(self.sums['weight']) / elapsed,
-                   steps_per_second=steps_per_second)
+                   steps_per_second=steps_per_second,
+                   model_flops_per_second=self.model_flops / elapsed)
+    if self.peak:
+      summary['mfu'] = flops.mfu(self.model_flops, elapsed, self.peak)
     eta = (self.num_steps - step) / steps_per_second
     logging.info('step %d: loss %.4f, accuracy %.4f, lr %.3g, %.0f target tokens/s, '
-                 '%.2f steps/s, ETA %s', step, summary['loss'], summary['accuracy'],
-                 summary['learning_rate'], summary['target_tokens_per_second'],
-                 steps_per_second, time.strftime('%H:%M:%S', time.gmtime(eta)))
+                 '%.2f steps/s, %.4g model TFLOP/s%s, ETA %s', step, summary['loss'],
+                 summary['accuracy'], summary['learning_rate'],
+                 summary['target_tokens_per_second'], steps_per_second,
+                 summary['model_flops_per_second'] / 1e12,
+                 f', MFU {summary["mfu"]:.1%}' if self.peak else '',
+                 time.strftime('%H:%M:%S', time.gmtime(eta)))
     for name, value in summary.items():
       self.writer.add_scalar(f'train/{name}', value, step)
     self.last_loss = summary['loss']
-    self.intervals.append((self.steps, elapsed))
-    self.sums, self.steps, self.start = None, 0, time.perf_counter()
+    self.intervals.append((self.steps, elapsed, self.model_flops))
+    self.sums, self.steps, self.model_flops, self.start = None, 0, 0.0, time.perf_counter()
 
-  def final(self) -> dict[str, float]:
-    """The last logged training loss and the run's steps/s, leaving out the compiling interval."""
-    intervals = self.intervals[1:] or self.intervals or [(0, 1.0)]
-    steps, seconds = (sum(column) for column in zip(*intervals))
-    return {'train_loss': self.last_loss, 'steps_per_second': steps / max(seconds, 1e-9)}
+  def final(self) -> dict[str, float | None]:
+    """Last logged loss, steps/s, model FLOP/s and MFU (None: no known peak), compiling left out."""
+    intervals = self.intervals[1:] or self.intervals or [(0, 1.0, 0.0)]
+    steps, seconds, model_flops = (sum(column) for column in zip(*intervals))
+    seconds = max(seconds, 1e-9)
+    return {'train_loss': self.last_loss, 'steps_per_second': steps / seconds,
+            'model_flops_per_second': model_flops / seconds,
+            'mfu': flops.mfu(model_flops, seconds, self.peak) if self.peak else None}
+
+
+def _model_flops(model_config: TransformerConfig, host_batch: dict) -> float:
+  """Analytic FLOPs of the step on this batch: every process's rows at the padded lengths."""
+  rows, source_length = host_batch['inputs'].shape
+  return flops.train_step_flops(model_config, rows * jax.process_count(), source_length,
+                                host_batch['targets'].shape[1])
 
 
 def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
@@ -389,7 +413,9 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
                                  config.eval.alpha)
   writer = tensorboardX.SummaryWriter(workdir) if jax.process_index() == 0 else _NullWriter()
   num_steps, start_step = config.train.num_steps, int(state.step)
-  metric_log = _MetricLog(writer, setup.schedule, num_steps, start_step)
+  metric_log = _MetricLog(writer, setup.schedule, num_steps, start_step,
+                          flops.devices_peak_flops_per_second(list(mesh.devices.flat),
+                                                              config.model.dtype))
   results, pending, train_start = {}, None, time.perf_counter()
   sigterm, preempted = preemption.Preemption(config.ckpt.preemption_grace_seconds), False
   logging.info('Training from step %d to %d', start_step, num_steps)
@@ -405,7 +431,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
                                         dropout_rng)
       if pending:  # Read the previous step's metrics only now, so the device never waits.
         metric_log.add(*pending)
-      pending = (step, metrics)
+      pending = (step, metrics, _model_flops(setup.model_config, host_batch))
       is_last, preempted = step == num_steps, sigterm.requested(step)
       evaluate_now = is_last or step % config.train.eval_every == 0
       save_now = is_last or preempted or checkpointer.should_save(step)
