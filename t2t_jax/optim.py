@@ -41,6 +41,37 @@ def compute_metrics(logits_BLV: jax.Array, targets_BL: jax.Array,
           'weight': weights_BL.sum()}
 
 
+def metrics_and_logits_grad(logits_NV: jax.Array, targets_N: jax.Array,
+                            label_smoothing: float) -> tuple[dict[str, jax.Array], jax.Array]:
+  """`compute_metrics` of a chunk and d loss / d logits, written out in a few fused passes.
+
+  With p = softmax(logits) and the smoothed target q, d loss / d logits = w * (p - q): one
+  elementwise pass that builds q from an iota comparison rather than autodiff's scatter into
+  a zero [N, V] tensor. A token counts as correct when its target's logit is the maximum
+  (argmax, up to exact ties), which reuses the softmax's maximum instead of another reduction.
+  """
+  vocab_size = logits_NV.shape[-1]
+  confidence = 1.0 - label_smoothing
+  low = label_smoothing / (vocab_size - 1)
+  entropy = -(confidence * np.log(confidence) + (vocab_size - 1) * low * np.log(low + 1e-20))
+  logits_NV = logits_NV.astype(jnp.float32)
+  shifted_NV = logits_NV - logits_NV.max(-1, keepdims=True)
+  exp_NV = jnp.exp(shifted_NV)
+  sum_exp_N = exp_NV.sum(-1)
+  log_sum_N = jnp.log(sum_exp_N)
+  target_N = jnp.take_along_axis(shifted_NV, targets_N[:, None], -1)[:, 0]
+  weights_N = (targets_N != PAD_ID).astype(jnp.float32)
+  nll_N = log_sum_N - target_N
+  sum_log_probs_N = shifted_NV.sum(-1) - vocab_size * log_sum_N
+  loss_N = -(low * sum_log_probs_N - (confidence - low) * nll_N) - entropy
+  metrics = {'loss': (loss_N * weights_N).sum(), 'nll': (nll_N * weights_N).sum(),
+             'correct': ((target_N >= 0) * weights_N).sum(), 'weight': weights_N.sum()}
+  is_target_NV = jax.lax.broadcasted_iota(jnp.int32, logits_NV.shape, 1) == targets_N[:, None]
+  smoothed_NV = jnp.where(is_target_NV, confidence, low)
+  grad_NV = (exp_NV / sum_exp_N[:, None] - smoothed_NV) * weights_N[:, None]
+  return metrics, grad_NV
+
+
 def chunked_metrics(project, weights, hidden_BLE: jax.Array, targets_BL: jax.Array,
                     label_smoothing: float, chunk_tokens: int) -> dict[str, jax.Array]:
   """`compute_metrics(project(weights, hidden_BLE), ...)` holding one chunk's logits at a time.
@@ -50,9 +81,9 @@ def chunked_metrics(project, weights, hidden_BLE: jax.Array, targets_BL: jax.Arr
   tokens c, c + C, c + 2C, ..., so each chunk is split over the devices as the batch is. A scan
   projects one chunk to its [N, V] logits and sums its metrics. Differentiating the scan as it
   stands would keep every chunk's logits for the backward pass, so a custom VJP instead takes
-  each chunk's gradient while its logits are live (d loss / d logits by autodiff of the same
-  loss, then the projection's VJP to the weights and hidden states) and keeps only those: [V, E]
-  and [B L, E]. Unlike rematerialising each chunk, nothing is projected twice. The sums equal
+  each chunk's gradient while its logits are live (d loss / d logits from
+  `metrics_and_logits_grad`, then the projection's VJP to the weights and hidden states) and
+  keeps only those: [V, E] and [B L, E]. Unlike rematerialising each chunk, nothing is projected twice. The sums equal
   the full path's up to float32 rounding; only 'loss' is differentiable.
 
   Args:
@@ -79,7 +110,8 @@ def _chunked_sums(project, label_smoothing, weights, hidden_CNE, targets_CN):
   """Metric sums over the chunks; see `chunked_metrics`."""
   def add_chunk(sums, chunk):
     hidden_NE, targets_N = chunk
-    metrics = compute_metrics(project(weights, hidden_NE), targets_N, label_smoothing)
+    metrics, _ = metrics_and_logits_grad(project(weights, hidden_NE), targets_N,
+                                         label_smoothing)
     return jax.tree.map(jnp.add, sums, metrics), None
   sums, _ = jax.lax.scan(add_chunk, _zero_sums(), (hidden_CNE, targets_CN))
   return sums
@@ -87,15 +119,11 @@ def _chunked_sums(project, label_smoothing, weights, hidden_CNE, targets_CN):
 
 def _chunked_sums_forward(project, label_smoothing, weights, hidden_CNE, targets_CN):
   """The sums, plus d loss / d weights and d loss / d hidden taken chunk by chunk."""
-  def loss_of_logits(logits_NV, targets_N):
-    metrics = compute_metrics(logits_NV, targets_N, label_smoothing)
-    return metrics['loss'], metrics
-
   def add_chunk(carry, chunk):
     sums, weights_grad = carry
     hidden_NE, targets_N = chunk
     logits_NV, project_vjp = jax.vjp(project, weights, hidden_NE)
-    logits_grad_NV, metrics = jax.grad(loss_of_logits, has_aux=True)(logits_NV, targets_N)
+    metrics, logits_grad_NV = metrics_and_logits_grad(logits_NV, targets_N, label_smoothing)
     chunk_weights_grad, hidden_grad_NE = project_vjp(logits_grad_NV)
     carry = (jax.tree.map(jnp.add, sums, metrics),
              jax.tree.map(jnp.add, weights_grad, chunk_weights_grad))

@@ -6,6 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from t2t_jax import PAD_ID
+from t2t_jax import optim
 from t2t_jax import sharding
 from t2t_jax import train
 from t2t_jax.model import Transformer, TransformerConfig
@@ -107,3 +109,17 @@ def test_chunked_loss_never_holds_the_whole_logits(tiny_config):
   # than one logits tensor in all: the whole [B L, V] float32 logits never exist at once.
   assert temp_bytes[0] - temp_bytes[256] > 3 * logits_bytes, temp_bytes
   assert temp_bytes[256] < logits_bytes, temp_bytes
+
+
+def test_fused_logits_gradient_equals_autodiff_of_the_loss():
+  rng = np.random.default_rng(5)
+  logits = jnp.asarray(rng.normal(size=(37, 29)) * 3, jnp.float32)
+  targets = jnp.asarray(rng.integers(0, 29, 37), jnp.int32).at[:5].set(PAD_ID)
+  metrics, grad = optim.metrics_and_logits_grad(logits, targets, 0.1)
+  expected = optim.compute_metrics(logits[None], targets[None], 0.1)
+  expected_grad = jax.grad(lambda x: optim.compute_metrics(x[None], targets[None], 0.1)['loss'])(
+      logits)
+  for name in ('loss', 'nll', 'correct', 'weight'):
+    np.testing.assert_allclose(metrics[name], expected[name], rtol=1e-5, err_msg=name)
+  np.testing.assert_allclose(grad, expected_grad, atol=1e-6)
+  assert float(metrics['correct']) > 0 and not np.any(np.asarray(grad)[:5])
