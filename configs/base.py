@@ -64,6 +64,9 @@ def get_config():
   model.max_len = 512  # Longest sequence the position table covers (training and decoding).
   model.dtype = 'float32'  # Compute dtype of activations: 'float32' or 'bfloat16'.
   model.param_dtype = 'float32'  # Storage dtype of parameters.
+  # Attention: 'einsum' (explicit softmax, attention dropout), 'xla' or 'cudnn' (fused, through
+  # jax.nn.dot_product_attention; no attention dropout), 'auto' (cuDNN where it applies).
+  model.attention_impl = 'auto'
 
   opt = config.opt = ml_collections.ConfigDict()
   opt.schedule = 'rsqrt'  # 'rsqrt' (paper), 't2t' (linear warmup x rsqrt decay), 'constant'.

@@ -5,8 +5,10 @@ F feed-forward width, V vocabulary.
 """
 
 import dataclasses
+import functools
 from typing import Any
 
+from absl import logging
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -36,6 +38,7 @@ class TransformerConfig:
   max_len: int = 512
   dtype: Any = jnp.float32
   param_dtype: Any = jnp.float32
+  attention_impl: str = 'einsum'  # Resolved: 'einsum', 'xla' or 'cudnn' (never 'auto').
   deterministic: bool = False
   decode: bool = False
 
@@ -51,7 +54,53 @@ class TransformerConfig:
               if f.name in model_config}
     kwargs['dtype'] = jnp.dtype(kwargs['dtype'])
     kwargs['param_dtype'] = jnp.dtype(kwargs['param_dtype'])
+    kwargs['attention_impl'] = resolve_attention_impl(
+        model_config.attention_impl, kwargs['dtype'],
+        model_config.d_model // model_config.num_heads, model_config.attention_dropout,
+        jax.devices()[0].platform)
     return cls(vocab_size=vocab_size, **{**kwargs, **overrides})
+
+
+ATTENTION_IMPLS = ('auto', 'einsum', 'xla', 'cudnn')
+
+
+def resolve_attention_impl(impl: str, dtype, head_dim: int, attention_dropout: float,
+                           platform: str) -> str:
+  """The attention implementation to run: 'auto' picks the fastest that applies.
+
+  'einsum' is the explicit softmax(QK^T)V with dropout on the weights; 'xla' and 'cudnn' go
+  through `jax.nn.dot_product_attention` (cuDNN's fused flash attention on NVIDIA GPUs in
+  bfloat16/float16 with head sizes up to 128 in multiples of 8). Neither fused one applies
+  dropout to the attention weights, so they need config.model.attention_dropout=0.
+  """
+  if impl not in ATTENTION_IMPLS:
+    raise ValueError(f'config.model.attention_impl={impl!r} must be one of {ATTENTION_IMPLS}')
+  cudnn_problem = (
+      f'the platform is {platform}, not gpu' if platform != 'gpu' else
+      f'config.model.dtype={jnp.dtype(dtype).name}, not bfloat16 or float16'
+      if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16) else
+      f'the head size {head_dim} is not a multiple of 8 up to 128'
+      if head_dim % 8 or head_dim > 128 else None)
+  dropout_problem = (f'config.model.attention_dropout={attention_dropout} is not 0, and fused '
+                     'attention has no dropout on its weights' if attention_dropout else None)
+  if impl == 'auto':
+    why_not = dropout_problem or cudnn_problem
+    if why_not is None:
+      return 'cudnn'
+    _log_once(f"config.model.attention_impl='auto' uses 'einsum' attention: {why_not}.")
+    return 'einsum'
+  problem = dropout_problem if impl != 'einsum' else None
+  if impl == 'cudnn':
+    problem = problem or cudnn_problem
+  if problem:
+    raise ValueError(f'config.model.attention_impl={impl!r} cannot run: {problem}. Use '
+                     "'auto' (which falls back) or change the setting named.")
+  return impl
+
+
+@functools.cache
+def _log_once(message: str) -> None:
+  logging.info('%s', message)
 
 
 def sinusoidal_positions(max_len: int, d_model: int) -> np.ndarray:
@@ -127,13 +176,19 @@ class MultiHeadAttention(nn.Module):
     if cfg.decode and self.self_attention_cache:
       k_BKHD, v_BKHD, mask_B1QK = self._update_cache(k_BKHD, v_BKHD, mask_B1QK)
 
-    logits_BHQK = jnp.einsum('BQHD,BKHD->BHQK', q_BQHD, k_BKHD).astype(jnp.float32)
-    if mask_B1QK is not None:
-      logits_BHQK = jnp.where(mask_B1QK, logits_BHQK, _NEG_INF)
-    weights_BHQK = jax.nn.softmax(logits_BHQK).astype(cfg.dtype)
-    self.sow('intermediates', 'attention_weights', weights_BHQK)
-    weights_BHQK = nn.Dropout(cfg.attention_dropout)(weights_BHQK, cfg.deterministic)
-    out_BQHD = jnp.einsum('BHQK,BKHD->BQHD', weights_BHQK, v_BKHD)
+    if cfg.attention_impl == 'einsum':
+      logits_BHQK = jnp.einsum('BQHD,BKHD->BHQK', q_BQHD, k_BKHD).astype(jnp.float32)
+      if mask_B1QK is not None:
+        logits_BHQK = jnp.where(mask_B1QK, logits_BHQK, _NEG_INF)
+      weights_BHQK = jax.nn.softmax(logits_BHQK).astype(cfg.dtype)
+      self.sow('intermediates', 'attention_weights', weights_BHQK)
+      weights_BHQK = nn.Dropout(cfg.attention_dropout)(weights_BHQK, cfg.deterministic)
+      out_BQHD = jnp.einsum('BHQK,BKHD->BQHD', weights_BHQK, v_BKHD)
+    else:
+      # One query per decoding step is no work for a flash kernel: XLA's path serves it.
+      impl = 'xla' if cfg.decode else cfg.attention_impl
+      out_BQHD = jax.nn.dot_product_attention(q_BQHD, k_BKHD, v_BKHD, mask=mask_B1QK,
+                                              scale=1.0, implementation=impl)
     w_out_HDE = kernel('out', (cfg.num_heads, head_dim, cfg.d_model), ('heads', 'kv', 'embed'),
                        (0, 1), 2)
     return jnp.einsum('BQHD,HDE->BQE', out_BQHD, w_out_HDE)
