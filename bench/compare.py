@@ -150,6 +150,9 @@ def import_reference(reference_dir: str) -> types.SimpleNamespace:
       raise ImportError(f'a module {name!r} from {module.__file__} is already imported, so the '
                         f"reference's {name}.py in {directory} would not be: run compare.py in "
                         'a process of its own')
+  # Flax's checkpoint module asks whether TensorFlow exists when first imported: let it see
+  # the truth before any stub stands in.
+  importlib.import_module('flax.training.checkpoints')
   for package in _STUBBED:
     if package not in sys.modules and importlib.util.find_spec(package) is None:
       sys.modules[package] = _Stub(package)

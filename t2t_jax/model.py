@@ -122,17 +122,26 @@ def shift_right(targets_BL: Array, segment_ids_BL: Array | None = None) -> Array
   return shifted
 
 
-def attention_mask(query_valid_BQ: Array, key_valid_BK: Array,
-                   query_segments_BQ: Array | None = None,
+def attention_mask(key_valid_BK: Array, query_segments_BQ: Array | None = None,
                    key_segments_BK: Array | None = None, causal: bool = False) -> Array:
-  """Boolean [B, 1, Q, K] mask: padding, optional packed segments and causality."""
-  mask = query_valid_BQ[:, :, None] & key_valid_BK[:, None, :]
+  """Boolean mask broadcastable to [B, 1, Q, K]: padded keys, other segments, later positions.
+
+  Built once per batch, [B, 1, 1, K] when only padding matters. Padding queries are not
+  masked: their outputs are never used, and a query (packed padding, segment 0) that sees
+  some key keeps every softmax row well defined for the fused kernels.
+  """
+  mask_B11K = key_valid_BK[:, None, None, :]
+  if query_segments_BQ is None and not causal:
+    return mask_B11K
+  mask_B1QK = mask_B11K
   if query_segments_BQ is not None:
-    mask &= query_segments_BQ[:, :, None] == key_segments_BK[:, None, :]
+    same_BQK = ((query_segments_BQ[:, :, None] == key_segments_BK[:, None, :])
+                | (query_segments_BQ[:, :, None] == 0))
+    mask_B1QK = mask_B1QK & same_BQK[:, None]
   if causal:
-    q, k = query_valid_BQ.shape[1], key_valid_BK.shape[1]
-    mask &= jnp.tril(jnp.ones((q, k), bool))[None]
-  return mask[:, None]
+    length = key_valid_BK.shape[1]
+    mask_B1QK = mask_B1QK & jnp.tril(jnp.ones((length, length), bool))[None, None]
+  return mask_B1QK
 
 
 def _dense_init(names):
@@ -346,7 +355,7 @@ class Transformer(nn.Module):
     """Encoder output [B, L, E]; padding (id 0) is masked out of attention."""
     cfg = self.config
     valid_BL = inputs_BL != PAD_ID
-    mask = attention_mask(valid_BL, valid_BL, inputs_segments_BL, inputs_segments_BL)
+    mask = attention_mask(valid_BL, inputs_segments_BL, inputs_segments_BL)
     x_BLE = self.source_embedder(inputs_BL, inputs_positions_BL)
     for layer in self.encoder_layers:
       x_BLE = layer(x_BLE, mask)
@@ -368,15 +377,12 @@ class Transformer(nn.Module):
     inputs_valid_BK = inputs_BK != PAD_ID
     if cfg.decode:
       decoder_inputs_BL = targets_BL
-      query_valid_BL = jnp.ones_like(targets_BL, bool)
       self_mask = None  # The self-attention cache builds its own.
     else:
       decoder_inputs_BL = shift_right(targets_BL, targets_segments_BL)
-      query_valid_BL = targets_BL != PAD_ID
-      self_mask = attention_mask(query_valid_BL, query_valid_BL, targets_segments_BL,
-                                 targets_segments_BL, causal=True)
-    cross_mask = attention_mask(query_valid_BL, inputs_valid_BK, targets_segments_BL,
-                                inputs_segments_BK)
+      self_mask = attention_mask(targets_BL != PAD_ID, targets_segments_BL, targets_segments_BL,
+                                 causal=True)
+    cross_mask = attention_mask(inputs_valid_BK, targets_segments_BL, inputs_segments_BK)
     y_BLE = self.target_embedder(decoder_inputs_BL, targets_positions_BL)
     for layer in self.decoder_layers:
       y_BLE = layer(y_BLE, encoded_BKE, self_mask, cross_mask)

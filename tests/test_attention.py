@@ -53,9 +53,11 @@ def _params(config):
 
 
 def _assert_close(a, b, tolerance):
-  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+  """Every leaf's largest difference is within `tolerance` of that leaf's largest value."""
+  for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
     x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
-    assert np.abs(x - y).max() <= tolerance * max(np.abs(y).max(), 1e-6)
+    error, scale = np.abs(x - y).max(), max(np.abs(y).max(), 1e-6)
+    assert error <= tolerance * scale, (jax.tree_util.keystr(path), error, scale)
 
 
 @pytest.mark.parametrize('kind', ['padded', 'packed'])
