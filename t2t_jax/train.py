@@ -113,6 +113,16 @@ class Setup:
   eval_step: Callable
 
 
+def init_state(rng: jax.Array, *, model_config: TransformerConfig,
+               optimizer: optax.GradientTransformation) -> TrainState:
+  """Fresh parameters (boxed with their logical axes) and optimiser state at step 0."""
+  dummy = jnp.ones((1, 1), jnp.int32)
+  params = Transformer(dataclasses.replace(model_config, deterministic=True)).init(
+      rng, dummy, dummy)['params']
+  return TrainState(step=jnp.array(0, jnp.int32), params=params,
+                    opt_state=optimizer.init(params))
+
+
 def build(config, vocab_size: int, mesh=None) -> Setup:
   """Model, optimiser and the jitted init/train/eval with shardings from the logical axes."""
   mesh = mesh if mesh is not None else sharding.make_mesh(config.mesh)
@@ -123,13 +133,7 @@ def build(config, vocab_size: int, mesh=None) -> Setup:
   model = Transformer(model_config)
   optimizer = optim.make_optimizer(config.opt, config.model.d_model)
 
-  def init(rng):
-    dummy = jnp.ones((1, 1), jnp.int32)
-    params = Transformer(dataclasses.replace(model_config, deterministic=True)).init(
-        rng, dummy, dummy)['params']
-    return TrainState(step=jnp.array(0, jnp.int32), params=params,
-                      opt_state=optimizer.init(params))
-
+  init = functools.partial(init_state, model_config=model_config, optimizer=optimizer)
   with sharding.mesh_context(mesh, axis_rules):
     boxed = jax.eval_shape(init, jax.random.PRNGKey(0))
     shardings = sharding.logical_shardings(boxed, mesh, axis_rules)
@@ -205,6 +209,8 @@ def dry_run(config) -> dict:
       'flops_per_step_per_device': flops / setup.mesh.size,
       'batch_shape': [rows, length],
       'grad_accum_steps': config.opt.grad_accum_steps,
+      'scan_layers': config.model.scan_layers,
+      'remat': config.model.remat,
       'dtype': config.model.dtype,
       'mesh': dict(setup.mesh.shape),
       'device_count': setup.mesh.size,
@@ -218,14 +224,20 @@ def dry_run(config) -> dict:
 def _global_flops(setup: Setup, config, batch, rng) -> float:
   """FLOPs of one whole update, from XLA's cost analysis of the program before partitioning.
 
-  Counted without accumulation: the analysis counts a loop body once, and A micro-batches do
-  the arithmetic of one batch of A times their rows.
+  Counted without accumulation and with the layers unrolled: the analysis counts a loop body
+  once, and A micro-batches do the arithmetic of one batch of A times their rows, as a scan
+  over N layers does that of N layers. Recomputation asked for by config.model.remat counts.
   """
-  step = jax.jit(functools.partial(train_step, model=Transformer(setup.model_config),
+  model_config = dataclasses.replace(setup.model_config, scan_layers=False)
+  step = jax.jit(functools.partial(train_step, model=Transformer(model_config),
                                    optimizer=setup.optimizer,
                                    label_smoothing=config.opt.label_smoothing))
   with sharding.mesh_context(setup.mesh, setup.axis_rules):
-    cost = step.lower(setup.abstract_state, batch, rng).cost_analysis()
+    state = setup.abstract_state
+    if setup.model_config.scan_layers:
+      state = nn.meta.unbox(jax.eval_shape(functools.partial(
+          init_state, model_config=model_config, optimizer=setup.optimizer), rng))
+    cost = step.lower(state, batch, rng).cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   return float(cost.get('flops', 0.0))
 
