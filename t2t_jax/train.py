@@ -134,11 +134,7 @@ def build(config, vocab_size: int, mesh=None) -> Setup:
   optimizer = optim.make_optimizer(config.opt, config.model.d_model)
 
   init = functools.partial(init_state, model_config=model_config, optimizer=optimizer)
-  with sharding.mesh_context(mesh, axis_rules):
-    boxed = jax.eval_shape(init, jax.random.PRNGKey(0))
-    shardings = sharding.logical_shardings(boxed, mesh, axis_rules)
-  abstract_state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                                nn.meta.unbox(boxed), shardings)
+  abstract_state, shardings = _abstract_state(init, mesh, axis_rules)
   batch_sharding = sharding.batch_sharding(mesh)
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   ls = config.opt.label_smoothing
@@ -164,6 +160,16 @@ def build(config, vocab_size: int, mesh=None) -> Setup:
   return Setup(mesh, axis_rules, model_config, optimizer,
                optim.learning_rate_schedule(config.opt, config.model.d_model), abstract_state,
                traced(jit_init), traced(jit_train), traced(jit_eval))
+
+
+def _abstract_state(init, mesh, axis_rules) -> tuple[TrainState, TrainState]:
+  """The state `init` gives as ShapeDtypeStructs carrying their shardings, and the shardings."""
+  with sharding.mesh_context(mesh, axis_rules):
+    boxed = jax.eval_shape(init, jax.random.PRNGKey(0))
+    shardings = sharding.logical_shardings(boxed, mesh, axis_rules)
+  abstract_state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                                nn.meta.unbox(boxed), shardings)
+  return abstract_state, shardings
 
 
 def _lower(fn, mesh, axis_rules, *args):
@@ -232,11 +238,12 @@ def _global_flops(setup: Setup, config, batch, rng) -> float:
   step = jax.jit(functools.partial(train_step, model=Transformer(model_config),
                                    optimizer=setup.optimizer,
                                    label_smoothing=config.opt.label_smoothing))
+  state = setup.abstract_state
+  if setup.model_config.scan_layers:
+    state, _ = _abstract_state(functools.partial(
+        init_state, model_config=model_config, optimizer=setup.optimizer), setup.mesh,
+                               setup.axis_rules)
   with sharding.mesh_context(setup.mesh, setup.axis_rules):
-    state = setup.abstract_state
-    if setup.model_config.scan_layers:
-      state = nn.meta.unbox(jax.eval_shape(functools.partial(
-          init_state, model_config=model_config, optimizer=setup.optimizer), rng))
     cost = step.lower(state, batch, rng).cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   return float(cost.get('flops', 0.0))

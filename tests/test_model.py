@@ -139,8 +139,8 @@ def test_bad_remat_names_the_key_and_the_choices(tiny_config):
     model_lib.TransformerConfig.from_config(tiny_config.model, VOCAB)
 
 
-def _loss_and_grads(config, params, rngs=None):
-  """Mean token cross-entropy of a fixed batch (with padding) and its parameter gradients."""
+def _loss_fn(config, rngs=None):
+  """Params -> mean token cross-entropy of a fixed batch with padding."""
   inputs, targets = _random_tokens(10, (3, 6)), _random_tokens(11, (3, 5))
   inputs, targets = inputs.at[2, 4:].set(0), targets.at[2, 3:].set(0)
 
@@ -150,7 +150,11 @@ def _loss_and_grads(config, params, rngs=None):
     log_probs = jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], -1)[..., 0]
     return -(log_probs * (targets != 0)).sum() / (targets != 0).sum()
 
-  return jax.jit(jax.value_and_grad(loss))(params)
+  return loss
+
+
+def _loss_and_grads(config, params, rngs=None):
+  return jax.jit(jax.value_and_grad(_loss_fn(config, rngs)))(params)
 
 
 def _assert_trees_close(actual, expected, atol):
@@ -190,6 +194,10 @@ def test_remat_gives_the_same_loss_gradients_and_dropout_masks(scan_layers, rema
   assert (jax.tree.map(jnp.shape, nn.meta.unbox(_init(dataclasses.replace(
       rematerialised, deterministic=True)))) == jax.tree.map(jnp.shape, params))
   rngs = {'dropout': jax.random.PRNGKey(7)}
+  def gradient_program(config):
+    return str(jax.make_jaxpr(jax.grad(_loss_fn(config, rngs)))(params))
+  assert 'remat' in gradient_program(rematerialised)
+  assert 'remat' not in gradient_program(config)
   loss, grads = _loss_and_grads(config, params, rngs)
   remat_loss, remat_grads = _loss_and_grads(rematerialised, params, rngs)
   without_dropout, _ = _loss_and_grads(dataclasses.replace(config, deterministic=True), params)
