@@ -150,7 +150,7 @@ def _reorder_cache(cache, parent_BK: jax.Array, config: TransformerConfig):
   """Each beam's self-attention cache follows its parent (the encoder-side entries agree)."""
   batch_size, beam_size = parent_BK.shape
   rows_N = (jnp.arange(batch_size)[:, None] * beam_size + parent_BK).reshape(-1)
-  return _map_rows(lambda x, axis: jnp.take(x, rows_N, axis=axis), cache, config,
+  return _map_rows(lambda x, axis: x[(slice(None),) * axis + (rows_N,)], cache, config,
                    skip=_MEMORY_ENTRIES)
 
 
