@@ -55,6 +55,9 @@ def get_config():
   model.dropout = 0.1  # Residual dropout: sublayer outputs and embeddings + positions.
   model.attention_dropout = 0.1  # Dropout on attention weights (tensor2tensor v3).
   model.relu_dropout = 0.1  # Dropout after the feed-forward ReLU (tensor2tensor v3).
+  # PRNG of the dropout masks: 'hash32' (cheapest), 'threefry2x32' (JAX's default), 'rbg' or
+  # 'unsafe_rbg'. All are deterministic: a resumed run draws the same masks (README).
+  model.dropout_prng = 'hash32'
   model.share_embeddings = True  # One embedding matrix for source and target tokens.
   model.tie_output = True  # Output softmax reuses the target embedding matrix.
   model.norm = 'post'  # 'post': LN(x + sublayer(x)) as in the paper; 'pre': x + sublayer(LN(x)).
@@ -63,6 +66,9 @@ def get_config():
   model.remat = 'none'  # Backward pass recomputes layers: 'none', 'full' or 'dots' (keeps matmuls).
   model.dtype = 'float32'  # Compute dtype of activations: 'float32' or 'bfloat16'.
   model.param_dtype = 'float32'  # Storage dtype of parameters.
+  # Attention: 'einsum' (explicit softmax, attention dropout), 'xla' or 'cudnn' (fused, through
+  # jax.nn.dot_product_attention; no attention dropout), 'auto' (cuDNN where it applies).
+  model.attention_impl = 'auto'
 
   opt = config.opt = ml_collections.ConfigDict()
   opt.schedule = 'rsqrt'  # 'rsqrt' (paper), 't2t' (linear warmup x rsqrt decay), 'constant'.
@@ -75,6 +81,7 @@ def get_config():
   opt.weight_decay = 0.0  # Decoupled weight decay (AdamW); 0 gives plain Adam as in the paper.
   opt.label_smoothing = 0.1  # Mass spread uniformly over the other vocabulary entries.
   opt.grad_accum_steps = 1  # Micro-batches per update; data.batch_tokens stays the whole batch.
+  opt.loss_chunk_tokens = 512  # Output softmax + loss over chunks of this many tokens; 0: whole.
 
   train = config.train = ml_collections.ConfigDict()
   train.num_steps = 100_000  # Optimiser updates to run.

@@ -133,22 +133,25 @@ class Checkpointer:
                   'is intact; training continues and the next save tries again.%s', step,
                   self.directory, _describe(error), self.manager.latest_step(), hint)
 
-  def restore(self, abstract_state, config: ml_collections.ConfigDict) -> Restored | None:
+  def restore(self, abstract_state, config: ml_collections.ConfigDict,
+              rng_shape: tuple[int, ...] = (2,)) -> Restored | None:
     """The newest intact checkpoint, or None if there is none.
 
     A damaged checkpoint is moved to `<workdir>/damaged_checkpoints/` with a warning and the
-    previous one is tried. A checkpoint whose arrays do not fit `abstract_state` (the config
-    changes shapes) raises CheckpointError; other config differences are logged.
+    previous one is tried. A checkpoint whose arrays do not fit `abstract_state` and a dropout
+    key of `rng_shape` (the config changes shapes) raises CheckpointError; other config
+    differences are logged.
     """
+    rng_abstract = {'dropout': np.zeros(rng_shape, np.uint32)}
     steps, damaged = sorted(self.manager.all_steps(), reverse=True), []
     for index, step in enumerate(steps):
       path = os.path.join(self.directory, str(step))
       try:
         saved_config = self.manager.restore(step, args=ocp.args.Composite(**{
             CONFIG: ocp.args.JsonRestore()}))[CONFIG]['config']
-        check_compatible(path, _saved_tree(os.path.join(path, STATE)), abstract_state,
-                         saved_config, config)
-        rng_abstract = {'dropout': np.zeros((2,), np.uint32)}
+        saved_tree = {**_saved_tree(os.path.join(path, STATE)),
+                      **_saved_tree(os.path.join(path, RNG))}
+        check_compatible(path, saved_tree, (abstract_state, rng_abstract), saved_config, config)
         restored = self.manager.restore(step, args=ocp.args.Composite(**{
             STATE: ocp.args.StandardRestore(abstract_state),
             RNG: ocp.args.StandardRestore(rng_abstract),
@@ -254,11 +257,14 @@ def _format(shape_dtype) -> str:
   return 'nothing' if shape_dtype is None else f'{shape_dtype[1].name}{list(shape_dtype[0])}'
 
 
-def check_compatible(path: str, saved_tree: dict, abstract_state, saved_config_json: str,
+def check_compatible(path: str, saved_tree: dict, abstract_trees: tuple, saved_config_json: str,
                      config) -> None:
-  """Refuses a checkpoint whose arrays the config cannot hold; logs other config changes."""
+  """Refuses a checkpoint whose arrays the config cannot hold; logs other config changes.
+
+  `abstract_trees` are the items saved side by side (train state, dropout key).
+  """
   differences = config_differences(saved_config_json, config)
-  expected = _shapes(abstract_state)
+  expected = {name: value for tree in abstract_trees for name, value in _shapes(tree).items()}
   mismatched = [f'{key}: saved {_format(saved_tree.get(key))}, config gives '
                 f'{_format(expected.get(key))}'
                 for key in sorted(set(saved_tree) | set(expected))

@@ -5,8 +5,10 @@ F feed-forward width, V vocabulary.
 """
 
 import dataclasses
+import functools
 from typing import Any
 
+from absl import logging
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -48,6 +50,7 @@ class TransformerConfig:
   remat: str = 'none'
   dtype: Any = jnp.float32
   param_dtype: Any = jnp.float32
+  attention_impl: str = 'einsum'  # Resolved: 'einsum', 'xla' or 'cudnn' (never 'auto').
   deterministic: bool = False
   decode: bool = False
 
@@ -63,12 +66,58 @@ class TransformerConfig:
               if f.name in model_config}
     kwargs['dtype'] = jnp.dtype(kwargs['dtype'])
     kwargs['param_dtype'] = jnp.dtype(kwargs['param_dtype'])
+    kwargs['attention_impl'] = resolve_attention_impl(
+        model_config.attention_impl, kwargs['dtype'],
+        model_config.d_model // model_config.num_heads, model_config.attention_dropout,
+        jax.devices()[0].platform)
     config = cls(vocab_size=vocab_size, **{**kwargs, **overrides})
     # Checked on the result: configs saved before the key existed lack it and mean 'none'.
     if config.remat not in REMAT_POLICIES:
       raise ValueError(f'config.model.remat must be one of {", ".join(map(repr, REMAT_POLICIES))}'
                        f', got {config.remat!r}')
     return config
+
+
+ATTENTION_IMPLS = ('auto', 'einsum', 'xla', 'cudnn')
+
+
+def resolve_attention_impl(impl: str, dtype, head_dim: int, attention_dropout: float,
+                           platform: str) -> str:
+  """The attention implementation to run: 'auto' picks the fastest that applies.
+
+  'einsum' is the explicit softmax(QK^T)V with dropout on the weights; 'xla' and 'cudnn' go
+  through `jax.nn.dot_product_attention` (cuDNN's fused flash attention on NVIDIA GPUs in
+  bfloat16/float16 with head sizes up to 128 in multiples of 8). Neither fused one applies
+  dropout to the attention weights, so they need config.model.attention_dropout=0.
+  """
+  if impl not in ATTENTION_IMPLS:
+    raise ValueError(f'config.model.attention_impl={impl!r} must be one of {ATTENTION_IMPLS}')
+  cudnn_problem = (
+      f'the platform is {platform}, not gpu' if platform != 'gpu' else
+      f'config.model.dtype={jnp.dtype(dtype).name}, not bfloat16 or float16'
+      if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16) else
+      f'the head size {head_dim} is not a multiple of 8 up to 128'
+      if head_dim % 8 or head_dim > 128 else None)
+  dropout_problem = (f'config.model.attention_dropout={attention_dropout} is not 0, and fused '
+                     'attention has no dropout on its weights' if attention_dropout else None)
+  if impl == 'auto':
+    why_not = dropout_problem or cudnn_problem
+    if why_not is None:
+      return 'cudnn'
+    _log_once(f"config.model.attention_impl='auto' uses 'einsum' attention: {why_not}.")
+    return 'einsum'
+  problem = dropout_problem if impl != 'einsum' else None
+  if impl == 'cudnn':
+    problem = problem or cudnn_problem
+  if problem:
+    raise ValueError(f'config.model.attention_impl={impl!r} cannot run: {problem}. Use '
+                     "'auto' (which falls back) or change the setting named.")
+  return impl
+
+
+@functools.cache
+def _log_once(message: str) -> None:
+  logging.info('%s', message)
 
 
 def sinusoidal_positions(max_len: int, d_model: int) -> np.ndarray:
@@ -144,13 +193,19 @@ class MultiHeadAttention(nn.Module):
     if cfg.decode and self.self_attention_cache:
       k_BKHD, v_BKHD, mask_B1QK = self._update_cache(k_BKHD, v_BKHD, mask_B1QK)
 
-    logits_BHQK = jnp.einsum('BQHD,BKHD->BHQK', q_BQHD, k_BKHD).astype(jnp.float32)
-    if mask_B1QK is not None:
-      logits_BHQK = jnp.where(mask_B1QK, logits_BHQK, _NEG_INF)
-    weights_BHQK = jax.nn.softmax(logits_BHQK).astype(cfg.dtype)
-    self.sow('intermediates', 'attention_weights', weights_BHQK)
-    weights_BHQK = nn.Dropout(cfg.attention_dropout)(weights_BHQK, cfg.deterministic)
-    out_BQHD = jnp.einsum('BHQK,BKHD->BQHD', weights_BHQK, v_BKHD)
+    if cfg.attention_impl == 'einsum':
+      logits_BHQK = jnp.einsum('BQHD,BKHD->BHQK', q_BQHD, k_BKHD).astype(jnp.float32)
+      if mask_B1QK is not None:
+        logits_BHQK = jnp.where(mask_B1QK, logits_BHQK, _NEG_INF)
+      weights_BHQK = jax.nn.softmax(logits_BHQK).astype(cfg.dtype)
+      self.sow('intermediates', 'attention_weights', weights_BHQK)
+      weights_BHQK = nn.Dropout(cfg.attention_dropout)(weights_BHQK, cfg.deterministic)
+      out_BQHD = jnp.einsum('BHQK,BKHD->BQHD', weights_BHQK, v_BKHD)
+    else:
+      # One query per decoding step is no work for a flash kernel: XLA's path serves it.
+      impl = 'xla' if cfg.decode else cfg.attention_impl
+      out_BQHD = jax.nn.dot_product_attention(q_BQHD, k_BKHD, v_BKHD, mask=mask_B1QK,
+                                              scale=1.0, implementation=impl)
     w_out_HDE = kernel('out', (cfg.num_heads, head_dim, cfg.d_model), ('heads', 'kv', 'embed'),
                        (0, 1), 2)
     return jnp.einsum('BQHD,HDE->BQE', out_BQHD, w_out_HDE)
@@ -373,12 +428,14 @@ class Transformer(nn.Module):
   def decode(self, encoded_BKE: Array | None, inputs_BK: Array, targets_BL: Array,
              targets_positions_BL: Array | None = None,
              inputs_segments_BK: Array | None = None,
-             targets_segments_BL: Array | None = None) -> Array:
-    """Logits [B, L, V] in float32.
+             targets_segments_BL: Array | None = None, return_hidden: bool = False) -> Array:
+    """Logits [B, L, V] in float32, or with `return_hidden` the final states [B, L, E].
 
     In training, `targets_BL` are the gold targets (shifted right here). In decode mode they
     are the previous tokens, one step at a time, and the positions come from the cache;
     `encoded_BKE` is needed on the first step only, after which its projections are cached.
+    The hidden states, passed to `output_logits` a chunk at a time, let the loss avoid
+    holding all [B, L, V] logits at once.
     """
     cfg = self.config
     inputs_valid_BK = inputs_BK != PAD_ID
@@ -401,18 +458,33 @@ class Transformer(nn.Module):
         y_BLE = layer(y_BLE, encoded_BKE, self_mask, cross_mask)
     if cfg.norm == 'pre':
       y_BLE = self.decoder_norm(y_BLE)
-    if cfg.tie_output:
+    return y_BLE if return_hidden else self.output_logits(y_BLE)
+
+  def output_logits(self, y_BLE: Array) -> Array:
+    """Output softmax logits in float32 for final decoder states [..., E] (any leading axes).
+
+    The first axis is split like the batch, so a flat [N, E] chunk of tokens stays spread
+    over the devices; the vocabulary axis may be split over 'tensor'.
+    """
+    if self.config.tie_output:
       logits_BLV = self.target_embedding.attend(y_BLE)
     else:
       logits_BLV = self.output_projection(y_BLE)
-    logits_BLV = nn.with_logical_constraint(logits_BLV, ('batch', 'length', 'vocab'))
+    names = ('batch',) + ('length',) * (y_BLE.ndim - 2) + ('vocab',)
+    logits_BLV = nn.with_logical_constraint(logits_BLV, names)
     return logits_BLV.astype(jnp.float32)
 
   def __call__(self, inputs_BK: Array, targets_BL: Array,
                inputs_positions_BK: Array | None = None,
                targets_positions_BL: Array | None = None,
                inputs_segments_BK: Array | None = None,
-               targets_segments_BL: Array | None = None) -> Array:
+               targets_segments_BL: Array | None = None, return_hidden: bool = False) -> Array:
     encoded_BKE = self.encode(inputs_BK, inputs_positions_BK, inputs_segments_BK)
     return self.decode(encoded_BKE, inputs_BK, targets_BL, targets_positions_BL,
-                       inputs_segments_BK, targets_segments_BL)
+                       inputs_segments_BK, targets_segments_BL, return_hidden)
+
+
+def output_params(params, config: TransformerConfig) -> dict:
+  """The parameters `Transformer.output_logits` reads: the tied embedding or the output kernel."""
+  name = 'embedding' if config.tie_output else 'output_projection'
+  return {name: params[name]}

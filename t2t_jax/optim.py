@@ -1,5 +1,8 @@
-"""Label-smoothed loss, learning-rate schedules and the optax chain."""
+"""Label-smoothed loss (whole or in chunks of tokens), learning-rate schedules, optax chain."""
 
+import functools
+
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -36,6 +39,115 @@ def compute_metrics(logits_BLV: jax.Array, targets_BL: jax.Array,
   correct_BL = (logits_BLV.argmax(-1) == targets_BL) * weights_BL
   return {'loss': loss_BL.sum(), 'nll': nll_BL.sum(), 'correct': correct_BL.sum(),
           'weight': weights_BL.sum()}
+
+
+def metrics_and_logits_grad(logits_NV: jax.Array, targets_N: jax.Array,
+                            label_smoothing: float) -> tuple[dict[str, jax.Array], jax.Array]:
+  """`compute_metrics` of a chunk and d loss / d logits, written out in a few fused passes.
+
+  With p = softmax(logits) and the smoothed target q, d loss / d logits = w * (p - q): one
+  elementwise pass that builds q from an iota comparison rather than autodiff's scatter into
+  a zero [N, V] tensor. A token counts as correct when its target's logit is the maximum
+  (argmax, up to exact ties), which reuses the softmax's maximum instead of another reduction.
+  """
+  vocab_size = logits_NV.shape[-1]
+  confidence = 1.0 - label_smoothing
+  low = label_smoothing / (vocab_size - 1)
+  entropy = -(confidence * np.log(confidence) + (vocab_size - 1) * low * np.log(low + 1e-20))
+  logits_NV = logits_NV.astype(jnp.float32)
+  shifted_NV = logits_NV - logits_NV.max(-1, keepdims=True)
+  exp_NV = jnp.exp(shifted_NV)
+  sum_exp_N = exp_NV.sum(-1)
+  log_sum_N = jnp.log(sum_exp_N)
+  target_N = jnp.take_along_axis(shifted_NV, targets_N[:, None], -1)[:, 0]
+  weights_N = (targets_N != PAD_ID).astype(jnp.float32)
+  nll_N = log_sum_N - target_N
+  sum_log_probs_N = shifted_NV.sum(-1) - vocab_size * log_sum_N
+  loss_N = -(low * sum_log_probs_N - (confidence - low) * nll_N) - entropy
+  metrics = {'loss': (loss_N * weights_N).sum(), 'nll': (nll_N * weights_N).sum(),
+             'correct': ((target_N >= 0) * weights_N).sum(), 'weight': weights_N.sum()}
+  is_target_NV = jax.lax.broadcasted_iota(jnp.int32, logits_NV.shape, 1) == targets_N[:, None]
+  smoothed_NV = jnp.where(is_target_NV, confidence, low)
+  grad_NV = (exp_NV / sum_exp_N[:, None] - smoothed_NV) * weights_N[:, None]
+  return metrics, grad_NV
+
+
+def chunked_metrics(project, weights, hidden_BLE: jax.Array, targets_BL: jax.Array,
+                    label_smoothing: float, chunk_tokens: int) -> dict[str, jax.Array]:
+  """`compute_metrics(project(weights, hidden_BLE), ...)` holding one chunk's logits at a time.
+
+  The B x L tokens are split into C = ceil(B L / chunk_tokens) chunks of at most
+  `chunk_tokens` (the last padded with PAD targets, which count for nothing); chunk c holds
+  tokens c, c + C, c + 2C, ..., so each chunk is split over the devices as the batch is. A scan
+  projects one chunk to its [N, V] logits and sums its metrics. Differentiating the scan as it
+  stands would keep every chunk's logits for the backward pass, so a custom VJP instead takes
+  each chunk's gradient while its logits are live (d loss / d logits from
+  `metrics_and_logits_grad`, then the projection's VJP to the weights and hidden states) and
+  keeps only those: [V, E] and [B L, E]. Unlike rematerialising each chunk, nothing is projected twice. The sums equal
+  the full path's up to float32 rounding; only 'loss' is differentiable.
+
+  Args:
+    project: (weights, hidden_NE) -> float32 logits_NV, the model's output layer.
+    weights: the parameters `project` reads (a pytree).
+  """
+  tokens, width = targets_BL.size, hidden_BLE.shape[-1]
+  num_chunks = -(-tokens // chunk_tokens)
+  size = -(-tokens // num_chunks)  # The fewest PAD tokens for chunks of at most chunk_tokens.
+  padding = num_chunks * size - tokens
+  hidden_TE = jnp.pad(hidden_BLE.reshape(tokens, width), ((0, padding), (0, 0)))
+  targets_T = jnp.pad(targets_BL.reshape(tokens), (0, padding), constant_values=PAD_ID)
+  hidden_CNE = nn.with_logical_constraint(
+      hidden_TE.reshape(size, num_chunks, width).swapaxes(0, 1), (None, 'batch', 'embed'))
+  targets_CN = nn.with_logical_constraint(
+      targets_T.reshape(size, num_chunks).swapaxes(0, 1), (None, 'batch'))
+  sums = _chunked_sums(project, label_smoothing, weights, hidden_CNE, targets_CN)
+  return {'loss': sums['loss'], **jax.lax.stop_gradient(
+      {name: sums[name] for name in ('nll', 'correct', 'weight')})}
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _chunked_sums(project, label_smoothing, weights, hidden_CNE, targets_CN):
+  """Metric sums over the chunks; see `chunked_metrics`."""
+  def add_chunk(sums, chunk):
+    hidden_NE, targets_N = chunk
+    metrics, _ = metrics_and_logits_grad(project(weights, hidden_NE), targets_N,
+                                         label_smoothing)
+    return jax.tree.map(jnp.add, sums, metrics), None
+  sums, _ = jax.lax.scan(add_chunk, _zero_sums(), (hidden_CNE, targets_CN))
+  return sums
+
+
+def _chunked_sums_forward(project, label_smoothing, weights, hidden_CNE, targets_CN):
+  """The sums, plus d loss / d weights and d loss / d hidden taken chunk by chunk."""
+  def add_chunk(carry, chunk):
+    sums, weights_grad = carry
+    hidden_NE, targets_N = chunk
+    logits_NV, project_vjp = jax.vjp(project, weights, hidden_NE)
+    metrics, logits_grad_NV = metrics_and_logits_grad(logits_NV, targets_N, label_smoothing)
+    chunk_weights_grad, hidden_grad_NE = project_vjp(logits_grad_NV)
+    carry = (jax.tree.map(jnp.add, sums, metrics),
+             jax.tree.map(jnp.add, weights_grad, chunk_weights_grad))
+    return carry, hidden_grad_NE
+
+  (sums, weights_grad), hidden_grad_CNE = jax.lax.scan(
+      add_chunk, (_zero_sums(), jax.tree.map(jnp.zeros_like, weights)),
+      (hidden_CNE, targets_CN))
+  return sums, (weights_grad, hidden_grad_CNE)
+
+
+def _chunked_sums_backward(project, label_smoothing, residuals, sums_grad):
+  del project, label_smoothing  # Only the nondifferentiable arguments' places.
+  weights_grad, hidden_grad_CNE = residuals
+  scale = sums_grad['loss']  # The other sums are stop_gradient-ed by `chunked_metrics`.
+  return (jax.tree.map(lambda g: (g * scale).astype(g.dtype), weights_grad),
+          (hidden_grad_CNE * scale).astype(hidden_grad_CNE.dtype), None)
+
+
+_chunked_sums.defvjp(_chunked_sums_forward, _chunked_sums_backward)
+
+
+def _zero_sums() -> dict[str, jax.Array]:
+  return {name: jnp.zeros((), jnp.float32) for name in ('loss', 'nll', 'correct', 'weight')}
 
 
 def summarize(metric_sums: dict[str, float]) -> dict[str, float]:

@@ -22,11 +22,13 @@ from t2t_jax import checkpoint
 from t2t_jax import data
 from t2t_jax import decode
 from t2t_jax import evaluate
+from t2t_jax import flops
 from t2t_jax import hang_guard
 from t2t_jax import optim
 from t2t_jax import preemption
+from t2t_jax import prng
 from t2t_jax import sharding
-from t2t_jax.model import Transformer, TransformerConfig
+from t2t_jax.model import Transformer, TransformerConfig, output_params
 
 
 @flax.struct.dataclass
@@ -43,24 +45,41 @@ def apply_model(model: Transformer, params, batch: dict, **kwargs) -> jax.Array:
                      batch.get('inputs_segments'), batch.get('targets_segments'), **kwargs)
 
 
+def model_metrics(model: Transformer, params, batch: dict, label_smoothing: float,
+                  loss_chunk_tokens: int = 0, **kwargs) -> dict[str, jax.Array]:
+  """Metric sums of the model on a batch: from whole logits, or chunk by chunk of tokens."""
+  if not loss_chunk_tokens:
+    logits_BLV = apply_model(model, params, batch, **kwargs)
+    return optim.compute_metrics(logits_BLV, batch['targets'], label_smoothing)
+  hidden_BLE = apply_model(model, params, batch, return_hidden=True, **kwargs)
+  def project(weights, hidden_NE):
+    return model.apply({'params': weights}, hidden_NE, method=Transformer.output_logits)
+  return optim.chunked_metrics(project, output_params(params, model.config), hidden_BLE,
+                               batch['targets'], label_smoothing, loss_chunk_tokens)
+
+
 def train_step(state: TrainState, batch: dict, rng: jax.Array, *, model: Transformer,
                optimizer: optax.GradientTransformation, label_smoothing: float,
-               grad_accum_steps: int = 1):
+               grad_accum_steps: int = 1, loss_chunk_tokens: int = 0,
+               dropout_prng: str = 'threefry2x32'):
   """One update on the loss per real target token of the whole (global) batch.
 
+  `rng` is the raw key data of PRNG `dropout_prng` (`prng.dropout_key`); the step's dropout
+  key is it folded with the step number, so a resumed run draws the same masks.
   With `grad_accum_steps` = A the batch is split into A micro-batches whose gradients and
   metrics are summed in a scan before the single division by the batch's target tokens, so
   A micro-batches of B/A rows give the update of one batch of B rows.
   """
-  dropout_rng = jax.random.fold_in(rng, state.step)
+  dropout_rng = jax.random.fold_in(jax.random.wrap_key_data(rng, impl=prng.impl(dropout_prng)),
+                                   state.step)
   rows = batch['targets'].shape[0]
   if rows % grad_accum_steps:
     raise ValueError(f'the batch has {rows} rows, which do not split into '
                      f'config.opt.grad_accum_steps={grad_accum_steps} equal micro-batches')
 
   def loss_sum_fn(params, micro_batch, micro_rng):
-    logits_BLV = apply_model(model, params, micro_batch, rngs={'dropout': micro_rng})
-    metrics = optim.compute_metrics(logits_BLV, micro_batch['targets'], label_smoothing)
+    metrics = model_metrics(model, params, micro_batch, label_smoothing, loss_chunk_tokens,
+                            rngs={'dropout': micro_rng})
     return metrics['loss'], metrics
 
   grad_fn = jax.grad(loss_sum_fn, has_aux=True)
@@ -94,9 +113,9 @@ def _split_rows(x_BL: jax.Array, parts: int) -> jax.Array:
   return nn.with_logical_constraint(x, (None, 'batch') + (None,) * (x_BL.ndim - 1))
 
 
-def eval_step(params, batch: dict, *, model: Transformer, label_smoothing: float):
-  logits_BLV = apply_model(model, params, batch)
-  return optim.compute_metrics(logits_BLV, batch['targets'], label_smoothing)
+def eval_step(params, batch: dict, *, model: Transformer, label_smoothing: float,
+              loss_chunk_tokens: int = 0):
+  return model_metrics(model, params, batch, label_smoothing, loss_chunk_tokens)
 
 
 @dataclasses.dataclass
@@ -128,6 +147,10 @@ def build(config, vocab_size: int, mesh=None) -> Setup:
   mesh = mesh if mesh is not None else sharding.make_mesh(config.mesh)
   if config.opt.grad_accum_steps < 1:
     raise ValueError(f'config.opt.grad_accum_steps={config.opt.grad_accum_steps} must be >= 1')
+  prng.impl(config.model.dropout_prng)  # Refuses an unknown one before any work.
+  if config.opt.loss_chunk_tokens < 0:
+    raise ValueError(f'config.opt.loss_chunk_tokens={config.opt.loss_chunk_tokens} must be 0 '
+                     '(whole logits) or a positive number of tokens per chunk')
   axis_rules = sharding.rules(config.mesh)
   model_config = TransformerConfig.from_config(config.model, vocab_size)
   model = Transformer(model_config)
@@ -137,16 +160,17 @@ def build(config, vocab_size: int, mesh=None) -> Setup:
   abstract_state, shardings = _abstract_state(init, mesh, axis_rules)
   batch_sharding = sharding.batch_sharding(mesh)
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  ls = config.opt.label_smoothing
+  ls, chunk = config.opt.label_smoothing, config.opt.loss_chunk_tokens
   jit_init = jax.jit(lambda rng: nn.meta.unbox(init(rng)), out_shardings=shardings)
   jit_train = jax.jit(
       functools.partial(train_step, model=model, optimizer=optimizer, label_smoothing=ls,
-                        grad_accum_steps=config.opt.grad_accum_steps),
+                        grad_accum_steps=config.opt.grad_accum_steps, loss_chunk_tokens=chunk,
+                        dropout_prng=config.model.dropout_prng),
       in_shardings=(shardings, batch_sharding, replicated),
       out_shardings=(shardings, replicated), donate_argnums=0)
   jit_eval = jax.jit(
       functools.partial(eval_step, model=Transformer(dataclasses.replace(
-          model_config, deterministic=True)), label_smoothing=ls),
+          model_config, deterministic=True)), label_smoothing=ls, loss_chunk_tokens=chunk),
       in_shardings=(shardings.params, batch_sharding), out_shardings=replicated)
 
   def traced(fn):  # Tracing (first call per shape) must see the mesh and the rules.
@@ -197,7 +221,8 @@ def dry_run(config) -> dict:
   batch = {key: jax.ShapeDtypeStruct((rows, length), jnp.int32,
                                      sharding=sharding.batch_sharding(setup.mesh))
            for key in keys}
-  rng = jax.ShapeDtypeStruct((2,), jnp.uint32)
+  rng = jax.ShapeDtypeStruct(prng.dropout_key(jnp.zeros((2,), jnp.uint32),
+                                          config.model.dropout_prng).shape, jnp.uint32)
   start = time.perf_counter()
   compiled = setup.train_step.lower(setup.abstract_state, batch, rng).compile()
   compile_seconds = time.perf_counter() - start
@@ -230,14 +255,16 @@ def dry_run(config) -> dict:
 def _global_flops(setup: Setup, config, batch, rng) -> float:
   """FLOPs of one whole update, from XLA's cost analysis of the program before partitioning.
 
-  Counted without accumulation and with the layers unrolled: the analysis counts a loop body
-  once, and A micro-batches do the arithmetic of one batch of A times their rows, as a scan
-  over N layers does that of N layers. Recomputation asked for by config.model.remat counts.
+  Counted without accumulation, loss chunks or scanned layers: the analysis counts a loop body
+  once, and A micro-batches (or C chunks) do the arithmetic of one batch of A times their rows
+  (C chunks), as a scan over N layers does that of N layers. Recomputation asked for by
+  config.model.remat counts.
   """
   model_config = dataclasses.replace(setup.model_config, scan_layers=False)
   step = jax.jit(functools.partial(train_step, model=Transformer(model_config),
                                    optimizer=setup.optimizer,
-                                   label_smoothing=config.opt.label_smoothing))
+                                   label_smoothing=config.opt.label_smoothing,
+                                   dropout_prng=config.model.dropout_prng))
   state = setup.abstract_state
   if setup.model_config.scan_layers:
     state, _ = _abstract_state(functools.partial(
@@ -306,15 +333,21 @@ def run_evaluation(setup: Setup, params, task: data.TaskData, eval_batches, conf
 
 
 class _MetricLog:
-  """Accumulates per-step metric sums between logs, checks them, and writes one log line."""
+  """Accumulates per-step metric sums between logs, checks them, and writes one log line.
 
-  def __init__(self, writer, schedule, num_steps: int, start_step: int):
+  Beside loss and speed it reports model FLOP/s (the analytic count of `flops`, padding
+  included) and, where the devices' peak is known (not on CPU), MFU against that peak.
+  """
+
+  def __init__(self, writer, schedule, num_steps: int, start_step: int,
+               peak_flops_per_second: float | None):
     self.writer, self.schedule, self.num_steps = writer, schedule, num_steps
-    self.sums, self.steps, self.start = None, 0, time.perf_counter()
+    self.peak = peak_flops_per_second  # All devices of the mesh together; None if unknown.
+    self.sums, self.steps, self.model_flops, self.start = None, 0, 0.0, time.perf_counter()
     self.last_good_step = start_step
-    self.last_loss, self.intervals = float('nan'), []  # (steps, seconds) per logged interval.
+    self.last_loss, self.intervals = float('nan'), []  # (steps, seconds, model FLOPs) each.
 
-  def add(self, step: int, metrics) -> None:
+  def add(self, step: int, metrics, model_flops: float) -> None:
     metrics = jax.device_get(metrics)
     loss = float(metrics['loss']) / max(float(metrics['weight']), 1.0)
     if not math.isfinite(loss):
@@ -325,6 +358,7 @@ class _MetricLog:
     self.last_good_step = step
     self.sums = metrics if self.sums is None else jax.tree.map(np.add, self.sums, metrics)
     self.steps += 1
+    self.model_flops += model_flops
 
   def write(self, step: int) -> None:
     if not self.steps:
@@ -334,23 +368,39 @@ class _MetricLog:
     steps_per_second = self.steps / elapsed
     summary.update(learning_rate=float(self.schedule(step - 1)),
                    target_tokens_per_second=float(self.sums['weight']) / elapsed,
-                   steps_per_second=steps_per_second)
+                   steps_per_second=steps_per_second,
+                   model_flops_per_second=self.model_flops / elapsed)
+    if self.peak:
+      summary['mfu'] = flops.mfu(self.model_flops, elapsed, self.peak)
     eta = (self.num_steps - step) / steps_per_second
     logging.info('step %d: loss %.4f, accuracy %.4f, lr %.3g, %.0f target tokens/s, '
-                 '%.2f steps/s, ETA %s', step, summary['loss'], summary['accuracy'],
-                 summary['learning_rate'], summary['target_tokens_per_second'],
-                 steps_per_second, time.strftime('%H:%M:%S', time.gmtime(eta)))
+                 '%.2f steps/s, %.4g model TFLOP/s%s, ETA %s', step, summary['loss'],
+                 summary['accuracy'], summary['learning_rate'],
+                 summary['target_tokens_per_second'], steps_per_second,
+                 summary['model_flops_per_second'] / 1e12,
+                 f', MFU {summary["mfu"]:.1%}' if self.peak else '',
+                 time.strftime('%H:%M:%S', time.gmtime(eta)))
     for name, value in summary.items():
       self.writer.add_scalar(f'train/{name}', value, step)
     self.last_loss = summary['loss']
-    self.intervals.append((self.steps, elapsed))
-    self.sums, self.steps, self.start = None, 0, time.perf_counter()
+    self.intervals.append((self.steps, elapsed, self.model_flops))
+    self.sums, self.steps, self.model_flops, self.start = None, 0, 0.0, time.perf_counter()
 
-  def final(self) -> dict[str, float]:
-    """The last logged training loss and the run's steps/s, leaving out the compiling interval."""
-    intervals = self.intervals[1:] or self.intervals or [(0, 1.0)]
-    steps, seconds = (sum(column) for column in zip(*intervals))
-    return {'train_loss': self.last_loss, 'steps_per_second': steps / max(seconds, 1e-9)}
+  def final(self) -> dict[str, float | None]:
+    """Last logged loss, steps/s, model FLOP/s and MFU (None: no known peak), compiling left out."""
+    intervals = self.intervals[1:] or self.intervals or [(0, 1.0, 0.0)]
+    steps, seconds, model_flops = (sum(column) for column in zip(*intervals))
+    seconds = max(seconds, 1e-9)
+    return {'train_loss': self.last_loss, 'steps_per_second': steps / seconds,
+            'model_flops_per_second': model_flops / seconds,
+            'mfu': flops.mfu(model_flops, seconds, self.peak) if self.peak else None}
+
+
+def _model_flops(model_config: TransformerConfig, host_batch: dict) -> float:
+  """Analytic FLOPs of the step on this batch: every process's rows at the padded lengths."""
+  rows, source_length = host_batch['inputs'].shape
+  return flops.train_step_flops(model_config, rows * jax.process_count(), source_length,
+                                host_batch['targets'].shape[1])
 
 
 def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
@@ -364,9 +414,10 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
                count_params(setup.abstract_state.params), dict(mesh.shape), len(task.train),
                len(task.eval), len(train_batches))
   init_rng, dropout_rng = jax.random.split(jax.random.PRNGKey(config.seed))
+  dropout_rng = prng.dropout_key(dropout_rng, config.model.dropout_prng)
   train_iter = data.train_iterator(train_batches)
   checkpointer = checkpoint.Checkpointer(workdir, config.ckpt, config.eval.average_last)
-  restored = checkpointer.restore(setup.abstract_state, config)
+  restored = checkpointer.restore(setup.abstract_state, config, dropout_rng.shape)
   if restored:
     state, dropout_rng = restored.state, restored.rng
     train_iter.set_state(restored.data_state)
@@ -382,7 +433,9 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
                                  config.eval.alpha)
   writer = tensorboardX.SummaryWriter(workdir) if jax.process_index() == 0 else _NullWriter()
   num_steps, start_step = config.train.num_steps, int(state.step)
-  metric_log = _MetricLog(writer, setup.schedule, num_steps, start_step)
+  metric_log = _MetricLog(writer, setup.schedule, num_steps, start_step,
+                          flops.devices_peak_flops_per_second(list(mesh.devices.flat),
+                                                              config.model.dtype))
   results, pending, train_start = {}, None, time.perf_counter()
   sigterm, preempted = preemption.Preemption(config.ckpt.preemption_grace_seconds), False
   logging.info('Training from step %d to %d', start_step, num_steps)
@@ -398,7 +451,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
                                         dropout_rng)
       if pending:  # Read the previous step's metrics only now, so the device never waits.
         metric_log.add(*pending)
-      pending = (step, metrics)
+      pending = (step, metrics, _model_flops(setup.model_config, host_batch))
       is_last, preempted = step == num_steps, sigterm.requested(step)
       evaluate_now = is_last or step % config.train.eval_every == 0
       save_now = is_last or preempted or checkpointer.should_save(step)

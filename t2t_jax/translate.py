@@ -136,7 +136,9 @@ def _strip_to_eos(ids) -> list[int]:
 
 def cross_attention(run: Run, source_ids, output_ids) -> list[np.ndarray]:
   """Encoder-decoder attention [heads, output, source] of every decoder layer."""
-  model = Transformer(dataclasses.replace(run.model_config, deterministic=True))
+  # Only the einsum path materialises (and records) the attention weights.
+  model = Transformer(dataclasses.replace(run.model_config, deterministic=True,
+                                          attention_impl='einsum'))
   _, state = model.apply({'params': run.params}, jnp.asarray(source_ids)[None],
                          jnp.asarray(output_ids)[None], mutable=['intermediates'])
   layers = state['intermediates']

@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 
 import jax
 import numpy as np
@@ -22,7 +23,12 @@ def test_train_and_evaluate_writes_events_config_and_checkpoint(tiny_config, tmp
   assert results['step'] == 20 and results['config'] == 'tiny'
   for key in ('eval_loss', 'eval_accuracy', 'bleu', 'exact_match'):
     assert np.isfinite(results[key])
-  assert {'train/loss', 'train/learning_rate', 'eval/loss', 'bleu'} <= set(scalar_events(workdir))
+  events = scalar_events(workdir)
+  assert {'train/loss', 'train/learning_rate', 'train/model_flops_per_second', 'eval/loss',
+          'bleu'} <= set(events)
+  assert 'train/mfu' not in events  # No published peak for a CPU: no made-up MFU.
+  assert results['model_flops_per_second'] > 0 and results['mfu'] is None
+  json.dumps(results, allow_nan=False)
   assert json.load(open(tmp_path / 'config.json'))['model']['d_model'] == 32
   assert 'd_model: 32' in open(tmp_path / 'config.txt').read()
   assert sorted(os.listdir(tmp_path / 'checkpoints')) == ['10', '20']
@@ -31,6 +37,30 @@ def test_train_and_evaluate_writes_events_config_and_checkpoint(tiny_config, tmp
   tiny_config.train.num_steps = 25
   resumed = train.train_and_evaluate(tiny_config, workdir)
   assert resumed['step'] == 25
+
+
+def test_metric_log_reports_model_flops_and_mfu(monkeypatch):
+  clock = iter([0.0, 10.0, 10.0, 13.0, 13.0])  # Start, a 10 s interval, then a 3 s one.
+  monkeypatch.setattr(train.time, 'perf_counter', lambda: next(clock))
+  written = {}
+  writer = types.SimpleNamespace(add_scalar=lambda name, value, step: written.update(
+      {(name, step): value}))
+  log = train._MetricLog(writer, lambda step: 1e-3, num_steps=10, start_step=0,
+                         peak_flops_per_second=4e9)
+  metrics = {'loss': np.float32(2.0), 'nll': np.float32(2.0), 'correct': np.float32(1.0),
+             'weight': np.float32(4.0)}
+  log.add(1, metrics, model_flops=5e9)  # The compiling interval: left out of the final figures.
+  log.write(1)
+  for step in (2, 3, 4):
+    log.add(step, metrics, model_flops=2e9)
+  log.write(4)
+  assert written[('train/model_flops_per_second', 1)] == pytest.approx(5e8)
+  assert written[('train/mfu', 1)] == pytest.approx(5e8 / 4e9)
+  assert written[('train/model_flops_per_second', 4)] == pytest.approx(2e9)
+  assert written[('train/mfu', 4)] == pytest.approx(0.5)
+  final = log.final()
+  assert final['model_flops_per_second'] == pytest.approx(2e9)
+  assert final['mfu'] == pytest.approx(0.5) and final['steps_per_second'] == pytest.approx(1.0)
 
 
 def test_synthetic_loss_falls(tiny_config):

@@ -1,0 +1,399 @@
+"""t2t_jax's train step beside Flax's WMT example (the reference), interleaved in one process.
+
+  python bench/compare.py                                   # small, m30k, m30k_packed, base
+  python bench/compare.py --shapes=m30k_packed --recipe=m30k
+  python bench/compare.py --shapes=big --dtype=bfloat16     # on a GPU or TPU
+  python bench/compare.py --shapes=small --t2t_override model.norm=post
+
+The reference is imported from --reference_dir (Flax's examples/wmt: its models.py and
+train.py), never copied. Each round runs both sides --steps steps (A, B, then B, A, ...) and
+times a float32 2048^3 matmul; a side's round figure is the median of its steps. Prints one
+JSON line per shape (stdout) and one line per round (stderr); README "Performance" explains
+the fields.
+
+Equal work, by construction: both sides train on the same batch (random tokens without
+padding; packed shapes carry the same segment ids and positions), pre-LN by default (the
+reference is pre-LN), one embedding matrix shared by source, target and the output
+projection, label smoothing, Adam's betas and epsilon, weight decay and the warmup length all
+read from the t2t_jax config (0.1; 0.9, 0.98, 1e-9; 0; 4000 in configs/base.py), the
+reference's linear-warmup rsqrt schedule scaled to peak where t2t_jax's does, float32
+parameters and --dtype compute. The reference runs its own train.train_step (loss, gradient,
+update and its metrics) jitted on one device, its pmean and psum bound to a size-1 axis (the
+example runs it under pmap) so that no collective is left; t2t_jax runs its jitted step on a
+1x1x1 mesh of the same device.
+
+What differs unavoidably (it is the example's model and step):
+  - the reference drops its feed-forward hidden units at its residual rate (it has no ReLU
+    dropout knob): under --recipe=m30k it drops 0.3 there where t2t_jax drops nothing;
+  - its tied output projection runs in float32 whatever the dtype (its shared embedding has
+    no dtype), then casts the logits to the dtype; t2t_jax projects in the dtype and casts
+    the logits to float32;
+  - its loss multiplies a one-hot [B, L, V] target matrix; t2t_jax gathers the target's
+    log-probability; both also compute accuracy, t2t_jax the unsmoothed loss too;
+  - it does not scale embeddings by sqrt(d_model), divides the logits by sqrt(d_model) instead,
+    and (packed) does not restart the shifted decoder input at each segment;
+  - initialisers differ (no effect on the work).
+"""
+
+import argparse
+import ast
+import dataclasses
+import importlib
+import importlib.util
+import json
+import os
+import statistics
+import sys
+import time
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # pylint: disable=g-import-not-at-top
+
+from configs import base as base_config
+from configs import multi30k
+from t2t_jax import flops
+from t2t_jax import sharding
+from t2t_jax import train
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+  """Model dims and the batch: `rows` x `length` tokens on each side."""
+  vocab: int
+  d_model: int
+  d_ff: int
+  layers: int  # Encoder and decoder each.
+  heads: int
+  rows: int
+  length: int
+  packed_segments: int = 0  # Sentences packed into each row; 0: one per row.
+  accelerator_rows: int = 0  # Rows off CPU, where the CPU's batch would leave a chip idle.
+
+
+SHAPES = {
+    'small': Shape(8000, 256, 1024, 3, 4, 64, 64),
+    'm30k': Shape(10000, 128, 256, 4, 4, 256, 20),
+    'm30k_packed': Shape(10000, 128, 256, 4, 4, 32, 64, packed_segments=4),  # As multi30k.py.
+    'base': Shape(32000, 512, 2048, 6, 8, 8, 64),
+    'big': Shape(32000, 1024, 4096, 6, 16, 8, 64, accelerator_rows=64),
+    'tiny': Shape(128, 32, 64, 1, 2, 4, 16),  # Tests and smoke runs.
+    'tiny_packed': Shape(128, 32, 64, 1, 2, 4, 16, packed_segments=3),
+}
+# t2t_jax batch keys -> the reference's.
+_REFERENCE_KEYS = {'inputs': 'inputs', 'targets': 'targets',
+                   'inputs_positions': 'inputs_position', 'targets_positions': 'targets_position',
+                   'inputs_segments': 'inputs_segmentation',
+                   'targets_segments': 'targets_segmentation'}
+# Imported by the reference's train.py for its own loop and input pipeline, never run here.
+_STUBBED = ('clu', 'tensorflow', 'tensorflow_datasets', 'tensorflow_text', 'sentencepiece')
+
+
+class _Stub(types.ModuleType):
+  """Stands in for a missing package: any attribute, item or call gives the stub again."""
+
+  def __getattr__(self, name):
+    if name.startswith('__'):  # Keeps the import machinery's probes honest.
+      raise AttributeError(name)
+    return self
+
+  def __getitem__(self, key):
+    return self
+
+  def __call__(self, *args, **kwargs):
+    return self
+
+
+def parse_args(argv):
+  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  parser.add_argument('--shapes', default='small,m30k,m30k_packed,base',
+                      help=f'Comma-separated, from {sorted(SHAPES)}.')
+  parser.add_argument('--rows', type=int, default=0, help='Batch rows; 0: the shape\'s.')
+  parser.add_argument('--length', type=int, default=0, help='Row length; 0: the shape\'s.')
+  parser.add_argument('--dtype', default='float32', choices=['float32', 'bfloat16'],
+                      help='Compute dtype of both sides (parameters stay float32).')
+  parser.add_argument('--dropout', type=float, default=0.1, help='Residual dropout, both.')
+  parser.add_argument('--attention_dropout', type=float, default=0.1, help='Both sides.')
+  parser.add_argument('--relu_dropout', type=float, default=0.1,
+                      help='t2t_jax only: the reference uses --dropout there.')
+  parser.add_argument('--recipe', default='none', choices=['none', 'm30k'],
+                      help="m30k: configs/multi30k.py's dropout settings on both sides.")
+  parser.add_argument('--norm', default='pre', choices=['pre', 'post'], help='t2t_jax norm.')
+  parser.add_argument('--t2t_override', action='append', default=[], metavar='KEY=VALUE',
+                      help='Set a t2t_jax config key (repeatable), e.g. model.norm=post.')
+  parser.add_argument('--rounds', type=int, default=5)
+  parser.add_argument('--steps', type=int, default=3, help='Timed steps per side and round.')
+  parser.add_argument('--warmup', type=int, default=2, help='Untimed steps per side first.')
+  parser.add_argument('--reference_dir', default='../shared/anchor/flax_wmt',
+                      help="Flax's examples/wmt (models.py, train.py); relative to the cwd.")
+  args = parser.parse_args(argv)
+  unknown = set(args.shapes.split(',')) - set(SHAPES)
+  if unknown:
+    parser.error(f'--shapes: unknown {sorted(unknown)}; choose from {sorted(SHAPES)}')
+  return args
+
+
+def import_reference(reference_dir: str) -> types.SimpleNamespace:
+  """The reference's `models` and `train`; packages only its own loop uses may be missing."""
+  directory = os.path.abspath(reference_dir)
+  if not os.path.isfile(os.path.join(directory, 'models.py')):
+    raise FileNotFoundError(f'--reference_dir={reference_dir} ({directory}) holds no models.py: '
+                            "point it at a copy of Flax's examples/wmt")
+  for name in ('models', 'train', 'decode', 'bleu', 'input_pipeline', 'tokenizer'):
+    module = sys.modules.get(name)
+    if module is not None and os.path.dirname(getattr(module, '__file__', '') or '') != directory:
+      raise ImportError(f'a module {name!r} from {module.__file__} is already imported, so the '
+                        f"reference's {name}.py in {directory} would not be: run compare.py in "
+                        'a process of its own')
+  for package in _STUBBED:
+    if package not in sys.modules and importlib.util.find_spec(package) is None:
+      sys.modules[package] = _Stub(package)
+  sys.path.insert(0, directory)
+  return types.SimpleNamespace(models=importlib.import_module('models'),
+                               train=importlib.import_module('train'))
+
+
+def dropout_settings(args) -> dict:
+  """t2t_jax's three dropout rates: the flags', or configs/multi30k.py's under --recipe=m30k."""
+  if args.recipe == 'm30k':
+    model = multi30k.get_config().model
+    return dict(dropout=model.dropout, attention_dropout=model.attention_dropout,
+                relu_dropout=model.relu_dropout)
+  return dict(dropout=args.dropout, attention_dropout=args.attention_dropout,
+              relu_dropout=args.relu_dropout)
+
+
+def apply_override(config, override: str) -> None:
+  """Sets `key=value` (a Python literal, else a string) on an existing config key."""
+  key, sep, text = override.partition('=')
+  *parents, leaf = key.split('.')
+  node = config
+  for part in parents:
+    node = node[part] if part in node else None
+    if node is None:
+      break
+  if not sep or node is None or leaf not in node:
+    raise ValueError(f'--t2t_override {override!r}: needs KEY=VALUE with a key of '
+                     'configs/base.py, e.g. model.norm=post')
+  try:
+    value = ast.literal_eval(text)
+  except (ValueError, SyntaxError):
+    value = text  # A bare word such as post.
+  node[leaf] = value
+
+
+def t2t_config(shape: Shape, args, dropout: dict):
+  config = base_config.get_config()
+  model = config.model
+  model.d_model, model.d_ff, model.num_heads = shape.d_model, shape.d_ff, shape.heads
+  model.num_encoder_layers = model.num_decoder_layers = shape.layers
+  model.dropout, model.attention_dropout = dropout['dropout'], dropout['attention_dropout']
+  model.relu_dropout = dropout['relu_dropout']
+  model.norm, model.dtype = args.norm, args.dtype
+  config.mesh.shape = (1, 1, 1)
+  for override in args.t2t_override:
+    apply_override(config, override)
+  return config
+
+
+def make_batch(shape: Shape, rows: int, length: int) -> dict[str, np.ndarray]:
+  """Random tokens (no padding: ids from 3) in t2t_jax's keys, packing metadata if packed."""
+  rng = np.random.default_rng(0)
+  batch = {side: rng.integers(3, shape.vocab, (rows, length), dtype=np.int32)
+           for side in ('inputs', 'targets')}
+  if shape.packed_segments:
+    for side in ('inputs', 'targets'):
+      batch[f'{side}_segments'], batch[f'{side}_positions'] = _packing(
+          rng, rows, length, shape.packed_segments)
+  return batch
+
+
+def _packing(rng, rows: int, length: int, segments: int) -> tuple[np.ndarray, np.ndarray]:
+  """Segment ids (1..segments) and positions within each segment, cut at random places."""
+  if length < segments:
+    raise ValueError(f'--length={length} cannot hold {segments} packed segments per row')
+  cuts_RC = np.sort(np.stack([rng.choice(np.arange(1, length), segments - 1, replace=False)
+                              for _ in range(rows)]), axis=1)
+  index_L = np.arange(length)
+  segments_RL = 1 + (index_L[None, :, None] >= cuts_RC[:, None, :]).sum(-1)
+  starts_RS = np.concatenate([np.zeros((rows, 1), np.int64), cuts_RC], axis=1)
+  positions_RL = index_L[None] - np.take_along_axis(starts_RS, segments_RL - 1, axis=1)
+  return segments_RL.astype(np.int32), positions_RL.astype(np.int32)
+
+
+@dataclasses.dataclass
+class Side:
+  """One implementation's compiled step with its state, batch and what it costs."""
+  name: str
+  compiled: object
+  state: object
+  batch: dict
+  rng: jax.Array
+  compile_seconds: float
+  xla_flops: float
+  model_flops: float
+  params: int
+  nll: object  # metrics -> mean unsmoothed loss per target token.
+  first_nll: float = float('nan')
+
+  def step(self):
+    self.state, metrics = self.compiled(self.state, self.batch, self.rng)
+    jax.block_until_ready((self.state, metrics))
+    return metrics
+
+
+def t2t_side(config, shape: Shape, batch: dict, rows: int, length: int) -> Side:
+  mesh = sharding.make_mesh(config.mesh, jax.devices()[:1])
+  setup = train.build(config, shape.vocab, mesh)
+  device_batch = sharding.global_batch(batch, mesh)
+  rng = jax.random.PRNGKey(1)
+  start = time.perf_counter()
+  compiled = setup.train_step.lower(setup.abstract_state, device_batch, rng).compile()
+  compile_seconds = time.perf_counter() - start
+  return Side('t2t_jax', compiled, setup.init(jax.random.PRNGKey(0)), device_batch, rng,
+              compile_seconds, common.xla_flops(compiled),
+              flops.train_step_flops(setup.model_config, rows, length, length),
+              train.count_params(setup.abstract_state.params),
+              lambda metrics: float(metrics['nll']) / float(metrics['weight']))
+
+
+def reference_side(reference, config, shape: Shape, batch: dict, rows: int,
+                   length: int) -> Side:
+  """The reference's train_step with the t2t_jax config's optimiser, smoothing and sharing."""
+  model, opt = config.model, config.opt
+  model_config = reference.models.TransformerConfig(
+      vocab_size=shape.vocab, output_vocab_size=shape.vocab,
+      share_embeddings=model.share_embeddings, logits_via_embedding=model.tie_output,
+      dtype=jnp.dtype(model.dtype), emb_dim=shape.d_model, num_heads=shape.heads,
+      num_layers=shape.layers, qkv_dim=shape.d_model, mlp_dim=shape.d_ff, max_len=model.max_len,
+      dropout_rate=model.dropout, attention_dropout_rate=model.attention_dropout,
+      deterministic=False, decode=False)
+  # t2t_jax's rsqrt schedule peaks at lr_scale * d^-0.5 * warmup^-0.5 at the end of warmup.
+  peak_rate = opt.lr_scale * shape.d_model**-0.5 * opt.warmup_steps**-0.5
+  schedule = reference.train.create_learning_rate_schedule(peak_rate, opt.warmup_steps)
+  optimizer = optax.adamw(schedule, b1=opt.b1, b2=opt.b2, eps=opt.eps,
+                          weight_decay=opt.weight_decay)
+  tokens = jnp.ones((1, length), jnp.int32)
+  params = jax.jit(reference.models.Transformer(model_config.replace(deterministic=True)).init)(
+      jax.random.PRNGKey(0), tokens, tokens)['params']
+  state = reference.train.TrainState.create(apply_fn=None, params=params, tx=optimizer,
+                                            dynamic_scale=None)
+
+  def step(state, batch, rng):
+    return reference.train.train_step(state, batch, model_config, schedule,
+                                      opt.label_smoothing, rng)
+
+  # The example runs its step under pmap, whose 'batch' axis its pmean and psum name. A vmap
+  # of size 1 over nothing binds that name with no collective in the program, as one device
+  # needs none.
+  jitted = jax.jit(jax.vmap(step, in_axes=None, out_axes=None, axis_name='batch', axis_size=1),
+                   donate_argnums=0)
+  device = jax.devices()[0]
+  reference_batch = jax.device_put({_REFERENCE_KEYS[k]: v for k, v in batch.items()}, device)
+  rng = jax.random.PRNGKey(1)
+  start = time.perf_counter()
+  compiled = jitted.lower(state, reference_batch, rng).compile()
+  compile_seconds = time.perf_counter() - start
+  model_flops = flops.model_flops_per_step(
+      d_model=model_config.emb_dim, d_ff=model_config.mlp_dim,
+      num_encoder_layers=model_config.num_layers, num_decoder_layers=model_config.num_layers,
+      vocab_size=model_config.output_vocab_size, source_tokens=rows * length,
+      target_tokens=rows * length, source_length=length, target_length=length)
+  return Side('reference', compiled, state, reference_batch, rng, compile_seconds,
+              common.xla_flops(compiled), model_flops, train.count_params(params),
+              lambda metrics: float(metrics['loss']) / float(metrics['denominator']))
+
+
+def run_rounds(label: str, sides: list[Side], matmul: common.Matmul, args):
+  """Per-round median step seconds of each side, and the matmul's FLOP/s of each round."""
+  for side in sides:
+    side.first_nll = side.nll(side.step())
+    for _ in range(args.warmup - 1):
+      side.step()
+  seconds = {side.name: [] for side in sides}
+  matmul_rates = []
+  for round_index in range(args.rounds):
+    for side in sides if round_index % 2 == 0 else sides[::-1]:
+      seconds[side.name].append(common.median_seconds(side.step, args.steps, warmup=0))
+    matmul_rates.append(matmul.flops_per_second())
+    t2t, reference = seconds['t2t_jax'][-1], seconds['reference'][-1]
+    print(f'{label} round {round_index}: t2t_jax {t2t:.4f}s, reference {reference:.4f}s, '
+          f'ratio {reference / t2t:.3f}, matmul {matmul_rates[-1] / 1e9:.1f} GFLOP/s',
+          file=sys.stderr, flush=True)
+  return seconds, matmul_rates
+
+
+def side_summary(side: Side, seconds: list[float], matmul_rates: list[float], tokens: int,
+                 peak: float | None) -> dict:
+  median = statistics.median(seconds)
+  return {
+      'step_seconds': [round(s, 5) for s in seconds],
+      'tokens_per_second': round(tokens / median, 1),
+      'xla_flops_per_step': side.xla_flops,
+      'model_flops_per_step': side.model_flops,
+      'model_flops_per_second': side.model_flops / median,
+      'share_of_matmul': round(statistics.median(
+          side.model_flops / s / m for s, m in zip(seconds, matmul_rates)), 4),
+      'mfu': round(flops.mfu(side.model_flops, median, peak), 4) if peak else None,
+      'compile_seconds': round(side.compile_seconds, 2),
+      'params': side.params,
+      'first_nll': round(side.first_nll, 4),
+  }
+
+
+def compare_shape(name: str, args, reference, matmul: common.Matmul) -> dict:
+  shape = SHAPES[name]
+  on_cpu = jax.devices()[0].platform == 'cpu'
+  rows = args.rows or (shape.rows if on_cpu else shape.accelerator_rows or shape.rows)
+  length = args.length or shape.length
+  config = t2t_config(shape, args, dropout_settings(args))
+  model = config.model  # After --t2t_override: the reference follows its dropout and dtype.
+  batch = make_batch(shape, rows, length)
+  sides = [t2t_side(config, shape, batch, rows, length),
+           reference_side(reference, config, shape, batch, rows, length)]
+  seconds, matmul_rates = run_rounds(name, sides, matmul, args)
+  ratios = [r / t for t, r in zip(seconds['t2t_jax'], seconds['reference'])]
+  peak = flops.peak_flops_per_second(jax.devices()[0].device_kind, model.dtype)
+  return {
+      'benchmark': 'compare', 'shape': name,
+      **{key: value for key, value in dataclasses.asdict(shape).items()
+         if key not in ('rows', 'accelerator_rows')},
+      'rows': rows, 'length': length, **common.device_info(),
+      'device_count': 1,  # Both sides run on the first device alone.
+      'dtype': model.dtype, 'norm': model.norm, 'recipe': args.recipe,
+      't2t_overrides': args.t2t_override,
+      'dropout': {'t2t_jax': {'dropout': model.dropout,
+                              'attention_dropout': model.attention_dropout,
+                              'relu_dropout': model.relu_dropout},
+                  'reference': {'dropout_rate': model.dropout,
+                                'attention_dropout_rate': model.attention_dropout,
+                                'mlp_hidden_dropout': model.dropout}},
+      'rounds': args.rounds, 'steps_per_round': args.steps,
+      'ratio_per_round': [round(r, 4) for r in ratios],
+      'ratio_median': round(statistics.median(ratios), 4),
+      'ratio_min': round(min(ratios), 4), 'ratio_max': round(max(ratios), 4),
+      'matmul_flops_per_second': matmul_rates, 'peak_flops_per_second': peak,
+      **{side.name: side_summary(side, seconds[side.name], matmul_rates, rows * length, peak)
+         for side in sides},
+  }
+
+
+def main(argv=None) -> list[dict]:
+  """Compares every shape asked for; prints and returns one result dict per shape."""
+  args = parse_args(argv)
+  reference = import_reference(args.reference_dir)
+  matmul = common.Matmul(2048, jnp.float32)
+  results = []
+  for name in args.shapes.split(','):
+    results.append(compare_shape(name, args, reference, matmul))
+    print(json.dumps(results[-1]), flush=True)
+  return results
+
+
+if __name__ == '__main__':
+  main()

@@ -1,0 +1,109 @@
+"""Model FLOPs of a train step, published device peaks, and model FLOPs utilisation (MFU).
+
+MFU = (model FLOPs of the work done) / seconds / (peak FLOP/s of the devices doing it), with
+model FLOPs counted analytically from the shapes (as in PaLM's appendix B), not from what XLA
+happens to execute: recomputation, the optimiser and elementwise work do not count.
+"""
+
+import re
+
+import jax.numpy as jnp
+
+# Published dense (no sparsity) peak FLOP/s per device, by family and compute dtype.
+# float32 follows what JAX's default matmul precision lets XLA do: on TPU a float32 matmul
+# runs as one bfloat16 pass (bfloat16 peak); on A100/H100/H200 it may use TF32 tensor cores
+# (TF32 peak). A run with jax_default_matmul_precision='highest' reaches far less than that.
+# Sources: cloud.google.com/tpu/docs/{v4,v5e,v5p,v6e}; NVIDIA A100, H100 and H200 datasheets.
+_A100 = {'bfloat16': 312e12, 'float16': 312e12, 'float32': 156e12}  # fp32 without TF32: 19.5e12.
+_H100_SXM = {'bfloat16': 989e12, 'float16': 989e12, 'float32': 494.7e12}  # fp32 no TF32: 67e12.
+_H100_PCIE = {'bfloat16': 756e12, 'float16': 756e12, 'float32': 378e12}  # fp32 no TF32: 51e12.
+PEAK_FLOPS = {
+    'tpu_v4': {'bfloat16': 275e12, 'float32': 275e12},
+    'tpu_v5e': {'bfloat16': 197e12, 'float32': 197e12},
+    'tpu_v5p': {'bfloat16': 459e12, 'float32': 459e12},
+    'tpu_v6e': {'bfloat16': 918e12, 'float32': 918e12},
+    'a100': _A100,
+    'h100_sxm': _H100_SXM,
+    'h100_pcie': _H100_PCIE,
+    'h200': _H100_SXM,  # The H200 has the H100 SXM's compute and more, faster memory.
+}
+# (version, variant) of a 'TPU v5 lite' / 'TPU v5e' / 'TPU v5p' / 'TPU v5' kind string.
+_TPU_FAMILIES = {('4', ''): 'tpu_v4', ('5', 'e'): 'tpu_v5e', ('5', 'p'): 'tpu_v5p',
+                 ('5', ''): 'tpu_v5p', ('6', 'e'): 'tpu_v6e'}
+
+
+def device_family(device_kind: str) -> str | None:
+  """The PEAK_FLOPS key of a `jax.Device.device_kind` string; None for unknown kinds (CPU)."""
+  kind = device_kind.lower()
+  tpu = re.search(r'tpu\s*v(\d+)\s*(lite|e|p)?\b', kind)
+  if tpu:
+    version, variant = tpu.groups()
+    return _TPU_FAMILIES.get((version, 'e' if variant == 'lite' else variant or ''))
+  if re.search(r'\ba100\b', kind):
+    return 'a100'
+  if re.search(r'\bh100\b', kind):
+    if 'pcie' in kind:
+      return 'h100_pcie'
+    return None if 'nvl' in kind else 'h100_sxm'  # H100 NVL: a different peak, not listed.
+  if re.search(r'\bh200\b', kind):
+    return 'h200'
+  return None
+
+
+def peak_flops_per_second(device_kind: str, dtype) -> float | None:
+  """Dense peak FLOP/s of one device computing in `dtype`; None where it is not known.
+
+  float32 counts against the TF32 peak on A100/H100/H200 and the bfloat16 peak on TPU, the
+  precision JAX's default lets XLA use for float32 matmuls.
+  """
+  family = device_family(device_kind)
+  return PEAK_FLOPS[family].get(jnp.dtype(dtype).name) if family else None
+
+
+def devices_peak_flops_per_second(devices, dtype) -> float | None:
+  """Summed peak of `devices` (one kind, as in a mesh) computing in `dtype`; None if unknown."""
+  peak = peak_flops_per_second(devices[0].device_kind, dtype)
+  return peak * len(devices) if peak else None
+
+
+def model_flops_per_step(*, d_model: int, d_ff: int, num_encoder_layers: int,
+                         num_decoder_layers: int, vocab_size: int, source_tokens: int,
+                         target_tokens: int, source_length: int, target_length: int) -> float:
+  """Analytic FLOPs of one training update (forward + backward) of the encoder-decoder.
+
+  6 x (matmul parameters touched per token) x tokens, plus attention's score/value matmuls:
+
+    per source token:  L_enc (4 d^2 + 2 d d_ff)       encoder Q, K, V, O and FFN
+                       + L_dec 2 d^2                   decoder cross-attention K, V
+    per target token:  L_dec (6 d^2 + 2 d d_ff)        self Q, K, V, O, cross Q, O, FFN
+                       + d V                           output projection (tied or not)
+    attention:         3 x 4 d x (L_enc N_src L_src + L_dec N_tgt (L_tgt + L_src))
+
+  N_src, N_tgt are the tokens (padding included: the step does that work) and L_src, L_tgt
+  the padded lengths, so 2 x 2 L_q L_k d forward per layer and sequence for QK^T and AV, the
+  full square for causal self-attention too, times 3 for forward + backward. The embedding
+  lookup, biases, norms, softmax, dropout and the optimiser are left out; the head count does
+  not change the count.
+  """
+  d, layers_e, layers_d = d_model, num_encoder_layers, num_decoder_layers
+  per_source_token = layers_e * (4 * d * d + 2 * d * d_ff) + layers_d * 2 * d * d
+  per_target_token = layers_d * (6 * d * d + 2 * d * d_ff) + d * vocab_size
+  dense = 6 * (per_source_token * source_tokens + per_target_token * target_tokens)
+  attention = 3 * 4 * d * (layers_e * source_tokens * source_length
+                           + layers_d * target_tokens * (target_length + source_length))
+  return float(dense + attention)
+
+
+def train_step_flops(model_config, rows: int, source_length: int, target_length: int) -> float:
+  """`model_flops_per_step` of a model config (t2t_jax's TransformerConfig) on a batch shape."""
+  return model_flops_per_step(
+      d_model=model_config.d_model, d_ff=model_config.d_ff,
+      num_encoder_layers=model_config.num_encoder_layers,
+      num_decoder_layers=model_config.num_decoder_layers, vocab_size=model_config.vocab_size,
+      source_tokens=rows * source_length, target_tokens=rows * target_length,
+      source_length=source_length, target_length=target_length)
+
+
+def mfu(model_flops: float, seconds: float, peak: float) -> float:
+  """Model FLOPs utilisation: model_flops / seconds / peak (peak of all devices doing the work)."""
+  return model_flops / seconds / peak

@@ -1,0 +1,133 @@
+"""Attention implementations: each equals the einsum path on padded, causal and packed batches."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from t2t_jax import model as model_lib
+
+VOCAB = 19
+CONFIG = model_lib.TransformerConfig(
+    vocab_size=VOCAB, d_model=32, d_ff=64, num_heads=4, num_encoder_layers=2,
+    num_decoder_layers=2, max_len=32, attention_dropout=0.0, deterministic=True)
+ON_GPU = jax.devices()[0].platform == 'gpu'
+
+
+def _batches():
+  """A padded batch (rows of different lengths) and a packed one (two segments per row)."""
+  rng = np.random.default_rng(0)
+  inputs = rng.integers(2, VOCAB, (3, 12)).astype(np.int32)
+  targets = rng.integers(2, VOCAB, (3, 10)).astype(np.int32)
+  inputs[0, 7:], inputs[1, 3:], targets[0, 4:], targets[2, 8:] = 0, 0, 0, 0
+  padded = (inputs, targets)
+  segments_in = np.array([[1] * 5 + [2] * 6 + [0]] * 3, np.int32)
+  segments_out = np.array([[1] * 4 + [2] * 5 + [0]] * 3, np.int32)
+  positions = lambda seg: np.concatenate(
+      [np.arange((seg[0] == s).sum()) for s in (1, 2)] + [np.zeros((seg[0] == 0).sum(), int)])
+  packed_inputs = np.where(segments_in > 0, rng.integers(2, VOCAB, (3, 12)), 0).astype(np.int32)
+  packed_targets = np.where(segments_out > 0, rng.integers(2, VOCAB, (3, 10)), 0).astype(np.int32)
+  packed = (packed_inputs, packed_targets,
+            np.tile(positions(segments_in), (3, 1)).astype(np.int32),
+            np.tile(positions(segments_out), (3, 1)).astype(np.int32), segments_in, segments_out)
+  return {'padded': padded, 'packed': packed}
+
+
+def _loss_and_grads(config, params, batch):
+  model = model_lib.Transformer(config)
+
+  def loss(params):
+    logits = model.apply({'params': params}, *[jnp.asarray(x) for x in batch])
+    valid = jnp.asarray(batch[1]) != 0
+    return (jax.nn.log_softmax(logits).max(-1) * valid).sum(), logits
+
+  (value, logits), grads = jax.value_and_grad(loss, has_aux=True)(params)
+  return value, logits, grads
+
+
+def _params(config):
+  tokens = jnp.ones((1, 4), jnp.int32)
+  return model_lib.Transformer(config).init(jax.random.PRNGKey(0), tokens, tokens)['params']
+
+
+def _assert_close(a, b, tolerance):
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
+    assert np.abs(x - y).max() <= tolerance * max(np.abs(y).max(), 1e-6)
+
+
+@pytest.mark.parametrize('kind', ['padded', 'packed'])
+@pytest.mark.parametrize('norm', ['post', 'pre'])
+def test_xla_attention_equals_einsum_with_gradients(kind, norm):
+  config = dataclasses.replace(CONFIG, norm=norm)
+  params = _params(config)
+  batch = _batches()[kind]
+  expected = _loss_and_grads(config, params, batch)
+  actual = _loss_and_grads(dataclasses.replace(config, attention_impl='xla'), params, batch)
+  valid = batch[1] != 0  # Padded query rows differ (no key is visible): their loss is masked.
+  np.testing.assert_allclose(np.asarray(actual[1])[valid], np.asarray(expected[1])[valid],
+                             atol=2e-5)
+  np.testing.assert_allclose(actual[0], expected[0], rtol=1e-5)
+  _assert_close(actual[2], expected[2], 1e-4)
+
+
+@pytest.mark.skipif(not ON_GPU, reason='cuDNN attention needs an NVIDIA GPU')
+@pytest.mark.parametrize('kind', ['padded', 'packed'])
+def test_cudnn_attention_equals_einsum_in_bfloat16(kind):
+  config = dataclasses.replace(CONFIG, dtype=jnp.bfloat16)
+  params = _params(config)
+  batch = _batches()[kind]
+  expected = _loss_and_grads(config, params, batch)
+  actual = _loss_and_grads(dataclasses.replace(config, attention_impl='cudnn'), params, batch)
+  valid = batch[1] != 0
+  # bfloat16 has an 8-bit mantissa; both paths round differently inside attention.
+  _assert_close(np.asarray(actual[1])[valid], np.asarray(expected[1])[valid], 3e-2)
+  _assert_close(actual[2], expected[2], 5e-2)
+
+
+def test_xla_attention_decodes_like_teacher_forcing():
+  from t2t_jax import decode  # pylint: disable=g-import-not-at-top
+  config = dataclasses.replace(CONFIG, attention_impl='xla', norm='pre')
+  params = _params(config)
+  inputs, targets = (jnp.asarray(x) for x in _batches()['padded'])
+  full = model_lib.Transformer(config).apply({'params': params}, inputs, targets)
+  step_model = model_lib.Transformer(decode.decode_config(config))
+  encoded = step_model.apply({'params': params}, inputs, method=model_lib.Transformer.encode)
+  cache = decode.init_cache(config, 3, 10)
+  previous = model_lib.shift_right(targets)
+  for t in range(4):
+    logits, variables = step_model.apply(
+        {'params': params, 'cache': cache}, encoded, inputs, previous[:, t:t + 1],
+        mutable=['cache'], method=model_lib.Transformer.decode)
+    cache = variables['cache']
+    np.testing.assert_allclose(logits[:, 0], full[:, t], atol=2e-5)
+
+
+@pytest.mark.parametrize('impl, dtype, head, dropout, platform, expected', [
+    ('auto', jnp.bfloat16, 64, 0.0, 'gpu', 'cudnn'),
+    ('auto', jnp.float16, 128, 0.0, 'gpu', 'cudnn'),
+    ('auto', jnp.float32, 64, 0.0, 'gpu', 'einsum'),
+    ('auto', jnp.bfloat16, 64, 0.1, 'gpu', 'einsum'),
+    ('auto', jnp.bfloat16, 160, 0.0, 'gpu', 'einsum'),
+    ('auto', jnp.bfloat16, 64, 0.0, 'cpu', 'einsum'),
+    ('auto', jnp.bfloat16, 64, 0.0, 'tpu', 'einsum'),
+    ('xla', jnp.float32, 64, 0.0, 'cpu', 'xla'),
+    ('einsum', jnp.float32, 64, 0.1, 'gpu', 'einsum'),
+])
+def test_auto_picks_the_fastest_implementation_that_applies(impl, dtype, head, dropout,
+                                                            platform, expected):
+  assert model_lib.resolve_attention_impl(impl, dtype, head, dropout, platform) == expected
+
+
+@pytest.mark.parametrize('impl, dtype, dropout, platform, message', [
+    ('cudnn', jnp.bfloat16, 0.0, 'cpu', 'the platform is cpu, not gpu'),
+    ('cudnn', jnp.float32, 0.0, 'gpu', 'config.model.dtype=float32, not bfloat16 or float16'),
+    ('xla', jnp.float32, 0.1, 'cpu', 'config.model.attention_dropout=0.1 is not 0'),
+    ('flash', jnp.float32, 0.0, 'gpu', "must be one of"),
+])
+def test_an_implementation_that_cannot_run_is_a_config_error(impl, dtype, dropout, platform,
+                                                             message):
+  with pytest.raises(ValueError, match=f'config.model.attention_impl.*{message}'):
+    model_lib.resolve_attention_impl(impl, dtype, 64, dropout, platform)

@@ -1,0 +1,68 @@
+"""bench/compare.py runs end to end on a tiny shape against the reference, if it is here."""
+
+import importlib.util
+import json
+import math
+import os
+
+import pytest
+
+from conftest import ROOT
+
+REFERENCE_DIR = os.path.join(ROOT, '..', 'shared', 'anchor', 'flax_wmt')
+
+
+def _load_compare():
+  spec = importlib.util.spec_from_file_location('compare', os.path.join(ROOT, 'bench',
+                                                                        'compare.py'))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+@pytest.mark.skipif(not os.path.isfile(os.path.join(REFERENCE_DIR, 'models.py')),
+                    reason=f"Flax's WMT example (the reference) is not at {REFERENCE_DIR}")
+def test_compare_runs_one_round_on_a_tiny_packed_shape(capsys):
+  compare = _load_compare()
+  [result] = compare.main(['--shapes=tiny_packed', '--rounds=1', '--steps=1', '--warmup=1',
+                           f'--reference_dir={REFERENCE_DIR}'])
+  assert json.loads(capsys.readouterr().out.strip()) == result
+  assert {'shape', 'vocab', 'd_model', 'rows', 'length', 'device_kind', 'device_count', 'dtype',
+          'ratio_per_round', 'ratio_median', 'ratio_min', 'ratio_max',
+          'matmul_flops_per_second', 't2t_jax', 'reference'} <= set(result)
+  for ratio in result['ratio_per_round'] + [result['ratio_median']]:
+    assert 0 < ratio < math.inf
+  t2t, reference = result['t2t_jax'], result['reference']
+  for side in (t2t, reference):
+    assert {'step_seconds', 'tokens_per_second', 'xla_flops_per_step', 'model_flops_per_step',
+            'share_of_matmul', 'mfu', 'compile_seconds'} <= set(side)
+    assert 0 < side['share_of_matmul'] < math.inf and side['mfu'] is None  # No CPU peak.
+    # XLA counts the matmuls and the elementwise rest: more than the model FLOPs, not double.
+    assert 1 < side['xla_flops_per_step'] / side['model_flops_per_step'] < 2
+  # Equal work: the same parameters and model FLOPs on both sides.
+  assert t2t['params'] == reference['params']
+  assert t2t['model_flops_per_step'] == reference['model_flops_per_step']
+
+
+def test_packing_cuts_rows_into_segments_with_restarting_positions():
+  compare = _load_compare()
+  batch = compare.make_batch(compare.SHAPES['m30k_packed'], rows=5, length=64)
+  segments, positions = batch['inputs_segments'], batch['inputs_positions']
+  assert (segments[:, 0] == 1).all() and (segments[:, -1] == 4).all()
+  assert (segments[:, 1:] - segments[:, :-1] >= 0).all()
+  starts = segments[:, 1:] != segments[:, :-1]
+  assert (positions[:, 1:][starts] == 0).all()
+  assert (positions[:, 1:][~starts] == positions[:, :-1][~starts] + 1).all()
+
+
+def test_t2t_config_takes_the_recipe_dropout_and_overrides():
+  compare = _load_compare()
+  args = compare.parse_args(['--recipe=m30k', '--t2t_override', 'model.norm=post',
+                             '--t2t_override', 'opt.warmup_steps=100'])
+  config = compare.t2t_config(compare.SHAPES['m30k'], args, compare.dropout_settings(args))
+  assert (config.model.dropout, config.model.attention_dropout,
+          config.model.relu_dropout) == (0.3, 0.0, 0.0)
+  assert config.model.norm == 'post' and config.opt.warmup_steps == 100
+  assert (config.model.d_model, config.model.num_encoder_layers) == (128, 4)
+  with pytest.raises(ValueError, match='model.no_such_key'):
+    compare.apply_override(config, 'model.no_such_key=1')
