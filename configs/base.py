@@ -62,6 +62,8 @@ def get_config():
   model.tie_output = True  # Output softmax reuses the target embedding matrix.
   model.norm = 'post'  # 'post': LN(x + sublayer(x)) as in the paper; 'pre': x + sublayer(LN(x)).
   model.max_len = 512  # Longest sequence the position table covers (training and decoding).
+  model.scan_layers = False  # Scan one compiled layer over each stack; params get a 'layers' axis.
+  model.remat = 'none'  # Backward pass recomputes layers: 'none', 'full' or 'dots' (keeps matmuls).
   model.dtype = 'float32'  # Compute dtype of activations: 'float32' or 'bfloat16'.
   model.param_dtype = 'float32'  # Storage dtype of parameters.
   # Attention: 'einsum' (explicit softmax, attention dropout), 'xla' or 'cudnn' (fused, through
@@ -118,5 +120,6 @@ def get_config():
       ('embed', 'fsdp'),
       ('kv', None),
       ('length', None),
+      ('layers', None),  # The stacked layers of scan_layers: every device holds all of them.
   )
   return config

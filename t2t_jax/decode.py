@@ -46,10 +46,11 @@ def _without_memory(tree):
 
 
 _MEMORY_ENTRIES = ('memory_key', 'memory_value')  # Cross-attention keys/values in the cache.
+_COUNTERS = ('index', 'position')  # Steps decoded so far, shared by all rows.
 
 
-def _is_memory(path) -> bool:
-  return any(getattr(key, 'key', None) in _MEMORY_ENTRIES for key in path)
+def _named(path, names: tuple[str, ...]) -> bool:
+  return any(getattr(key, 'key', None) in names for key in path)
 
 
 def max_decode_length(source_length: int, extra: int, model_max_len: int) -> int:
@@ -145,12 +146,22 @@ def _can_improve(state: BeamState, max_len: int, alpha: float) -> jax.Array:
   return ~jnp.all(state.finished_scores_BK[:, -1] >= best_live_B)
 
 
-def _reorder_cache(cache, parent_BK: jax.Array):
+def _reorder_cache(cache, parent_BK: jax.Array, config: TransformerConfig):
   """Each beam's self-attention cache follows its parent (the encoder-side entries agree)."""
   batch_size, beam_size = parent_BK.shape
   rows_N = (jnp.arange(batch_size)[:, None] * beam_size + parent_BK).reshape(-1)
+  return _map_rows(lambda x, axis: x[(slice(None),) * axis + (rows_N,)], cache, config,
+                   skip=_MEMORY_ENTRIES)
+
+
+def _map_rows(fn, cache, config: TransformerConfig, skip: tuple[str, ...] = ()):
+  """`fn(entry, row_axis)` on every cache entry with one row per sentence or beam.
+
+  The step counters have no rows; scanned layers stack their entries behind a layer axis.
+  """
+  row_axis = 1 if config.scan_layers else 0
   return jax.tree_util.tree_map_with_path(
-      lambda path, x: x if x.ndim == 0 or _is_memory(path) else x[rows_N], cache)
+      lambda path, x: x if _named(path, _COUNTERS + skip) else fn(x, row_axis), cache)
 
 
 def beam_search(params, inputs_BS: jax.Array, config: TransformerConfig, max_len: int,
@@ -173,7 +184,7 @@ def beam_search(params, inputs_BS: jax.Array, config: TransformerConfig, max_len
                     jnp.full((batch_size, beam_size), _NEG))
   state, _ = _beam_update(state, jnp.broadcast_to(log_probs_BV[:, None], (
       batch_size, beam_size, log_probs_BV.shape[-1])), max_len, alpha)
-  cache = jax.tree.map(lambda x: x if x.ndim == 0 else jnp.repeat(x, beam_size, axis=0), cache)
+  cache = _map_rows(lambda x, axis: jnp.repeat(x, beam_size, axis=axis), cache, config)
   inputs_NS = jnp.repeat(inputs_BS, beam_size, axis=0)
 
   def step(carry):
@@ -182,7 +193,7 @@ def beam_search(params, inputs_BS: jax.Array, config: TransformerConfig, max_len
     log_probs_NV, cache = _decode_step(model, params, cache, None, inputs_NS, previous_N)
     state, parent_BK = _beam_update(state, log_probs_NV.reshape(batch_size, beam_size, -1),
                                     max_len, alpha)
-    return state, _reorder_cache(cache, parent_BK)
+    return state, _reorder_cache(cache, parent_BK, config)
 
   def not_done(carry):
     state, _ = carry

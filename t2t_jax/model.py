@@ -19,6 +19,16 @@ from t2t_jax import PAD_ID
 Array = jax.Array
 _NEG_INF = -1e9  # Large but finite, so rows with no visible key stay NaN-free.
 
+# config.model.remat -> what the backward pass keeps of each layer (the rest is recomputed).
+# 'dots' keeps the outputs of the weight matmuls (projections, feed-forward), most of a
+# layer's FLOPs, but not the batched query-key and weight-value products: their [B, H, Q, K]
+# operands grow with length squared and they are a few percent of the FLOPs at these widths.
+REMAT_POLICIES = {
+    'none': None,
+    'full': jax.checkpoint_policies.nothing_saveable,
+    'dots': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
 
 @dataclasses.dataclass(frozen=True)
 class TransformerConfig:
@@ -36,6 +46,8 @@ class TransformerConfig:
   tie_output: bool = True
   norm: str = 'post'
   max_len: int = 512
+  scan_layers: bool = False
+  remat: str = 'none'
   dtype: Any = jnp.float32
   param_dtype: Any = jnp.float32
   attention_impl: str = 'einsum'  # Resolved: 'einsum', 'xla' or 'cudnn' (never 'auto').
@@ -58,7 +70,12 @@ class TransformerConfig:
         model_config.attention_impl, kwargs['dtype'],
         model_config.d_model // model_config.num_heads, model_config.attention_dropout,
         jax.devices()[0].platform)
-    return cls(vocab_size=vocab_size, **{**kwargs, **overrides})
+    config = cls(vocab_size=vocab_size, **{**kwargs, **overrides})
+    # Checked on the result: configs saved before the key existed lack it and mean 'none'.
+    if config.remat not in REMAT_POLICIES:
+      raise ValueError(f'config.model.remat must be one of {", ".join(map(repr, REMAT_POLICIES))}'
+                       f', got {config.remat!r}')
+    return config
 
 
 ATTENTION_IMPLS = ('auto', 'einsum', 'xla', 'cudnn')
@@ -268,7 +285,8 @@ class EncoderLayer(nn.Module):
     attention = MultiHeadAttention(cfg, name='self_attention')
     x_BLE = Sublayer(cfg, name='attention_block')(lambda x: attention(x, x, mask_B1LL), x_BLE)
     x_BLE = Sublayer(cfg, name='ffn_block')(FeedForward(cfg, name='ffn'), x_BLE)
-    return nn.with_logical_constraint(x_BLE, ('batch', 'length', 'embed'))
+    x_BLE = nn.with_logical_constraint(x_BLE, ('batch', 'length', 'embed'))
+    return (x_BLE, None) if cfg.scan_layers else x_BLE  # nn.scan wants (carry, output).
 
 
 class DecoderLayer(nn.Module):
@@ -284,7 +302,8 @@ class DecoderLayer(nn.Module):
     y_BLE = Sublayer(cfg, name='cross_attention_block')(
         lambda y: cross_attention(y, encoded_BKE, cross_mask_B1LK), y_BLE)
     y_BLE = Sublayer(cfg, name='ffn_block')(FeedForward(cfg, name='ffn'), y_BLE)
-    return nn.with_logical_constraint(y_BLE, ('batch', 'length', 'embed'))
+    y_BLE = nn.with_logical_constraint(y_BLE, ('batch', 'length', 'embed'))
+    return (y_BLE, None) if cfg.scan_layers else y_BLE  # nn.scan wants (carry, output).
 
 
 class Embedder(nn.Module):
@@ -319,6 +338,50 @@ class Embedder(nn.Module):
     return current
 
 
+def _remat(layer_class, cfg: TransformerConfig):
+  """The layer class, rematerialised in the backward pass as config.model.remat says."""
+  if cfg.remat == 'none':
+    return layer_class
+  # Inside a scan the loop already keeps XLA from merging the recomputation into the forward
+  # pass, so the CSE barriers that would otherwise stop it are only overhead.
+  return nn.remat(layer_class, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
+
+
+def _stack(layer_class, cfg: TransformerConfig, num_layers: int, broadcast: int):
+  """One compiled layer applied `num_layers` times, its variables stacked on a 'layers' axis.
+
+  The residual stream is the scan carry; the `broadcast` other arguments (masks, encoder
+  output) are the same for every layer. Parameters, decode caches and sown attention weights
+  get a leading axis of length `num_layers`.
+  """
+  return nn.scan(_remat(layer_class, cfg),
+                 variable_axes={'params': 0, 'cache': 0, 'intermediates': 0},
+                 split_rngs={'params': True, 'dropout': True},
+                 in_axes=(nn.broadcast,) * broadcast, length=num_layers,
+                 metadata_params={nn.PARTITION_NAME: 'layers'})
+
+
+def stack_layer_params(params: dict, config: TransformerConfig) -> dict:
+  """Unboxed unrolled parameters ('encoder_0', ...) in the scan_layers layout ('encoder_layers')."""
+  params = dict(params)
+  for stack, count in (('encoder', config.num_encoder_layers),
+                       ('decoder', config.num_decoder_layers)):
+    layers = [params.pop(f'{stack}_{i}') for i in range(count)]
+    params[f'{stack}_layers'] = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
+  return params
+
+
+def unstack_layer_params(params: dict, config: TransformerConfig) -> dict:
+  """Unboxed scan_layers parameters in the unrolled layout: the inverse of stack_layer_params."""
+  params = dict(params)
+  for stack, count in (('encoder', config.num_encoder_layers),
+                       ('decoder', config.num_decoder_layers)):
+    stacked = params.pop(f'{stack}_layers')
+    params.update({f'{stack}_{i}': jax.tree.map(lambda x, i=i: x[i], stacked)
+                   for i in range(count)})
+  return params
+
+
 def _embed(cfg: TransformerConfig, name: str) -> nn.Embed:
   return nn.Embed(
       cfg.vocab_size, cfg.d_model, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
@@ -338,10 +401,17 @@ class Transformer(nn.Module):
                              else _embed(cfg, 'source_embedding'))
     self.source_embedder = Embedder(cfg, self.source_embedding)
     self.target_embedder = Embedder(cfg, self.target_embedding, decode_step=True)
-    self.encoder_layers = [EncoderLayer(cfg, name=f'encoder_{i}')
-                           for i in range(cfg.num_encoder_layers)]
-    self.decoder_layers = [DecoderLayer(cfg, name=f'decoder_{i}')
-                           for i in range(cfg.num_decoder_layers)]
+    if cfg.scan_layers:
+      self.encoder_layers = _stack(EncoderLayer, cfg, cfg.num_encoder_layers, broadcast=1)(
+          cfg, name='encoder_layers')
+      self.decoder_layers = _stack(DecoderLayer, cfg, cfg.num_decoder_layers, broadcast=3)(
+          cfg, name='decoder_layers')
+    else:
+      encoder_layer, decoder_layer = _remat(EncoderLayer, cfg), _remat(DecoderLayer, cfg)
+      self.encoder_layers = [encoder_layer(cfg, name=f'encoder_{i}')
+                             for i in range(cfg.num_encoder_layers)]
+      self.decoder_layers = [decoder_layer(cfg, name=f'decoder_{i}')
+                             for i in range(cfg.num_decoder_layers)]
     if cfg.norm == 'pre':
       self.encoder_norm = LayerNorm(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
       self.decoder_norm = LayerNorm(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
@@ -357,8 +427,11 @@ class Transformer(nn.Module):
     valid_BL = inputs_BL != PAD_ID
     mask = attention_mask(valid_BL, inputs_segments_BL, inputs_segments_BL)
     x_BLE = self.source_embedder(inputs_BL, inputs_positions_BL)
-    for layer in self.encoder_layers:
-      x_BLE = layer(x_BLE, mask)
+    if cfg.scan_layers:
+      x_BLE, _ = self.encoder_layers(x_BLE, mask)
+    else:
+      for layer in self.encoder_layers:
+        x_BLE = layer(x_BLE, mask)
     return self.encoder_norm(x_BLE) if cfg.norm == 'pre' else x_BLE
 
   def decode(self, encoded_BKE: Array | None, inputs_BK: Array, targets_BL: Array,
@@ -384,8 +457,11 @@ class Transformer(nn.Module):
                                  causal=True)
     cross_mask = attention_mask(inputs_valid_BK, targets_segments_BL, inputs_segments_BK)
     y_BLE = self.target_embedder(decoder_inputs_BL, targets_positions_BL)
-    for layer in self.decoder_layers:
-      y_BLE = layer(y_BLE, encoded_BKE, self_mask, cross_mask)
+    if cfg.scan_layers:
+      y_BLE, _ = self.decoder_layers(y_BLE, encoded_BKE, self_mask, cross_mask)
+    else:
+      for layer in self.decoder_layers:
+        y_BLE = layer(y_BLE, encoded_BKE, self_mask, cross_mask)
     if cfg.norm == 'pre':
       y_BLE = self.decoder_norm(y_BLE)
     return y_BLE if return_hidden else self.output_logits(y_BLE)

@@ -132,6 +132,16 @@ class Setup:
   eval_step: Callable
 
 
+def init_state(rng: jax.Array, *, model_config: TransformerConfig,
+               optimizer: optax.GradientTransformation) -> TrainState:
+  """Fresh parameters (boxed with their logical axes) and optimiser state at step 0."""
+  dummy = jnp.ones((1, 1), jnp.int32)
+  params = Transformer(dataclasses.replace(model_config, deterministic=True)).init(
+      rng, dummy, dummy)['params']
+  return TrainState(step=jnp.array(0, jnp.int32), params=params,
+                    opt_state=optimizer.init(params))
+
+
 def build(config, vocab_size: int, mesh=None) -> Setup:
   """Model, optimiser and the jitted init/train/eval with shardings from the logical axes."""
   mesh = mesh if mesh is not None else sharding.make_mesh(config.mesh)
@@ -146,18 +156,8 @@ def build(config, vocab_size: int, mesh=None) -> Setup:
   model = Transformer(model_config)
   optimizer = optim.make_optimizer(config.opt, config.model.d_model)
 
-  def init(rng):
-    dummy = jnp.ones((1, 1), jnp.int32)
-    params = Transformer(dataclasses.replace(model_config, deterministic=True)).init(
-        rng, dummy, dummy)['params']
-    return TrainState(step=jnp.array(0, jnp.int32), params=params,
-                      opt_state=optimizer.init(params))
-
-  with sharding.mesh_context(mesh, axis_rules):
-    boxed = jax.eval_shape(init, jax.random.PRNGKey(0))
-    shardings = sharding.logical_shardings(boxed, mesh, axis_rules)
-  abstract_state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                                nn.meta.unbox(boxed), shardings)
+  init = functools.partial(init_state, model_config=model_config, optimizer=optimizer)
+  abstract_state, shardings = _abstract_state(init, mesh, axis_rules)
   batch_sharding = sharding.batch_sharding(mesh)
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   ls, chunk = config.opt.label_smoothing, config.opt.loss_chunk_tokens
@@ -184,6 +184,16 @@ def build(config, vocab_size: int, mesh=None) -> Setup:
   return Setup(mesh, axis_rules, model_config, optimizer,
                optim.learning_rate_schedule(config.opt, config.model.d_model), abstract_state,
                traced(jit_init), traced(jit_train), traced(jit_eval))
+
+
+def _abstract_state(init, mesh, axis_rules) -> tuple[TrainState, TrainState]:
+  """The state `init` gives as ShapeDtypeStructs carrying their shardings, and the shardings."""
+  with sharding.mesh_context(mesh, axis_rules):
+    boxed = jax.eval_shape(init, jax.random.PRNGKey(0))
+    shardings = sharding.logical_shardings(boxed, mesh, axis_rules)
+  abstract_state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                                nn.meta.unbox(boxed), shardings)
+  return abstract_state, shardings
 
 
 def _lower(fn, mesh, axis_rules, *args):
@@ -230,6 +240,8 @@ def dry_run(config) -> dict:
       'flops_per_step_per_device': flops / setup.mesh.size,
       'batch_shape': [rows, length],
       'grad_accum_steps': config.opt.grad_accum_steps,
+      'scan_layers': config.model.scan_layers,
+      'remat': config.model.remat,
       'dtype': config.model.dtype,
       'mesh': dict(setup.mesh.shape),
       'device_count': setup.mesh.size,
@@ -243,15 +255,23 @@ def dry_run(config) -> dict:
 def _global_flops(setup: Setup, config, batch, rng) -> float:
   """FLOPs of one whole update, from XLA's cost analysis of the program before partitioning.
 
-  Counted without accumulation or loss chunks: the analysis counts a loop body once, and A
-  micro-batches (or C chunks) do the arithmetic of one batch of A times their rows (C chunks).
+  Counted without accumulation, loss chunks or scanned layers: the analysis counts a loop body
+  once, and A micro-batches (or C chunks) do the arithmetic of one batch of A times their rows
+  (C chunks), as a scan over N layers does that of N layers. Recomputation asked for by
+  config.model.remat counts.
   """
-  step = jax.jit(functools.partial(train_step, model=Transformer(setup.model_config),
+  model_config = dataclasses.replace(setup.model_config, scan_layers=False)
+  step = jax.jit(functools.partial(train_step, model=Transformer(model_config),
                                    optimizer=setup.optimizer,
                                    label_smoothing=config.opt.label_smoothing,
                                    dropout_prng=config.model.dropout_prng))
+  state = setup.abstract_state
+  if setup.model_config.scan_layers:
+    state, _ = _abstract_state(functools.partial(
+        init_state, model_config=model_config, optimizer=setup.optimizer), setup.mesh,
+                               setup.axis_rules)
   with sharding.mesh_context(setup.mesh, setup.axis_rules):
-    cost = step.lower(setup.abstract_state, batch, rng).cost_analysis()
+    cost = step.lower(state, batch, rng).cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   return float(cost.get('flops', 0.0))
 

@@ -142,6 +142,9 @@ def cross_attention(run: Run, source_ids, output_ids) -> list[np.ndarray]:
   _, state = model.apply({'params': run.params}, jnp.asarray(source_ids)[None],
                          jnp.asarray(output_ids)[None], mutable=['intermediates'])
   layers = state['intermediates']
+  if run.model_config.scan_layers:  # One sown array [layers, B, H, Q, K] for the whole stack.
+    stacked = layers['decoder_layers']['cross_attention']['attention_weights'][0]
+    return [np.asarray(weights_BHQK[0], np.float32) for weights_BHQK in stacked]
   return [np.asarray(layers[f'decoder_{i}']['cross_attention']['attention_weights'][0][0],
                      np.float32) for i in range(run.model_config.num_decoder_layers)]
 

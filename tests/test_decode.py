@@ -183,3 +183,24 @@ def test_bfloat16_beam_search_runs_and_caches_in_bfloat16():
 def _mesh_config():
   from configs import tiny  # pylint: disable=g-import-not-at-top
   return tiny.get_config().mesh
+
+
+@pytest.mark.parametrize('remat', ['none', 'full'])
+def test_scanned_layers_decode_like_unrolled_ones(remat):
+  scanned = dataclasses.replace(CONFIG, scan_layers=True, remat=remat)
+  params, inputs = _random_params(seed=2), _sources()
+  stacked = model_lib.stack_layer_params(params, CONFIG)
+  cache = decode.init_cache(scanned, 8, 8)
+  # One cache per decoder layer, stacked ahead of the rows; no cross-attention entries yet.
+  assert cache['decoder_layers']['self_attention']['key'].shape == (2, 8, 8, 2, 8)
+  assert cache['decoder_layers']['self_attention']['index'].shape == (2,)
+  assert cache['decoder_layers']['cross_attention'] == {}
+  np.testing.assert_array_equal(greedy_search(stacked, inputs, config=scanned, max_len=8),
+                                greedy_search(params, inputs, config=CONFIG, max_len=8))
+  # Beam search copies each sentence's cache rows to its beams, then reorders them by parent.
+  tokens, scores = beam_search(stacked, inputs, config=scanned, max_len=8, beam_size=3,
+                               alpha=0.6)
+  expected_tokens, expected_scores = beam_search(params, inputs, config=CONFIG, max_len=8,
+                                                 beam_size=3, alpha=0.6)
+  np.testing.assert_array_equal(tokens, expected_tokens)
+  np.testing.assert_allclose(scores, expected_scores, atol=1e-5)

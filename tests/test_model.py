@@ -1,8 +1,10 @@
-"""Model properties: positions, causality, padding and packing invariance, cache, sizes."""
+"""Model properties: positions, causality, padding and packing invariance, cache, sizes,
+scanned and rematerialised layers."""
 
 import dataclasses
 import math
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,6 +12,7 @@ import pytest
 
 from t2t_jax import decode
 from t2t_jax import model as model_lib
+from t2t_jax import prng
 
 VOCAB = 13
 CONFIG = model_lib.TransformerConfig(
@@ -87,8 +90,9 @@ def test_packed_row_equals_separate_sequences():
   np.testing.assert_allclose(packed[:, 4:6], separate[1], atol=1e-5)
 
 
-def test_cached_decoding_matches_teacher_forcing():
-  config = dataclasses.replace(CONFIG, norm='pre')
+@pytest.mark.parametrize('scan_layers', [False, True])
+def test_cached_decoding_matches_teacher_forcing(scan_layers):
+  config = dataclasses.replace(CONFIG, norm='pre', scan_layers=scan_layers)
   params = _init(config)
   inputs, targets = _random_tokens(8, (2, 5)), _random_tokens(9, (2, 6))
   full = model_lib.Transformer(config).apply({'params': params}, inputs, targets)
@@ -127,3 +131,78 @@ def test_bad_model_config_names_the_key(tiny_config):
   tiny_config.model.num_heads = 3
   with pytest.raises(ValueError, match='config.model.d_model=32 is not divisible'):
     model_lib.TransformerConfig.from_config(tiny_config.model, VOCAB)
+
+
+def test_bad_remat_names_the_key_and_the_choices(tiny_config):
+  tiny_config.model.remat = 'some'
+  with pytest.raises(ValueError, match="config.model.remat must be one of 'none', 'full', "
+                                       "'dots', got 'some'"):
+    model_lib.TransformerConfig.from_config(tiny_config.model, VOCAB)
+
+
+def _loss_fn(config, rngs=None):
+  """Params -> mean token cross-entropy of a fixed batch with padding."""
+  inputs, targets = _random_tokens(10, (3, 6)), _random_tokens(11, (3, 5))
+  inputs, targets = inputs.at[2, 4:].set(0), targets.at[2, 3:].set(0)
+
+  def loss(params):
+    logits = model_lib.Transformer(config).apply({'params': params}, inputs, targets,
+                                                 rngs=rngs or {})
+    log_probs = jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], -1)[..., 0]
+    return -(log_probs * (targets != 0)).sum() / (targets != 0).sum()
+
+  return loss
+
+
+def _loss_and_grads(config, params, rngs=None):
+  return jax.jit(jax.value_and_grad(_loss_fn(config, rngs)))(params)
+
+
+def _assert_trees_close(actual, expected, atol):
+  assert jax.tree.structure(actual) == jax.tree.structure(expected)
+  for a, b in zip(jax.tree.leaves(actual), jax.tree.leaves(expected)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=atol)
+
+
+@pytest.mark.parametrize('norm', ['post', 'pre'])
+def test_scanned_layers_give_the_unrolled_loss_and_gradients(norm):
+  config = dataclasses.replace(CONFIG, norm=norm)
+  scanned = dataclasses.replace(config, scan_layers=True)
+  params = nn.meta.unbox(_init(config))
+  stacked = model_lib.stack_layer_params(params, config)
+  own = nn.meta.unbox(_init(scanned))  # The layout the scanned model creates for itself.
+  assert jax.tree.map(jnp.shape, stacked) == jax.tree.map(jnp.shape, own)
+  assert own['decoder_layers']['ffn']['wi']['kernel'].shape == (2, 16, 32)
+  # The stacked axis carries the logical name 'layers' ahead of the layer's own names.
+  boxed = _init(scanned)['encoder_layers']['self_attention']['query']
+  assert boxed.names == ('layers', 'embed', 'heads', 'kv')
+  jax.tree.map(np.testing.assert_array_equal,
+               model_lib.unstack_layer_params(stacked, config), params)
+
+  loss, grads = _loss_and_grads(config, params)
+  scanned_loss, scanned_grads = _loss_and_grads(scanned, stacked)
+  assert float(scanned_loss) == pytest.approx(float(loss), rel=1e-6)
+  _assert_trees_close(model_lib.unstack_layer_params(scanned_grads, config), grads, atol=1e-6)
+
+
+@pytest.mark.parametrize('scan_layers', [False, True])
+@pytest.mark.parametrize('remat', ['full', 'dots'])
+def test_remat_gives_the_same_loss_gradients_and_dropout_masks(scan_layers, remat):
+  config = dataclasses.replace(CONFIG, scan_layers=scan_layers, deterministic=False,
+                               dropout=0.3, attention_dropout=0.3, relu_dropout=0.3)
+  rematerialised = dataclasses.replace(config, remat=remat)
+  params = nn.meta.unbox(_init(dataclasses.replace(config, deterministic=True)))
+  assert (jax.tree.map(jnp.shape, nn.meta.unbox(_init(dataclasses.replace(
+      rematerialised, deterministic=True)))) == jax.tree.map(jnp.shape, params))
+  # Keys of the default dropout PRNG, as the train step makes them.
+  rngs = {'dropout': jax.random.wrap_key_data(jax.random.PRNGKey(7), impl=prng.impl('hash32'))}
+  def gradient_program(config):
+    return str(jax.make_jaxpr(jax.grad(_loss_fn(config, rngs)))(params))
+  assert 'remat' in gradient_program(rematerialised)
+  assert 'remat' not in gradient_program(config)
+  loss, grads = _loss_and_grads(config, params, rngs)
+  remat_loss, remat_grads = _loss_and_grads(rematerialised, params, rngs)
+  without_dropout, _ = _loss_and_grads(dataclasses.replace(config, deterministic=True), params)
+  assert abs(float(loss) - float(without_dropout)) > 1e-2  # The masks matter.
+  assert float(remat_loss) == pytest.approx(float(loss), rel=1e-6)
+  _assert_trees_close(remat_grads, grads, atol=1e-6)

@@ -1,16 +1,21 @@
 """The translate and evaluate commands end to end on a run trained a few steps by configs/tiny.py."""
 
+import dataclasses
 import json
 import os
 import subprocess
 import sys
+import types
 
+import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from conftest import ROOT, write_lines
 from t2t_jax import checkpoint
+from t2t_jax import model as model_lib
 from t2t_jax import translate
 
 
@@ -91,6 +96,23 @@ def test_attention_pictures_one_per_decoder_layer(workdir, tmp_path):
   assert [os.path.basename(p) for p in paths] == ['line1_layer1.png']
   with open(paths[0], 'rb') as f:
     assert f.read(8) == b'\x89PNG\r\n\x1a\n'
+
+
+def test_attention_of_scanned_layers_is_that_of_unrolled_layers():
+  config = model_lib.TransformerConfig(vocab_size=9, d_model=16, d_ff=32, num_heads=2,
+                                       num_encoder_layers=1, num_decoder_layers=2, max_len=16)
+  scanned = dataclasses.replace(config, scan_layers=True)
+  tokens = jnp.ones((1, 4), jnp.int32)
+  params = nn.meta.unbox(model_lib.Transformer(config).init(jax.random.PRNGKey(0), tokens,
+                                                            tokens)['params'])
+  source, output = [3, 5, 2, 1], [4, 6, 1]
+  expected = translate.cross_attention(types.SimpleNamespace(model_config=config, params=params),
+                                       source, output)
+  weights = translate.cross_attention(types.SimpleNamespace(
+      model_config=scanned, params=model_lib.stack_layer_params(params, config)), source, output)
+  assert len(weights) == 2 and weights[0].shape == (2, 3, 4)
+  for actual, wanted in zip(weights, expected):
+    np.testing.assert_allclose(actual, wanted, atol=1e-6)
 
 
 def test_evaluate_cli_prints_every_bleu_with_its_label(workdir, tmp_path):
