@@ -213,6 +213,9 @@ class MultiHeadAttention(nn.Module):
     else:
       # One query per decoding step is no work for a flash kernel: XLA's path serves it.
       impl = 'xla' if cfg.decode else cfg.attention_impl
+      if impl == 'cudnn' and mask_B1QK is not None:  # cuDNN takes it as a [.., Q, K] bias.
+        mask_B1QK = jnp.broadcast_to(mask_B1QK, mask_B1QK.shape[:2] + (q_BQHD.shape[1],
+                                                                       k_BKHD.shape[1]))
       out_BQHD = jax.nn.dot_product_attention(q_BQHD, k_BKHD, v_BKHD, mask=mask_B1QK,
                                               scale=1.0, implementation=impl)
     w_out_HDE = kernel('out', (cfg.num_heads, head_dim, cfg.d_model), ('heads', 'kv', 'embed'),
