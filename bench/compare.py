@@ -28,8 +28,9 @@ What differs unavoidably (it is the example's model and step):
   - its tied output projection runs in float32 whatever the dtype (its shared embedding has
     no dtype), then casts the logits to the dtype; t2t_jax projects in the dtype and casts
     the logits to float32;
-  - its loss multiplies a one-hot [B, L, V] target matrix; t2t_jax gathers the target's
-    log-probability; both also compute accuracy, t2t_jax the unsmoothed loss too;
+  - its loss multiplies a one-hot [B, L, V] target matrix; t2t_jax (opt.loss_chunk_tokens,
+    512 by default) computes the loss and its gradient chunk by chunk of tokens; both also
+    compute accuracy, t2t_jax the unsmoothed loss too;
   - it does not scale embeddings by sqrt(d_model), divides the logits by sqrt(d_model) instead,
     and (packed) does not restart the shifted decoder input at each segment;
   - initialisers differ (no effect on the work).

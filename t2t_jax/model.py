@@ -83,12 +83,14 @@ ATTENTION_IMPLS = ('auto', 'einsum', 'xla', 'cudnn')
 
 def resolve_attention_impl(impl: str, dtype, head_dim: int, attention_dropout: float,
                            platform: str) -> str:
-  """The attention implementation to run: 'auto' picks the fastest that applies.
+  """The attention implementation to run: 'auto' picks the fastest verified one.
 
   'einsum' is the explicit softmax(QK^T)V with dropout on the weights; 'xla' and 'cudnn' go
   through `jax.nn.dot_product_attention` (cuDNN's fused flash attention on NVIDIA GPUs in
   bfloat16/float16 with head sizes up to 128 in multiples of 8). Neither fused one applies
-  dropout to the attention weights, so they need config.model.attention_dropout=0.
+  dropout to the attention weights, so they need config.model.attention_dropout=0. 'xla'
+  runs the same arithmetic as 'einsum' (measured equal on CPU), so 'auto' is 'einsum' until
+  cuDNN passes the equality test on a GPU (README, "Performance"); it logs why once.
   """
   if impl not in ATTENTION_IMPLS:
     raise ValueError(f'config.model.attention_impl={impl!r} must be one of {ATTENTION_IMPLS}')
@@ -101,9 +103,9 @@ def resolve_attention_impl(impl: str, dtype, head_dim: int, attention_dropout: f
   dropout_problem = (f'config.model.attention_dropout={attention_dropout} is not 0, and fused '
                      'attention has no dropout on its weights' if attention_dropout else None)
   if impl == 'auto':
-    why_not = dropout_problem or cudnn_problem
-    if why_not is None:
-      return 'cudnn'
+    why_not = dropout_problem or cudnn_problem or (
+        'cuDNN attention applies, but on an H100 with jax 0.11.2 it failed the equality test '
+        "against einsum and was no faster at 64-token rows, so only an explicit 'cudnn' runs it")
     _log_once(f"config.model.attention_impl='auto' uses 'einsum' attention: {why_not}.")
     return 'einsum'
   problem = dropout_problem if impl != 'einsum' else None

@@ -76,6 +76,8 @@ def test_xla_attention_equals_einsum_with_gradients(kind, norm):
 
 
 @pytest.mark.skipif(not ON_GPU, reason='cuDNN attention needs an NVIDIA GPU')
+@pytest.mark.xfail(reason='on an H100 with jax 0.11.2 the decoder gradients differed by up to '
+                   "10% of their scale; 'auto' does not pick cuDNN until this passes")
 @pytest.mark.parametrize('kind', ['padded', 'packed'])
 def test_cudnn_attention_equals_einsum_in_bfloat16(kind):
   config = dataclasses.replace(CONFIG, dtype=jnp.bfloat16)
@@ -104,12 +106,12 @@ def test_xla_attention_decodes_like_teacher_forcing():
         {'params': params, 'cache': cache}, encoded, inputs, previous[:, t:t + 1],
         mutable=['cache'], method=model_lib.Transformer.decode)
     cache = variables['cache']
-    np.testing.assert_allclose(logits[:, 0], full[:, t], atol=2e-5)
+    # GPUs multiply float32 matrices in TF32 by default (10-bit mantissa): 1e-3 relative.
+    np.testing.assert_allclose(logits[:, 0], full[:, t], atol=2e-3 if ON_GPU else 2e-5)
 
 
 @pytest.mark.parametrize('impl, dtype, head, dropout, platform, expected', [
-    ('auto', jnp.bfloat16, 64, 0.0, 'gpu', 'cudnn'),
-    ('auto', jnp.float16, 128, 0.0, 'gpu', 'cudnn'),
+    ('auto', jnp.bfloat16, 64, 0.0, 'gpu', 'einsum'),
     ('auto', jnp.float32, 64, 0.0, 'gpu', 'einsum'),
     ('auto', jnp.bfloat16, 64, 0.1, 'gpu', 'einsum'),
     ('auto', jnp.bfloat16, 160, 0.0, 'gpu', 'einsum'),
@@ -118,9 +120,16 @@ def test_xla_attention_decodes_like_teacher_forcing():
     ('xla', jnp.float32, 64, 0.0, 'cpu', 'xla'),
     ('einsum', jnp.float32, 64, 0.1, 'gpu', 'einsum'),
 ])
-def test_auto_picks_the_fastest_implementation_that_applies(impl, dtype, head, dropout,
-                                                            platform, expected):
+def test_auto_picks_the_fastest_verified_implementation(impl, dtype, head, dropout, platform,
+                                                        expected, caplog):
+  caplog.set_level('INFO')
+  model_lib._log_once.cache_clear()  # pylint: disable=protected-access
   assert model_lib.resolve_attention_impl(impl, dtype, head, dropout, platform) == expected
+  if impl == 'auto':  # Says why once, naming the reason that applies.
+    reason = ('not 0' if dropout else f'platform is {platform}' if platform != 'gpu' else
+              'not bfloat16' if dtype == jnp.float32 else 'head size' if head > 128 else
+              'failed the equality test')
+    assert reason in caplog.text
 
 
 @pytest.mark.parametrize('impl, dtype, dropout, platform, message', [

@@ -158,6 +158,17 @@ def test_shape_changing_config_is_refused_and_harmless_change_logged(trained, ca
   assert 'differ from an uninterrupted run: opt.lr_scale: 2.0 -> 1.0' in messages
 
 
+def test_dropout_prng_with_another_key_size_is_refused_not_called_damaged(trained):
+  workdir, _, setup, _ = trained
+  rbg = _config()
+  rbg.model.dropout_prng = 'rbg'
+  with pytest.raises(checkpoint.CheckpointError,
+                     match=r'dropout: saved uint32\[2\], config gives uint32\[4\].*'
+                     r"model\.dropout_prng: 'hash32' -> 'rbg'"):
+    checkpoint.Checkpointer(workdir, rbg.ckpt).restore(setup.abstract_state, rbg, (4,))
+  assert not os.path.exists(os.path.join(workdir, 'damaged_checkpoints'))
+
+
 def test_failed_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch, caplog):
   config = _config()
   checkpointer = checkpoint.Checkpointer(str(tmp_path), config.ckpt)
@@ -323,8 +334,10 @@ def _run_until(command, kill_at_step: int, sig=signal.SIGKILL):
 
 
 @pytest.mark.slow
-def test_kill9_twice_then_resume_equals_an_uninterrupted_run(tmp_path):
-  steps = ['--config.train.num_steps=24', '--config.ckpt.every=3']
+@pytest.mark.parametrize('dropout_prng', ['hash32', 'rbg'])  # The default; a 4-word key.
+def test_kill9_twice_then_resume_equals_an_uninterrupted_run(tmp_path, dropout_prng):
+  steps = ['--config.train.num_steps=24', '--config.ckpt.every=3',
+           f'--config.model.dropout_prng={dropout_prng}']
   env = dict(os.environ, PYTHONPATH=ROOT)
   subprocess.run(_command(tmp_path / 'straight', *steps), cwd=ROOT, env=env, check=True,
                  capture_output=True, timeout=300)
