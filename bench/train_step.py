@@ -63,11 +63,11 @@ def main(_):
   model_achieved = model_flops / seconds
   print(json.dumps({
       'benchmark': 'train_step', 'config': config.name, **common.device_info(),
-      'batch_shape': [rows, length], 'dtype': config.model.dtype,
+      'batch_shape': [rows, length], 'dtype': jnp.dtype(setup.model_config.dtype).name,
       'step_seconds': round(seconds, 5), 'target_tokens_per_second': round(rows * length / seconds),
       'flops_per_step': xla_flops, 'achieved_flops_per_second': achieved,
       'model_flops_per_step': model_flops, 'model_flops_per_second': model_achieved,
-      'mfu': common.mfu(model_achieved, config.model.dtype, list(setup.mesh.devices.flat)),
+      'mfu': common.mfu(model_achieved, setup.model_config.dtype, list(setup.mesh.devices.flat)),
       'matmul_flops_per_second': matmul, 'ratio_to_matmul': round(achieved / matmul, 3),
       'share_of_matmul': round(model_achieved / matmul, 4),
       'compile_seconds': round(compile_seconds, 2)}), flush=True)

@@ -64,7 +64,7 @@ def get_config():
   model.max_len = 512  # Longest sequence the position table covers (training and decoding).
   model.scan_layers = False  # Scan one compiled layer over each stack; params get a 'layers' axis.
   model.remat = 'none'  # Backward pass recomputes layers: 'none', 'full' or 'dots' (keeps matmuls).
-  model.dtype = 'float32'  # Compute dtype of activations: 'float32' or 'bfloat16'.
+  model.dtype = 'float32'  # Activations: 'float32', 'bfloat16' or 'auto' (bf16 on GPU/TPU).
   model.param_dtype = 'float32'  # Storage dtype of parameters.
   # Attention: 'einsum' (explicit softmax, attention dropout), 'xla' or 'cudnn' (fused, through
   # jax.nn.dot_product_attention; no attention dropout), 'auto' (cuDNN where it applies).

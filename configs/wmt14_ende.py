@@ -29,6 +29,8 @@ def get_config(variant='base'):
   config.data.max_len = 256
   config.data.batch_tokens = 25_000
   config.opt.warmup_steps = 4000
+  config.model.dtype = 'auto'  # bfloat16 activations on GPU/TPU, float32 on CPU.
+  config.opt.loss_chunk_tokens = 4096  # Fewer, larger chunks for accelerators.
   config.train.num_steps = 100_000 if variant == 'base' else 300_000
   config.train.eval_every = 5000
   config.ckpt.every = 5000

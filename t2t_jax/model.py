@@ -64,7 +64,7 @@ class TransformerConfig:
       raise ValueError(f"config.model.norm must be 'post' or 'pre', got {model_config.norm!r}")
     kwargs = {f.name: model_config[f.name] for f in dataclasses.fields(cls)
               if f.name in model_config}
-    kwargs['dtype'] = jnp.dtype(kwargs['dtype'])
+    kwargs['dtype'] = compute_dtype(kwargs['dtype'], jax.devices()[0].platform)
     kwargs['param_dtype'] = jnp.dtype(kwargs['param_dtype'])
     kwargs['attention_impl'] = resolve_attention_impl(
         model_config.attention_impl, kwargs['dtype'],
@@ -76,6 +76,16 @@ class TransformerConfig:
       raise ValueError(f'config.model.remat must be one of {", ".join(map(repr, REMAT_POLICIES))}'
                        f', got {config.remat!r}')
     return config
+
+
+def compute_dtype(name: str, platform: str):
+  """config.model.dtype as a dtype; 'auto' is bfloat16 on accelerators, float32 on CPU."""
+  if name == 'auto':
+    return jnp.dtype(jnp.float32 if platform == 'cpu' else jnp.bfloat16)
+  if name not in ('float32', 'bfloat16', 'float16'):
+    raise ValueError(f"config.model.dtype={name!r} must be 'float32', 'bfloat16', 'float16' "
+                     "or 'auto'")
+  return jnp.dtype(name)
 
 
 ATTENTION_IMPLS = ('auto', 'einsum', 'xla', 'cudnn')

@@ -242,7 +242,7 @@ def dry_run(config) -> dict:
       'grad_accum_steps': config.opt.grad_accum_steps,
       'scan_layers': config.model.scan_layers,
       'remat': config.model.remat,
-      'dtype': config.model.dtype,
+      'dtype': jnp.dtype(setup.model_config.dtype).name,
       'mesh': dict(setup.mesh.shape),
       'device_count': setup.mesh.size,
       'device_kind': jax.devices()[0].device_kind,
@@ -435,7 +435,7 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
   num_steps, start_step = config.train.num_steps, int(state.step)
   metric_log = _MetricLog(writer, setup.schedule, num_steps, start_step,
                           flops.devices_peak_flops_per_second(list(mesh.devices.flat),
-                                                              config.model.dtype))
+                                                              setup.model_config.dtype))
   results, pending, train_start = {}, None, time.perf_counter()
   sigterm, preempted = preemption.Preemption(config.ckpt.preemption_grace_seconds), False
   logging.info('Training from step %d to %d', start_step, num_steps)

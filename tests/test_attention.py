@@ -91,25 +91,6 @@ def test_cudnn_attention_equals_einsum_in_bfloat16(kind):
   _assert_close(actual[2], expected[2], 5e-2)
 
 
-def test_xla_attention_decodes_like_teacher_forcing():
-  from t2t_jax import decode  # pylint: disable=g-import-not-at-top
-  config = dataclasses.replace(CONFIG, attention_impl='xla', norm='pre')
-  params = _params(config)
-  inputs, targets = (jnp.asarray(x) for x in _batches()['padded'])
-  full = model_lib.Transformer(config).apply({'params': params}, inputs, targets)
-  step_model = model_lib.Transformer(decode.decode_config(config))
-  encoded = step_model.apply({'params': params}, inputs, method=model_lib.Transformer.encode)
-  cache = decode.init_cache(config, 3, 10)
-  previous = model_lib.shift_right(targets)
-  for t in range(4):
-    logits, variables = step_model.apply(
-        {'params': params, 'cache': cache}, encoded, inputs, previous[:, t:t + 1],
-        mutable=['cache'], method=model_lib.Transformer.decode)
-    cache = variables['cache']
-    # GPUs multiply float32 matrices in TF32 by default (10-bit mantissa): 1e-3 relative.
-    np.testing.assert_allclose(logits[:, 0], full[:, t], atol=2e-3 if ON_GPU else 2e-5)
-
-
 @pytest.mark.parametrize('impl, dtype, head, dropout, platform, expected', [
     ('auto', jnp.bfloat16, 64, 0.0, 'gpu', 'einsum'),
     ('auto', jnp.float32, 64, 0.0, 'gpu', 'einsum'),
