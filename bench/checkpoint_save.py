@@ -7,7 +7,6 @@ part the loop waits for: the device-to-host copy) and the background write after
 Prints one JSON line.
 """
 
-import json
 import os
 import statistics
 import sys
@@ -22,6 +21,7 @@ from ml_collections import config_flags
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # pylint: disable=g-import-not-at-top
 
+from t2t_jax import cli
 from t2t_jax import checkpoint
 from t2t_jax import data
 from t2t_jax import train
@@ -49,7 +49,7 @@ def main(_):
         total.append(time.perf_counter() - start)
     checkpointer.close()
   state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
-  print(json.dumps({
+  print(cli.json_line({
       'benchmark': 'checkpoint_save', 'config': config.name, **common.device_info(),
       'params': train.count_params(state.params), 'state_bytes': int(state_bytes),
       'save_blocking_seconds': round(statistics.median(blocking), 4),

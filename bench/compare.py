@@ -41,7 +41,6 @@ import ast
 import dataclasses
 import importlib
 import importlib.util
-import json
 import os
 import statistics
 import sys
@@ -58,6 +57,7 @@ import common  # pylint: disable=g-import-not-at-top
 
 from configs import base as base_config
 from configs import multi30k
+from t2t_jax import cli
 from t2t_jax import flops
 from t2t_jax import sharding
 from t2t_jax import train
@@ -395,7 +395,7 @@ def main(argv=None) -> list[dict]:
   results = []
   for name in args.shapes.split(','):
     results.append(compare_shape(name, args, reference, matmul))
-    print(json.dumps(results[-1]), flush=True)
+    print(cli.json_line(results[-1]), flush=True)
   return results
 
 

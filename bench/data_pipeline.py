@@ -11,7 +11,6 @@ the median epoch's target tokens/s and examples/s and the padding fraction of al
 """
 
 import collections
-import json
 import os
 import statistics
 import sys
@@ -27,6 +26,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # pylint: disable=g-import-not-at-top
 
+from t2t_jax import cli
 from t2t_jax import batching
 from t2t_jax import data
 from t2t_jax import sources
@@ -113,7 +113,7 @@ def main(argv):
       load_seconds = time.perf_counter() - start
       assert built and not hit
       for mode in batching.BATCHING_MODES:
-        print(json.dumps({
+        print(cli.json_line({
             'benchmark': 'data_pipeline', 'config': config.name, 'corpus': corpus,
             **common.device_info(), 'vocab_size': vocab.vocab_size,
             'pairs': len(split), 'skipped': dict(skipped),

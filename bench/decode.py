@@ -9,7 +9,6 @@ run to the length limit (source + config.eval.max_extra_len): the cost of the lo
 Prints one JSON line per beam size.
 """
 
-import json
 import math
 import os
 import sys
@@ -26,6 +25,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # pylint: disable=g-import-not-at-top
 
+from t2t_jax import cli
 from t2t_jax import EOS_ID
 from t2t_jax import data
 from t2t_jax import decode
@@ -83,7 +83,7 @@ def main(_):
     seconds = common.median_seconds(lambda: translator.translate(params, inputs),
                                     _REPEATS.value, warmup=0)
     target_tokens = _output_tokens(outputs)
-    print(json.dumps({
+    print(cli.json_line({
         'benchmark': 'decode', 'config': config.name, **common.device_info(),
         'search': 'greedy' if beam_size == 1 else 'beam', 'beam_size': beam_size,
         'alpha': config.eval.alpha, 'dtype': config.model.dtype,

@@ -9,7 +9,6 @@ analytic model FLOPs of t2t_jax.flops (matmuls only), which MFU and the matmul s
 Prints one JSON line.
 """
 
-import json
 import os
 import sys
 import time
@@ -24,6 +23,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # pylint: disable=g-import-not-at-top
 
+from t2t_jax import cli
 from t2t_jax import data
 from t2t_jax import flops
 from t2t_jax import sharding
@@ -61,7 +61,7 @@ def main(_):
   matmul = common.matmul_flops_per_second()
   achieved = xla_flops / seconds
   model_achieved = model_flops / seconds
-  print(json.dumps({
+  print(cli.json_line({
       'benchmark': 'train_step', 'config': config.name, **common.device_info(),
       'batch_shape': [rows, length], 'dtype': jnp.dtype(setup.model_config.dtype).name,
       'step_seconds': round(seconds, 5), 'target_tokens_per_second': round(rows * length / seconds),

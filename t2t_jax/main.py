@@ -6,7 +6,6 @@
   python -m t2t_jax.main ... --coordinator_address=10.0.0.1:1234 --num_processes=2 --process_id=0
 """
 
-import json
 import logging as std_logging
 import os
 import sys
@@ -16,6 +15,8 @@ from absl import flags
 from absl import logging
 import jax
 from ml_collections import config_flags
+
+from t2t_jax import cli
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file (path[:variant]).',
                                           lock_config=True)
@@ -65,7 +66,7 @@ def main(argv):
   from t2t_jax import train  # After flag parsing, so --help stays fast.
   if _DRY_RUN.value:
     result = train.dry_run(_CONFIG.value)
-    print(json.dumps(result), flush=True)
+    print(cli.json_line(result), flush=True)
     if not result.get('fits', True):
       raise SystemExit(f'The train step needs {result["memory_per_device_bytes"]["total"]} bytes '
                        f'per device but the device has {result["device_memory_bytes"]}: shard '
@@ -84,11 +85,7 @@ def main(argv):
     logging.warning('%s', e)
     logging.flush()
     sys.exit(preemption.EXIT_CODE)  # Not 0, so schedulers requeue rather than finish the job.
-  line = json.dumps(results)
-  if jax.process_index() == 0:  # Sweep summaries read it back from the workdir.
-    with open(os.path.join(_WORKDIR.value, 'final.json'), 'w') as f:
-      f.write(line + '\n')
-  print(line, flush=True)
+  print(cli.json_line(results), flush=True)
 
 
 def run():

@@ -7,13 +7,13 @@ finds the vocabulary and every split already tokenised and starts in seconds. Pr
 line per split.
 """
 
-import json
 import time
 
 from absl import app
 from absl import flags
 from ml_collections import config_flags
 
+from t2t_jax import cli
 from t2t_jax import data
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file (path[:variant]).',
@@ -48,7 +48,7 @@ def main(argv):
     raise app.UsageError('set --config.data.cache_dir (or --workdir) to say where the '
                          'vocabulary and the token cache go')
   for result in prepare(_CONFIG.value, _WORKDIR.value or '', _SPLITS.value):
-    print(json.dumps(result), flush=True)
+    print(cli.json_line(result), flush=True)
 
 
 def run():

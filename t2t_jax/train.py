@@ -19,6 +19,7 @@ import optax
 import tensorboardX
 
 from t2t_jax import checkpoint
+from t2t_jax import cli
 from t2t_jax import data
 from t2t_jax import decode
 from t2t_jax import evaluate
@@ -29,6 +30,8 @@ from t2t_jax import preemption
 from t2t_jax import prng
 from t2t_jax import sharding
 from t2t_jax.model import Transformer, TransformerConfig, output_params
+
+FINAL_JSON = 'final.json'  # The final figures of a finished run, one strict JSON line.
 
 
 @flax.struct.dataclass
@@ -322,7 +325,7 @@ def run_evaluation(setup: Setup, params, task: data.TaskData, eval_batches, conf
     sums = metrics if sums is None else jax.tree.map(np.add, sums, metrics)
   if sums is None:
     logging.warning('The eval set is empty: no eval figures.')
-    return {}
+    return {}, None
   results = {f'eval_{k}': v for k, v in optim.summarize(sums).items()}
   bleu = None
   if with_bleu and config.eval.bleu_sentences and len(task.eval):
@@ -345,7 +348,7 @@ class _MetricLog:
     self.peak = peak_flops_per_second  # All devices of the mesh together; None if unknown.
     self.sums, self.steps, self.model_flops, self.start = None, 0, 0.0, time.perf_counter()
     self.last_good_step = start_step
-    self.last_loss, self.intervals = float('nan'), []  # (steps, seconds, model FLOPs) each.
+    self.last_loss, self.intervals = None, []  # (steps, seconds, model FLOPs) each.
 
   def add(self, step: int, metrics, model_flops: float) -> None:
     metrics = jax.device_get(metrics)
@@ -386,14 +389,22 @@ class _MetricLog:
     self.intervals.append((self.steps, elapsed, self.model_flops))
     self.sums, self.steps, self.model_flops, self.start = None, 0, 0.0, time.perf_counter()
 
-  def final(self) -> dict[str, float | None]:
-    """Last logged loss, steps/s, model FLOP/s and MFU (None: no known peak), compiling left out."""
-    intervals = self.intervals[1:] or self.intervals or [(0, 1.0, 0.0)]
+  def final(self) -> dict[str, Any]:
+    """Last logged loss, steps/s, model FLOP/s and MFU, compiling left out; None says why."""
+    if not self.intervals:
+      return {'train_loss': None, 'steps_per_second': None, 'model_flops_per_second': None,
+              'mfu': None, 'null_reasons': {
+                  name: 'no training step ran in this launch' for name in
+                  ('train_loss', 'steps_per_second', 'model_flops_per_second', 'mfu')}}
+    intervals = self.intervals[1:] or self.intervals
     steps, seconds, model_flops = (sum(column) for column in zip(*intervals))
     seconds = max(seconds, 1e-9)
-    return {'train_loss': self.last_loss, 'steps_per_second': steps / seconds,
-            'model_flops_per_second': model_flops / seconds,
-            'mfu': flops.mfu(model_flops, seconds, self.peak) if self.peak else None}
+    figures = {'train_loss': self.last_loss, 'steps_per_second': steps / seconds,
+               'model_flops_per_second': model_flops / seconds,
+               'mfu': flops.mfu(model_flops, seconds, self.peak) if self.peak else None}
+    if not self.peak:
+      figures['null_reasons'] = {'mfu': 'the peak FLOP/s of this device kind is not known'}
+    return figures
 
 
 def _model_flops(model_config: TransformerConfig, host_batch: dict) -> float:
@@ -485,12 +496,31 @@ def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
     checkpointer.close()
     writer.close()
     raise preemption.Preempted(int(state.step), checkpointer.directory)
-  if not results:  # Resumed at the end: nothing left to train, but report the figures.
+  saved = _read_final(workdir, int(state.step)) if not results else None
+  if not results and not saved:  # Resumed at the end, figures unsaved: evaluate again.
     results, _ = run_evaluation(setup, state.params, task, eval_batches, config, translator)
   checkpointer.close()
   writer.close()
-  return {'config': config.name, 'step': int(state.step), **results, **metric_log.final(),
-          'train_seconds': round(time.perf_counter() - train_start, 1)}
+  if saved:  # Resumed a finished run: nothing trained; report what it reported.
+    logging.info('The run had already finished at step %d; its final figures follow.',
+                 saved['step'])
+    return saved
+  figures = {'config': config.name, 'step': int(state.step), **results, **metric_log.final(),
+             'train_seconds': round(time.perf_counter() - train_start, 1)}
+  if jax.process_index() == 0:  # Sweep summaries and a resumed finished run read it back.
+    with open(os.path.join(workdir, FINAL_JSON), 'w') as f:
+      f.write(cli.json_line(figures) + '\n')
+  return figures
+
+
+def _read_final(workdir: str, step: int) -> dict[str, Any] | None:
+  """The figures a finished run saved at `step`, or None (none saved, or of another step)."""
+  try:
+    with open(os.path.join(workdir, FINAL_JSON)) as f:
+      saved = json.load(f)
+  except (OSError, ValueError):
+    return None
+  return saved if saved.get('step') == step else None
 
 
 class _NullWriter:

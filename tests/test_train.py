@@ -37,6 +37,11 @@ def test_train_and_evaluate_writes_events_config_and_checkpoint(tiny_config, tmp
   tiny_config.train.num_steps = 25
   resumed = train.train_and_evaluate(tiny_config, workdir)
   assert resumed['step'] == 25
+  saved = open(tmp_path / 'final.json').read()
+  assert json.loads(saved) == json.loads(json.dumps(resumed))  # Strict JSON: no NaN token.
+  # Launched again when finished: nothing trains; the saved figures, train_loss included.
+  assert train.train_and_evaluate(tiny_config, workdir) == json.loads(saved)
+  assert np.isfinite(json.loads(saved)['train_loss'])
 
 
 def test_metric_log_reports_model_flops_and_mfu(monkeypatch):
