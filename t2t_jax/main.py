@@ -35,6 +35,9 @@ _PROCESS_ID = flags.DEFINE_integer('process_id', -1, 'This process, 0..num_proce
                                    'T2T_PROCESS_ID), with --coordinator_address.')
 _DISTRIBUTED_TIMEOUT = flags.DEFINE_integer(
     'distributed_timeout', 300, 'Seconds to wait for every process to join a multi-process run.')
+_FORCE_UNLOCK = flags.DEFINE_bool(
+    'force_unlock', False, 'Take the workdir lock even if the run named in it looks alive '
+    '(e.g. a node that is gone but whose heartbeat is recent). Never with a live run.')
 _CACHE = flags.DEFINE_string('compilation_cache', '~/.cache/t2t_jax/xla',
                              'Persistent XLA compilation cache directory; empty disables it.')
 flags.mark_flag_as_required('config')
@@ -78,7 +81,7 @@ def main(argv):
   logging.info('JAX devices: %s', jax.devices())
   from t2t_jax import checkpoint, preemption  # pylint: disable=g-import-not-at-top
   try:
-    results = train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+    results = train.train_and_evaluate(_CONFIG.value, _WORKDIR.value, _FORCE_UNLOCK.value)
   except checkpoint.CheckpointError as e:
     sys.exit(f'error: {e}')  # Says which checkpoint and what to do; no traceback needed.
   except preemption.Preempted as e:

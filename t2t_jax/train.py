@@ -29,6 +29,7 @@ from t2t_jax import optim
 from t2t_jax import preemption
 from t2t_jax import prng
 from t2t_jax import sharding
+from t2t_jax import workdir_lock
 from t2t_jax.model import Transformer, TransformerConfig, output_params
 
 FINAL_JSON = 'final.json'  # The final figures of a finished run, one strict JSON line.
@@ -414,9 +415,20 @@ def _model_flops(model_config: TransformerConfig, host_batch: dict) -> float:
                                 host_batch['targets'].shape[1])
 
 
-def train_and_evaluate(config, workdir: str) -> dict[str, Any]:
-  """Trains `config` in `workdir` (resuming if it holds a checkpoint); returns final figures."""
+def train_and_evaluate(config, workdir: str, force_unlock: bool = False) -> dict[str, Any]:
+  """Trains `config` in `workdir` (resuming if it holds a checkpoint); returns final figures.
+
+  Process 0 holds the workdir's lock throughout: a second launch on it is refused while this
+  one lives (`force_unlock` takes the lock regardless).
+  """
   os.makedirs(workdir, exist_ok=True)
+  if jax.process_index() != 0:
+    return _train_and_evaluate(config, workdir)
+  with workdir_lock.WorkdirLock(workdir, force_unlock):
+    return _train_and_evaluate(config, workdir)
+
+
+def _train_and_evaluate(config, workdir: str) -> dict[str, Any]:
   mesh = sharding.make_mesh(config.mesh)
   task = _load_data(config, workdir)
   train_batches, eval_batches = _batchers(config, task, mesh)

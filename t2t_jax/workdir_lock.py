@@ -1,0 +1,174 @@
+"""One run per workdir: a lock file naming the host and process that train in it.
+
+`<workdir>/run.lock` holds {host, pid, start_ticks, since}. It is created atomically (a link
+of a finished file, which also works on NFS), refreshed by a heartbeat thread, and removed on
+every way out Python sees: a clean exit, an error, SIGTERM. A lock whose holder is gone is
+taken over with a warning: on this host when the PID no longer runs (or is another process of
+the same number), from another host when its heartbeat is older than STALE_SECONDS.
+"""
+
+import dataclasses
+import json
+import os
+import signal
+import socket
+import threading
+import time
+
+from absl import logging
+
+LOCK_FILE = 'run.lock'
+HEARTBEAT_SECONDS = 30.0
+STALE_SECONDS = 300.0  # Another host's lock not refreshed for this long is from a lost node.
+SIGTERM_EXIT_CODE = 128 + signal.SIGTERM
+
+
+class WorkdirLocked(RuntimeError):
+  """Another live run holds the workdir."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Holder:
+  host: str
+  pid: int
+  start_ticks: int | None  # From /proc/<pid>/stat: tells a reused PID from the holder.
+  since: str
+
+  @classmethod
+  def this_process(cls) -> 'Holder':
+    return cls(socket.gethostname(), os.getpid(), _start_ticks(os.getpid()),
+               time.strftime('%Y-%m-%d %H:%M:%S'))
+
+
+def _start_ticks(pid: int) -> int | None:
+  """Start time of `pid` in clock ticks since boot; None when it does not run (or no /proc)."""
+  try:
+    with open(f'/proc/{pid}/stat') as f:
+      fields = f.read().rsplit(')', 1)[1].split()  # The name may hold spaces and ')'.
+  except OSError:
+    return None
+  return None if fields[0] in 'ZX' else int(fields[19])  # A zombie has ended.
+
+
+def _runs(holder: Holder) -> bool:
+  """Whether `holder` (a process of this host) still runs."""
+  if os.path.isdir('/proc'):
+    return _start_ticks(holder.pid) is not None and holder.start_ticks in (
+        None, _start_ticks(holder.pid))
+  try:
+    os.kill(holder.pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    pass  # Runs, as another user.
+  return True
+
+
+class WorkdirLock:
+  """Holds `<workdir>/run.lock` while in use (a context manager); `force` takes it regardless."""
+
+  def __init__(self, workdir: str, force: bool = False):
+    self.path = os.path.join(workdir, LOCK_FILE)
+    self.force = force
+    self.holder = Holder.this_process()
+    self._stop = threading.Event()
+    self._heartbeat = None
+    self._previous_sigterm = None
+
+  def __enter__(self) -> 'WorkdirLock':
+    self.acquire()
+    return self
+
+  def __exit__(self, *exc_info):
+    self.release()
+
+  def acquire(self) -> None:
+    """Takes the lock, or raises WorkdirLocked naming the live holder and what to do."""
+    for _ in range(5):  # Another launch may take or free it between our reads.
+      if self._create():
+        break
+      current = self._read()
+      if current is None:
+        continue  # Freed meanwhile.
+      problem = self._stale(current)
+      if not (problem or self.force):
+        raise WorkdirLocked(
+            f'{os.path.dirname(self.path)} is in use by PID {current.pid} on host '
+            f'{current.host} (running since {current.since}): wait for that run to end or stop '
+            f'it; if you know it is gone, rerun with --force_unlock (or delete {self.path})')
+      logging.warning('Taking over the lock of %s from PID %d on host %s: %s.',
+                      os.path.dirname(self.path), current.pid, current.host,
+                      problem or 'forced by --force_unlock')
+      self._remove_if(current)
+    else:
+      raise WorkdirLocked(f'could not take {self.path}: other launches keep taking it; launch '
+                          'one run per workdir')
+    self._heartbeat = threading.Thread(target=self._beat, name='workdir-lock', daemon=True)
+    self._heartbeat.start()
+    if threading.current_thread() is threading.main_thread():
+      # Without a handler SIGTERM ends Python at once and the lock would stay behind.
+      self._previous_sigterm = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+
+  def release(self) -> None:
+    """Removes the lock if it is still this process's."""
+    self._stop.set()
+    if self._heartbeat:
+      self._heartbeat.join()
+      self._heartbeat = None
+    if self._previous_sigterm is not None:
+      signal.signal(signal.SIGTERM, self._previous_sigterm)
+      self._previous_sigterm = None
+    self._remove_if(self.holder)
+
+  def _create(self) -> bool:
+    temporary = f'{self.path}.{self.holder.host}.{self.holder.pid}'
+    with open(temporary, 'w') as f:
+      json.dump(dataclasses.asdict(self.holder), f)
+    try:
+      os.link(temporary, self.path)  # Atomic, and fails if the lock exists.
+      return True
+    except FileExistsError:
+      return False
+    finally:
+      os.remove(temporary)
+
+  def _read(self) -> Holder | None:
+    try:
+      with open(self.path) as f:
+        return Holder(**json.load(f))
+    except FileNotFoundError:
+      return None
+    except (ValueError, TypeError):  # Not ours to judge: an unreadable lock counts as stale.
+      return Holder('?', -1, None, 'unknown')
+
+  def _stale(self, holder: Holder) -> str:
+    """Why `holder`'s lock is left over ('' while its run may live)."""
+    if holder.pid < 0:
+      return f'{self.path} is unreadable'
+    if holder.host == self.holder.host:
+      return '' if _runs(holder) else 'that process no longer runs (killed?)'
+    try:
+      age = time.time() - os.path.getmtime(self.path)
+    except FileNotFoundError:
+      return 'it was released'
+    return (f'its heartbeat stopped {age:.0f} s ago (a lost node?)' if age > STALE_SECONDS
+            else '')
+
+  def _remove_if(self, holder: Holder) -> None:
+    if self._read() == holder:
+      try:
+        os.remove(self.path)
+      except FileNotFoundError:
+        pass
+
+  def _beat(self) -> None:
+    while not self._stop.wait(HEARTBEAT_SECONDS):
+      try:
+        os.utime(self.path)
+      except OSError as e:
+        logging.warning('Could not refresh the workdir lock %s: %s', self.path, e)
+
+
+def _exit_on_sigterm(signum, frame):
+  del signum, frame
+  raise SystemExit(SIGTERM_EXIT_CODE)
