@@ -2,3 +2,7 @@
 
 PAD_ID = 0
 EOS_ID = 1
+
+
+class ConfigError(ValueError):
+  """A config value (or a flag standing for one) that cannot work, named with what to do."""

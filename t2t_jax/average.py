@@ -15,6 +15,7 @@ from absl import flags
 from absl import logging
 
 from t2t_jax import checkpoint
+from t2t_jax import cli
 
 def available_steps(workdir: str) -> list[int]:
   directory = os.path.join(os.path.abspath(workdir), 'checkpoints')
@@ -76,16 +77,13 @@ def main(argv):
   args = flags.FLAGS
   if not args.workdir:
     raise app.UsageError('--workdir is required')
-  try:
-    steps = choose_steps(available_steps(args.workdir), args.last, args.steps)
-    print(average_checkpoints(args.workdir, steps, args.output, args.dtype), flush=True)
-  except checkpoint.CheckpointError as e:
-    raise SystemExit(f'error: {e}') from None  # A clear line, not a traceback.
+  steps = choose_steps(available_steps(args.workdir), args.last, args.steps)
+  print(average_checkpoints(args.workdir, steps, args.output, args.dtype), flush=True)
 
 
 def run():
   _define_flags()
-  app.run(main)
+  cli.run(main)
 
 
 if __name__ == '__main__':

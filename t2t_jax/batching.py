@@ -17,6 +17,7 @@ from typing import Iterator, Sequence
 import grain
 import numpy as np
 
+from t2t_jax import ConfigError
 from t2t_jax import PAD_ID
 from t2t_jax.sources import DataError
 from t2t_jax.token_cache import Ragged
@@ -56,7 +57,7 @@ class _Batches:
   def __init__(self, split, row_multiple: int, shuffle: bool, seed: int, process_index: int,
                process_count: int):
     if row_multiple % process_count:
-      raise ValueError(f'{process_count} processes cannot split batches whose row counts are '
+      raise ConfigError(f'{process_count} processes cannot split batches whose row counts are '
                        f'multiples of {row_multiple}: the mesh batch axes must be a multiple '
                        'of the process count')
     self.split, self.shuffle, self.seed = split, shuffle, seed
@@ -312,7 +313,7 @@ def make_batchers(config, train_split, eval_split, row_multiple: int, process_in
     train = PackedBatches(train_split, data_config.batch_tokens, pack_length(data_config),
                           train_rows, shuffle=True, seed=config.seed, **shard)
   else:
-    raise ValueError(f'config.data.batching must be one of {BATCHING_MODES}, '
+    raise ConfigError(f'config.data.batching must be one of {BATCHING_MODES}, '
                      f'got {data_config.batching!r}')
   evaluation = TokenBudgetBatches(eval_split, data_config.batch_tokens, boundaries, row_multiple,
                                   shuffle=False, seed=config.seed, **shard)

@@ -23,6 +23,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers
 
+from t2t_jax import ConfigError
+
 STATE, RNG, DATA, CONFIG = 'state', 'rng', 'data', 'config'
 PARAMS, INFO = 'params', 'info'
 # Config keys whose change on resume cannot alter the trained parameters' values.
@@ -75,7 +77,7 @@ class Checkpointer:
     self.directory = os.path.join(self.workdir, 'checkpoints')
     self.every = ckpt_config.every
     if ckpt_config.keep < max(1, average_last):
-      raise ValueError(f'config.ckpt.keep={ckpt_config.keep} must be at least 1 and at least '
+      raise ConfigError(f'config.ckpt.keep={ckpt_config.keep} must be at least 1 and at least '
                        f'config.eval.average_last={average_last}, the checkpoints averaged')
     policies = [checkpoint_managers.LatestN(n=ckpt_config.keep)]
     if ckpt_config.keep_every > 0:

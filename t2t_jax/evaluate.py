@@ -25,6 +25,7 @@ from absl import flags
 from absl import logging
 import sacrebleu
 
+from t2t_jax import cli
 from t2t_jax import sources as sources_lib
 
 
@@ -161,23 +162,17 @@ def main(argv):
   if bool(FLAGS.src) != bool(FLAGS.ref):
     raise app.UsageError('pass both --src and --ref, or neither to score the run\'s own '
                          'validation files')
-  try:
-    src, ref = (FLAGS.src, FLAGS.ref) if FLAGS.src else _validation_files(
-        translate.load_config(FLAGS.workdir))
-  except FileNotFoundError as e:
-    sys.exit(f'evaluate: {e}')
+  src, ref = (FLAGS.src, FLAGS.ref) if FLAGS.src else _validation_files(
+      translate.load_config(FLAGS.workdir))
   sources, references = _read(src, 'src'), _read(ref, 'ref')
   tokenized = _read(FLAGS.tokenized_ref, 'tokenized_ref') if FLAGS.tokenized_ref else None
   for name, lines in (('ref', references), ('tokenized_ref', tokenized)):
     if lines is not None and len(lines) != len(sources):
       raise app.UsageError(f'--src={src} has {len(sources)} lines but --{name} has '
                            f'{len(lines)}: line N of each must belong to the same sentence')
-  try:
-    run = translate.load(FLAGS.workdir, FLAGS.checkpoint, FLAGS.beam_size, FLAGS.alpha,
-                         FLAGS.batch_tokens)
-    hypotheses, _, _ = translate.translate_lines(run, sources, src, progress=True)
-  except (OSError, ValueError, translate.checkpoint_lib.CheckpointError) as e:
-    sys.exit(f'evaluate: {e}')
+  run = translate.load(FLAGS.workdir, FLAGS.checkpoint, FLAGS.beam_size, FLAGS.alpha,
+                       FLAGS.batch_tokens)
+  hypotheses, _, _ = translate.translate_lines(run, sources, src, progress=True)
   if FLAGS.output:
     with open(FLAGS.output, 'w', encoding='utf-8') as f:
       f.write(''.join(h + '\n' for h in hypotheses))
@@ -232,7 +227,7 @@ def _define_flags():
 
 def run():
   _define_flags()
-  app.run(main)
+  cli.run(main)
 
 
 if __name__ == '__main__':

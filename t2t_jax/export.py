@@ -13,6 +13,7 @@ from absl import app
 from absl import flags
 
 from t2t_jax import checkpoint
+from t2t_jax import cli
 
 def export(workdir: str, checkpoint_name: str | None = None, dtype: str = 'float32',
            output: str = '') -> str:
@@ -43,15 +44,12 @@ def main(argv):
   args = flags.FLAGS
   if not args.workdir:
     raise app.UsageError('--workdir is required')
-  try:
-    print(export(args.workdir, args.checkpoint, args.dtype, args.output), flush=True)
-  except checkpoint.CheckpointError as e:
-    raise SystemExit(f'error: {e}') from None  # A clear line, not a traceback.
+  print(export(args.workdir, args.checkpoint, args.dtype, args.output), flush=True)
 
 
 def run():
   _define_flags()
-  app.run(main)
+  cli.run(main)
 
 
 if __name__ == '__main__':

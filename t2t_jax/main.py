@@ -6,7 +6,6 @@
   python -m t2t_jax.main ... --coordinator_address=10.0.0.1:1234 --num_processes=2 --process_id=0
 """
 
-import logging as std_logging
 import os
 import sys
 
@@ -43,16 +42,9 @@ _CACHE = flags.DEFINE_string('compilation_cache', '~/.cache/t2t_jax/xla',
 flags.mark_flag_as_required('config')
 
 
-def _quiet_libraries():
-  """Keeps orbax's per-save INFO chatter out of the console; its warnings still show."""
-  logging.get_absl_handler().addFilter(
-      lambda record: record.levelno >= std_logging.WARNING or '/orbax/' not in record.pathname)
-
-
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
-  _quiet_libraries()
   if _DRY_RUN_DEVICES.value:  # Before anything creates the devices.
     if not _DRY_RUN.value:
       raise app.UsageError('--dry_run_devices only applies with --dry_run')
@@ -79,11 +71,9 @@ def main(argv):
   if not _WORKDIR.value:
     raise app.UsageError('--workdir is required to train')
   logging.info('JAX devices: %s', jax.devices())
-  from t2t_jax import checkpoint, preemption  # pylint: disable=g-import-not-at-top
+  from t2t_jax import preemption  # pylint: disable=g-import-not-at-top
   try:
     results = train.train_and_evaluate(_CONFIG.value, _WORKDIR.value, _FORCE_UNLOCK.value)
-  except checkpoint.CheckpointError as e:
-    sys.exit(f'error: {e}')  # Says which checkpoint and what to do; no traceback needed.
   except preemption.Preempted as e:
     logging.warning('%s', e)
     logging.flush()
@@ -92,7 +82,7 @@ def main(argv):
 
 
 def run():
-  app.run(main)
+  cli.run(main)
 
 
 if __name__ == '__main__':

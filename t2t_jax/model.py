@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from t2t_jax import ConfigError
 from t2t_jax import PAD_ID
 
 Array = jax.Array
@@ -58,10 +59,10 @@ class TransformerConfig:
   def from_config(cls, model_config, vocab_size: int, **overrides) -> 'TransformerConfig':
     """Builds from the `model` section of an ml_collections config."""
     if model_config.d_model % model_config.num_heads:
-      raise ValueError(f'config.model.d_model={model_config.d_model} is not divisible by '
+      raise ConfigError(f'config.model.d_model={model_config.d_model} is not divisible by '
                        f'config.model.num_heads={model_config.num_heads}')
     if model_config.norm not in ('post', 'pre'):
-      raise ValueError(f"config.model.norm must be 'post' or 'pre', got {model_config.norm!r}")
+      raise ConfigError(f"config.model.norm must be 'post' or 'pre', got {model_config.norm!r}")
     kwargs = {f.name: model_config[f.name] for f in dataclasses.fields(cls)
               if f.name in model_config}
     kwargs['dtype'] = compute_dtype(kwargs['dtype'], jax.devices()[0].platform)
@@ -73,7 +74,7 @@ class TransformerConfig:
     config = cls(vocab_size=vocab_size, **{**kwargs, **overrides})
     # Checked on the result: configs saved before the key existed lack it and mean 'none'.
     if config.remat not in REMAT_POLICIES:
-      raise ValueError(f'config.model.remat must be one of {", ".join(map(repr, REMAT_POLICIES))}'
+      raise ConfigError(f'config.model.remat must be one of {", ".join(map(repr, REMAT_POLICIES))}'
                        f', got {config.remat!r}')
     return config
 
@@ -83,7 +84,7 @@ def compute_dtype(name: str, platform: str):
   if name == 'auto':
     return jnp.dtype(jnp.float32 if platform == 'cpu' else jnp.bfloat16)
   if name not in ('float32', 'bfloat16', 'float16'):
-    raise ValueError(f"config.model.dtype={name!r} must be 'float32', 'bfloat16', 'float16' "
+    raise ConfigError(f"config.model.dtype={name!r} must be 'float32', 'bfloat16', 'float16' "
                      "or 'auto'")
   return jnp.dtype(name)
 
@@ -103,7 +104,7 @@ def resolve_attention_impl(impl: str, dtype, head_dim: int, attention_dropout: f
   cuDNN passes the equality test on a GPU (README, "Performance"); it logs why once.
   """
   if impl not in ATTENTION_IMPLS:
-    raise ValueError(f'config.model.attention_impl={impl!r} must be one of {ATTENTION_IMPLS}')
+    raise ConfigError(f'config.model.attention_impl={impl!r} must be one of {ATTENTION_IMPLS}')
   cudnn_problem = (
       f'the platform is {platform}, not gpu' if platform != 'gpu' else
       f'config.model.dtype={jnp.dtype(dtype).name}, not bfloat16 or float16'
@@ -122,7 +123,7 @@ def resolve_attention_impl(impl: str, dtype, head_dim: int, attention_dropout: f
   if impl == 'cudnn':
     problem = problem or cudnn_problem
   if problem:
-    raise ValueError(f'config.model.attention_impl={impl!r} cannot run: {problem}. Use '
+    raise ConfigError(f'config.model.attention_impl={impl!r} cannot run: {problem}. Use '
                      "'auto' (which falls back) or change the setting named.")
   return impl
 

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from t2t_jax import ConfigError
 from t2t_jax import PAD_ID
 
 
@@ -179,7 +180,7 @@ def learning_rate_schedule(opt_config, d_model: int) -> optax.Schedule:
   elif opt_config.schedule == 'constant':
     schedule = optax.constant_schedule(scale)
   else:
-    raise ValueError(f"config.opt.schedule must be 'rsqrt', 't2t' or 'constant', "
+    raise ConfigError(f"config.opt.schedule must be 'rsqrt', 't2t' or 'constant', "
                      f'got {opt_config.schedule!r}')
   return schedule
 

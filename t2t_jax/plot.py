@@ -12,10 +12,11 @@ import dataclasses
 import glob
 import os
 import struct
-import sys
 
 from absl import app
 from absl import flags
+
+from t2t_jax import cli
 
 # Tags written by train.py, and how the figure labels them.
 LOSSES = (('train/loss', 'training loss'), ('eval/loss', 'validation loss'),
@@ -125,9 +126,10 @@ def main(argv):
   try:
     scalars = read_scalars(FLAGS.workdir)
   except FileNotFoundError as e:
-    sys.exit(f'plot: {e}')
+    raise app.UsageError(f'{e}: --workdir must be a training run directory') from None
   if not any(tag in scalars for tag, _ in LOSSES + BLEUS):
-    sys.exit(f'plot: the event files in {FLAGS.workdir} hold no training or evaluation scalars')
+    raise app.UsageError(f'the event files in {FLAGS.workdir} hold no training or evaluation '
+                         'scalars yet')
   output = FLAGS.output or os.path.join(FLAGS.workdir, 'curves.png')
   draw(scalars, output, FLAGS.title or os.path.basename(os.path.normpath(FLAGS.workdir)),
        FLAGS.bleu_target)
@@ -150,7 +152,7 @@ def _define_flags():
 
 def run():
   _define_flags()
-  app.run(main)
+  cli.run(main)
 
 
 if __name__ == '__main__':

@@ -52,7 +52,7 @@ def main(argv):
 
 
 def run():
-  app.run(main)
+  cli.run(main)
 
 
 if __name__ == '__main__':

@@ -15,6 +15,8 @@ import jax.extend.random
 import jax.numpy as jnp
 import numpy as np
 
+from t2t_jax import ConfigError
+
 # Dropout PRNGs offered by config.model.dropout_prng, the fastest on CPU first.
 DROPOUT_PRNGS = ('hash32', 'threefry2x32', 'rbg', 'unsafe_rbg')
 
@@ -85,7 +87,7 @@ HASH32 = jax.extend.random.define_prng_impl(
 def impl(name: str):
   """The JAX PRNG implementation (spec or registered name) behind a dropout PRNG name."""
   if name not in DROPOUT_PRNGS:
-    raise ValueError(f'config.model.dropout_prng={name!r} must be one of {DROPOUT_PRNGS}')
+    raise ConfigError(f'config.model.dropout_prng={name!r} must be one of {DROPOUT_PRNGS}')
   return HASH32 if name == 'hash32' else name
 
 

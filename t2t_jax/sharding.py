@@ -14,6 +14,8 @@ from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import numpy as np
 
+from t2t_jax import ConfigError
+
 MESH_AXES = ('data', 'fsdp', 'tensor')
 BATCH_AXES = ('data', 'fsdp')
 
@@ -23,15 +25,15 @@ def mesh_shape(shape, device_count: int) -> tuple[int, ...]:
   shape = tuple(int(n) for n in shape)
   if len(shape) != len(MESH_AXES) or shape.count(-1) > 1 or any(
       n == 0 or n < -1 for n in shape):
-    raise ValueError(f'config.mesh.shape={shape} must give {len(MESH_AXES)} sizes for '
+    raise ConfigError(f'config.mesh.shape={shape} must give {len(MESH_AXES)} sizes for '
                      f'{MESH_AXES}, positive or a single -1')
   known = math.prod(n for n in shape if n != -1)
   if device_count % known:
-    raise ValueError(f'config.mesh.shape={shape} needs a multiple of {known} devices, '
+    raise ConfigError(f'config.mesh.shape={shape} needs a multiple of {known} devices, '
                      f'but there are {device_count}')
   shape = tuple(device_count // known if n == -1 else n for n in shape)
   if math.prod(shape) != device_count:
-    raise ValueError(f'config.mesh.shape={shape} covers {math.prod(shape)} devices, but there '
+    raise ConfigError(f'config.mesh.shape={shape} covers {math.prod(shape)} devices, but there '
                      f'are {device_count}; use -1 on one axis to take the rest')
   return shape
 
@@ -45,7 +47,7 @@ def make_mesh(mesh_config, devices=None) -> Mesh:
   if slices == 1:
     return jax.make_mesh(shape, MESH_AXES, devices=devices, axis_types=axis_types)
   if slices < 1 or shape[0] % slices:
-    raise ValueError(f'config.mesh.dcn_data={slices} must be a positive divisor of the data '
+    raise ConfigError(f'config.mesh.dcn_data={slices} must be a positive divisor of the data '
                      f'axis size {shape[0]} (config.mesh.shape={tuple(mesh_config.shape)})')
   # Slices talk over the data-centre network (DCN), so only the data axis crosses them: each
   # slice holds a full (data/slices, fsdp, tensor) sub-mesh on its fast interconnect. TPU
@@ -55,7 +57,7 @@ def make_mesh(mesh_config, devices=None) -> Mesh:
   granules = len({d.process_index for d in devices} if by_process
                  else {d.slice_index for d in devices})
   if granules != slices:
-    raise ValueError(f'config.mesh.dcn_data={slices} slices were asked for, but the devices '
+    raise ConfigError(f'config.mesh.dcn_data={slices} slices were asked for, but the devices '
                      f'form {granules} ({"processes" if by_process else "TPU slices"}); set '
                      f'config.mesh.dcn_data={granules}' + (' or 1' if granules > 1 else ''))
   grid = mesh_utils.create_hybrid_device_mesh(per_slice, (slices, 1, 1), devices,
@@ -94,7 +96,7 @@ def _check_divisible(path, leaf, logical_spec, named_sharding) -> None:
     axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
     ways = math.prod(named_sharding.mesh.shape[axis] for axis in axes)
     if size % ways:
-      raise ValueError(
+      raise ConfigError(
           f'{jax.tree_util.keystr(path)} of shape {leaf.shape}: dimension {dim} (logical axis '
           f'{logical_spec[dim]!r}) has size {size}, which does not split {ways} ways over mesh '
           f'axes {axes}. Make the size a multiple of {ways} (e.g. config.data.vocab_size), or '
@@ -108,7 +110,7 @@ def check_batch_rows(rows: int, mesh: Mesh, accumulation: int = 1, what: str = '
     split = ' x '.join(f'{axis}={mesh.shape[axis]}' for axis in BATCH_AXES)
     if accumulation > 1:
       split += f' x config.opt.grad_accum_steps={accumulation}'
-    raise ValueError(f'the {what} has {rows} rows, which do not divide into {multiple} equal '
+    raise ConfigError(f'the {what} has {rows} rows, which do not divide into {multiple} equal '
                      f'parts ({split}); use a row count that is a multiple of {multiple}')
 
 
@@ -162,7 +164,7 @@ def initialize_distributed(coordinator_address: str = '', num_processes: int = 0
     process_id = int(os.environ.get('T2T_PROCESS_ID', '-1'))
   if coordinator_address:
     if num_processes < 1 or not 0 <= process_id < num_processes:
-      raise ValueError(f'--coordinator_address={coordinator_address} needs --num_processes >= 1 '
+      raise ConfigError(f'--coordinator_address={coordinator_address} needs --num_processes >= 1 '
                        f'and 0 <= --process_id < num_processes, got {num_processes} and '
                        f'{process_id}')
     kwargs = dict(coordinator_address=coordinator_address, num_processes=num_processes,

@@ -14,6 +14,8 @@ from typing import Callable, Iterable, Iterator
 
 from absl import logging
 
+from t2t_jax import ConfigError
+
 SPLITS = ('train', 'eval', 'test')
 BAD_LINE_POLICIES = ('error', 'skip')
 
@@ -193,7 +195,7 @@ def in_data_dir(data_config, key: str) -> str:
 def open_split(data_config, split: str) -> Source:
   """The source of `split` ('train', 'eval' or 'test') named by `config.data`."""
   if data_config.bad_lines not in BAD_LINE_POLICIES:
-    raise ValueError(f'config.data.bad_lines must be one of {BAD_LINE_POLICIES}, '
+    raise ConfigError(f'config.data.bad_lines must be one of {BAD_LINE_POLICIES}, '
                      f'got {data_config.bad_lines!r}')
   if split not in SPLITS:
     raise ValueError(f'split must be one of {SPLITS}, got {split!r}')
@@ -208,5 +210,5 @@ def open_split(data_config, split: str) -> Source:
                          in_data_dir(data_config, f'{split}_tgt'), data_config.bad_lines)
   if kind == 'tsv':
     return tsv(in_data_dir(data_config, f'{split}_tsv'), data_config.bad_lines)
-  raise ValueError(f"config.data.source must be 'synthetic', 'text', 'tsv' or 'tfds', "
+  raise ConfigError(f"config.data.source must be 'synthetic', 'text', 'tsv' or 'tfds', "
                    f'got {kind!r}')

@@ -12,6 +12,7 @@ from typing import Callable, Iterable, Protocol, Sequence
 from absl import logging
 import sentencepiece as spm
 
+from t2t_jax import ConfigError
 from t2t_jax import EOS_ID, PAD_ID
 
 UNK_ID = 2
@@ -101,7 +102,7 @@ def train_sentencepiece(sentences: Iterable[str], path: str, vocab_size: int,
           unk_id=UNK_ID, bos_id=-1, num_threads=os.cpu_count() or 1,
           train_extremely_large_corpus=False, minloglevel=2)
     except RuntimeError as e:
-      raise ValueError(f'training a SentencePiece vocabulary of {vocab_size} ({model_type}) '
+      raise ConfigError(f'training a SentencePiece vocabulary of {vocab_size} ({model_type}) '
                        f'failed: {e}. A small corpus needs a smaller config.data.vocab_size.'
                        ) from None
     os.replace(prefix + '.model', path)
@@ -139,7 +140,7 @@ def load_or_train(path: str, texts: Callable[[], Iterable[str]], data_config,
     logging.info('Reusing the vocabulary %s', path)
   vocab = SentencePieceVocabulary(path)
   if vocab.vocab_size != data_config.vocab_size:
-    raise ValueError(f'{path} has {vocab.vocab_size} pieces but config.data.vocab_size is '
+    raise ConfigError(f'{path} has {vocab.vocab_size} pieces but config.data.vocab_size is '
                      f'{data_config.vocab_size}: use the matching size or another vocab_path '
                      '(or delete the file to train a new one).')
   return vocab

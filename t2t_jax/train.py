@@ -18,6 +18,7 @@ import numpy as np
 import optax
 import tensorboardX
 
+from t2t_jax import ConfigError
 from t2t_jax import checkpoint
 from t2t_jax import cli
 from t2t_jax import data
@@ -150,10 +151,10 @@ def build(config, vocab_size: int, mesh=None) -> Setup:
   """Model, optimiser and the jitted init/train/eval with shardings from the logical axes."""
   mesh = mesh if mesh is not None else sharding.make_mesh(config.mesh)
   if config.opt.grad_accum_steps < 1:
-    raise ValueError(f'config.opt.grad_accum_steps={config.opt.grad_accum_steps} must be >= 1')
+    raise ConfigError(f'config.opt.grad_accum_steps={config.opt.grad_accum_steps} must be >= 1')
   prng.impl(config.model.dropout_prng)  # Refuses an unknown one before any work.
   if config.opt.loss_chunk_tokens < 0:
-    raise ValueError(f'config.opt.loss_chunk_tokens={config.opt.loss_chunk_tokens} must be 0 '
+    raise ConfigError(f'config.opt.loss_chunk_tokens={config.opt.loss_chunk_tokens} must be 0 '
                      '(whole logits) or a positive number of tokens per chunk')
   axis_rules = sharding.rules(config.mesh)
   model_config = TransformerConfig.from_config(config.model, vocab_size)

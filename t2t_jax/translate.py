@@ -22,10 +22,12 @@ import tqdm
 
 from t2t_jax import EOS_ID
 from t2t_jax import checkpoint as checkpoint_lib
+from t2t_jax import cli
 from t2t_jax import data
 from t2t_jax import decode
 from t2t_jax import sharding
 from t2t_jax import tokenizer
+from t2t_jax.sources import DataError
 from t2t_jax.model import Transformer, TransformerConfig
 
 
@@ -46,8 +48,8 @@ def load_config(workdir: str) -> ml_collections.ConfigDict:
     with open(path) as f:
       return ml_collections.ConfigDict(json.load(f))
   except OSError as e:
-    raise FileNotFoundError(f'cannot read {path} ({e.strerror}): --workdir must be the '
-                            'directory of a training run') from None
+    raise checkpoint_lib.CheckpointError(f'cannot read {path} ({e.strerror}): --workdir must '
+                                         'be the directory of a training run') from None
 
 
 def load_vocabulary(config, workdir: str) -> tokenizer.Vocabulary:
@@ -55,7 +57,8 @@ def load_vocabulary(config, workdir: str) -> tokenizer.Vocabulary:
     return data.synthetic_vocabulary(config.data)
   path = data.vocab_path(config, workdir)
   if not os.path.exists(path):
-    raise FileNotFoundError(f'the vocabulary {path} of this run is missing')
+    raise checkpoint_lib.CheckpointError(f'the vocabulary {path} of this run is missing: '
+                                         'restore it, or set --workdir to the run that has it')
   return tokenizer.SentencePieceVocabulary(path)
 
 
@@ -102,7 +105,7 @@ def encode_lines(vocab, lines, max_tokens: int, name: str) -> list[np.ndarray]:
       try:
         vocab.encode([line])
       except ValueError as e:
-        raise ValueError(f'{name}:{number}: {e}') from None
+        raise DataError(f'{name}:{number}: {e}') from None
     raise
   encoded = []
   for number, line in enumerate(lines, start=1):
@@ -212,13 +215,9 @@ def main(argv):
   if not FLAGS.workdir:
     raise app.UsageError('--workdir is required')
   lines = _read_input(FLAGS.input)
-  try:
-    run = load(FLAGS.workdir, FLAGS.checkpoint, FLAGS.beam_size, FLAGS.alpha,
-               FLAGS.batch_tokens)
-    translations, inputs, outputs = translate_lines(run, lines, FLAGS.input or '<stdin>',
-                                                    progress=bool(FLAGS.input))
-  except (OSError, ValueError, checkpoint_lib.CheckpointError) as e:
-    sys.exit(f'translate: {e}')
+  run = load(FLAGS.workdir, FLAGS.checkpoint, FLAGS.beam_size, FLAGS.alpha, FLAGS.batch_tokens)
+  translations, inputs, outputs = translate_lines(run, lines, FLAGS.input or '<stdin>',
+                                                  progress=bool(FLAGS.input))
   text = ''.join(t + '\n' for t in translations)
   if FLAGS.output:
     with open(FLAGS.output, 'w', encoding='utf-8') as f:
@@ -254,7 +253,7 @@ def _define_flags():
 
 def run():
   _define_flags()
-  app.run(main)
+  cli.run(main)
 
 
 if __name__ == '__main__':

@@ -184,4 +184,4 @@ def test_read_scalars_stops_at_a_torn_record_and_the_cli_explains_an_empty_workd
   completed = subprocess.run([sys.executable, '-m', 't2t_jax.plot',
                               f'--workdir={tmp_path / "nothing"}'], cwd=ROOT,
                              capture_output=True, text=True, timeout=120)
-  assert completed.returncode == 1 and 'plot: no TensorBoard event files' in completed.stderr
+  assert completed.returncode == 2 and 'error: no TensorBoard event files' in completed.stderr
