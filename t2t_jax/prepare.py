@@ -14,6 +14,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from t2t_jax import cli
+from t2t_jax import config_check
 from t2t_jax import data
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file (path[:variant]).',
@@ -30,6 +31,7 @@ def prepare(config, workdir: str, splits=('train', 'eval')) -> list[dict]:
   if config.data.source == 'synthetic':
     raise app.UsageError("config.data.source='synthetic' is generated in memory; there is "
                          'nothing to prepare')
+  config_check.check(config, mesh=False)  # Preparing data needs no accelerator.
   start = time.perf_counter()
   vocab = data.load_vocab(config, workdir)
   results = []

@@ -18,6 +18,7 @@ from t2t_jax import ConfigError
 
 SPLITS = ('train', 'eval', 'test')
 BAD_LINE_POLICIES = ('error', 'skip')
+SOURCES = ('synthetic', 'text', 'tsv', 'tfds')  # config.data.source
 
 
 class DataError(ValueError):
@@ -210,5 +211,4 @@ def open_split(data_config, split: str) -> Source:
                          in_data_dir(data_config, f'{split}_tgt'), data_config.bad_lines)
   if kind == 'tsv':
     return tsv(in_data_dir(data_config, f'{split}_tsv'), data_config.bad_lines)
-  raise ConfigError(f"config.data.source must be 'synthetic', 'text', 'tsv' or 'tfds', "
-                   f'got {kind!r}')
+  raise ConfigError(f'config.data.source must be one of {SOURCES}, got {kind!r}')

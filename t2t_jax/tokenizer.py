@@ -16,6 +16,8 @@ from t2t_jax import ConfigError
 from t2t_jax import EOS_ID, PAD_ID
 
 UNK_ID = 2
+RESERVED_IDS = 3  # pad, EOS and unknown: a vocabulary needs more ids than these.
+MODEL_TYPES = ('unigram', 'bpe')  # config.data.vocab_type
 
 
 class Vocabulary(Protocol):

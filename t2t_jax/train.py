@@ -18,9 +18,9 @@ import numpy as np
 import optax
 import tensorboardX
 
-from t2t_jax import ConfigError
 from t2t_jax import checkpoint
 from t2t_jax import cli
+from t2t_jax import config_check
 from t2t_jax import data
 from t2t_jax import decode
 from t2t_jax import evaluate
@@ -150,12 +150,6 @@ def init_state(rng: jax.Array, *, model_config: TransformerConfig,
 def build(config, vocab_size: int, mesh=None) -> Setup:
   """Model, optimiser and the jitted init/train/eval with shardings from the logical axes."""
   mesh = mesh if mesh is not None else sharding.make_mesh(config.mesh)
-  if config.opt.grad_accum_steps < 1:
-    raise ConfigError(f'config.opt.grad_accum_steps={config.opt.grad_accum_steps} must be >= 1')
-  prng.impl(config.model.dropout_prng)  # Refuses an unknown one before any work.
-  if config.opt.loss_chunk_tokens < 0:
-    raise ConfigError(f'config.opt.loss_chunk_tokens={config.opt.loss_chunk_tokens} must be 0 '
-                     '(whole logits) or a positive number of tokens per chunk')
   axis_rules = sharding.rules(config.mesh)
   model_config = TransformerConfig.from_config(config.model, vocab_size)
   model = Transformer(model_config)
@@ -212,6 +206,7 @@ def count_params(params) -> int:
 
 def dry_run(config) -> dict:
   """Compiles the train step for the configured mesh without data; returns size and cost."""
+  config_check.check(config)
   setup = build(config, data.vocab_size(config))
   shards = sharding.batch_shards(setup.mesh) * config.opt.grad_accum_steps
   if config.data.batching == 'packed':
@@ -422,6 +417,7 @@ def train_and_evaluate(config, workdir: str, force_unlock: bool = False) -> dict
   Process 0 holds the workdir's lock throughout: a second launch on it is refused while this
   one lives (`force_unlock` takes the lock regardless).
   """
+  config_check.check(config)
   os.makedirs(workdir, exist_ok=True)
   if jax.process_index() != 0:
     return _train_and_evaluate(config, workdir)

@@ -71,3 +71,16 @@ def test_checkpoint_errors_are_one_line(tmp_path, module, args, parts):
   returncode, stderr = _cli(module, *args)
   assert returncode == cli.ERROR_EXIT_CODE
   _one_line_error(stderr, *parts)
+
+
+@pytest.mark.parametrize('flag, parts', [
+    ('--config.train.num_steps=0', ['config.train.num_steps=0', '[1, inf)']),
+    ('--config.model.num_heads=3', ['config.model.d_model=32 is not divisible by '
+                                    'config.model.num_heads=3']),
+    ('--config.mesh.shape=(3,-1,1)', ['config.mesh.shape=(3, -1, 1)', 'needs a multiple of 3']),
+])
+def test_config_errors_are_one_line_before_any_work(tmp_path, flag, parts):
+  returncode, stderr = _cli('main', '--config=configs/tiny.py', f'--workdir={tmp_path}', flag)
+  assert returncode == cli.ERROR_EXIT_CODE
+  _one_line_error(stderr, *parts)
+  assert os.listdir(tmp_path) == []  # Refused before anything was written.

@@ -1,0 +1,125 @@
+"""Checks a whole config before any work: every violation names the key and what is allowed.
+
+Choices whose check lives next to the code that uses them (the model's norm, remat, dtype and
+attention, the dropout PRNG, the schedule, the mesh) are checked by calling that code.
+"""
+
+import math
+
+from t2t_jax import ConfigError
+from t2t_jax import batching
+from t2t_jax import data
+from t2t_jax import optim
+from t2t_jax import prng
+from t2t_jax import sharding
+from t2t_jax import sources
+from t2t_jax import tokenizer
+from t2t_jax.model import TransformerConfig
+
+_INF = math.inf
+# key: (lowest, highest, whether the lowest itself is allowed). Highest is always allowed.
+RANGES = {
+    'seed': (0, _INF, True),
+    'data.num_symbols': (1, _INF, True),
+    'data.min_length': (1, _INF, True),
+    'data.max_length': (1, _INF, True),
+    'data.num_train': (1, _INF, True),
+    'data.num_eval': (0, _INF, True),
+    'data.vocab_sample_chars': (1, _INF, True),
+    'data.max_len': (1, _INF, True),
+    'data.batch_tokens': (1, _INF, True),
+    'data.bucket_scale': (1.0, _INF, True),
+    'data.min_bucket': (1, _INF, True),
+    'data.pack_length': (0, _INF, True),
+    'model.d_model': (1, _INF, True),
+    'model.d_ff': (1, _INF, True),
+    'model.num_heads': (1, _INF, True),
+    'model.num_encoder_layers': (0, _INF, True),
+    'model.num_decoder_layers': (1, _INF, True),
+    'model.dropout': (0.0, 1.0, True),
+    'model.attention_dropout': (0.0, 1.0, True),
+    'model.relu_dropout': (0.0, 1.0, True),
+    'model.max_len': (1, _INF, True),
+    'opt.lr_scale': (0.0, _INF, False),
+    'opt.warmup_steps': (0, _INF, True),
+    'opt.b1': (0.0, 1.0, True),
+    'opt.b2': (0.0, 1.0, True),
+    'opt.eps': (0.0, _INF, True),
+    'opt.grad_clip': (0.0, _INF, True),
+    'opt.weight_decay': (0.0, _INF, True),
+    'opt.label_smoothing': (0.0, 1.0, True),
+    'opt.grad_accum_steps': (1, _INF, True),
+    'opt.loss_chunk_tokens': (0, _INF, True),
+    'train.num_steps': (1, _INF, True),
+    'train.log_every': (1, _INF, True),
+    'train.eval_every': (1, _INF, True),
+    'train.step_timeout_seconds': (0.0, _INF, True),
+    'eval.num_batches': (0, _INF, True),
+    'eval.bleu_sentences': (-1, _INF, True),
+    'eval.bleu_every': (0, _INF, True),
+    'eval.beam_size': (1, _INF, True),
+    'eval.alpha': (0.0, _INF, True),
+    'eval.max_extra_len': (0, _INF, True),
+    'eval.examples_to_print': (0, _INF, True),
+    'eval.average_last': (0, _INF, True),
+    'ckpt.every': (0, _INF, True),
+    'ckpt.keep': (1, _INF, True),
+    'ckpt.keep_every': (0, _INF, True),
+    'ckpt.preemption_grace_seconds': (0.0, _INF, False),
+    'mesh.dcn_data': (1, _INF, True),
+}
+# Dropout rates and Adam's betas must stay below 1: at 1 nothing is kept, or nothing forgotten.
+_BELOW_ONE = ('model.dropout', 'model.attention_dropout', 'model.relu_dropout', 'opt.b1',
+              'opt.b2', 'opt.label_smoothing')
+CHOICES = {
+    'data.source': sources.SOURCES,
+    'data.task': data.SYNTHETIC_TASKS,
+    'data.bad_lines': sources.BAD_LINE_POLICIES,
+    'data.vocab_type': tokenizer.MODEL_TYPES,
+    'data.batching': batching.BATCHING_MODES,
+}
+
+
+def _value(config, key: str):
+  for part in key.split('.'):
+    config = config[part]
+  return config
+
+
+def _range_problem(key: str, value) -> str:
+  low, high, low_allowed = RANGES[key]
+  if isinstance(value, bool) or not isinstance(value, (int, float)):
+    return f'config.{key}={value!r} must be a number'
+  high_allowed = key not in _BELOW_ONE
+  too_low = value < low or (value == low and not low_allowed)
+  too_high = value > high or (value == high and not high_allowed)
+  if too_low or too_high or math.isnan(value):
+    allowed = (f'{"[" if low_allowed else "("}{low}, '
+               f'{high if high < _INF else "inf"}{"]" if high_allowed and high < _INF else ")"}')
+    return f'config.{key}={value!r} is outside the allowed range {allowed}'
+  return ''
+
+
+def check(config, mesh: bool = True) -> None:
+  """Raises ConfigError listing every violation in `config`; `mesh`: also against the devices."""
+  problems = [problem for key in RANGES if (problem := _range_problem(key, _value(config, key)))]
+  problems += [f'config.{key}={_value(config, key)!r} must be one of {choices}'
+               for key, choices in CHOICES.items() if _value(config, key) not in choices]
+  if config.data.min_length > config.data.max_length:
+    problems.append(f'config.data.min_length={config.data.min_length} must not exceed '
+                    f'config.data.max_length={config.data.max_length}')
+  if config.data.source != 'synthetic' and config.data.vocab_size <= tokenizer.RESERVED_IDS:
+    problems.append(f'config.data.vocab_size={config.data.vocab_size} must exceed the '
+                    f'{tokenizer.RESERVED_IDS} reserved ids (pad, EOS, unknown)')
+  if problems:  # Checks below need the values above to be sane.
+    raise ConfigError('; '.join(problems))
+  for call in (lambda: TransformerConfig.from_config(config.model, data.vocab_size(config)),
+               lambda: prng.impl(config.model.dropout_prng),
+               lambda: optim.learning_rate_schedule(config.opt, config.model.d_model),
+               lambda: mesh and sharding.make_mesh(config.mesh)):
+    try:
+      call()
+    except ConfigError as e:
+      problems.append(str(e))
+  if problems:
+    raise ConfigError('; '.join(problems))

@@ -1,0 +1,54 @@
+"""Config validation before any work: ranges, choices, vocabulary, model shape, mesh."""
+
+import pytest
+
+from t2t_jax import ConfigError
+from t2t_jax import config_check
+
+
+@pytest.mark.parametrize('key, value, message', [
+    ('train.num_steps', 0, 'config.train.num_steps=0 is outside the allowed range [1, inf)'),
+    ('train.num_steps', -5, 'config.train.num_steps=-5 is outside the allowed range [1, inf)'),
+    ('train.eval_every', 0, 'config.train.eval_every=0 is outside'),
+    ('ckpt.keep', 0, 'config.ckpt.keep=0 is outside the allowed range [1, inf)'),
+    ('opt.lr_scale', 0.0, 'config.opt.lr_scale=0.0 is outside the allowed range (0.0, inf)'),
+    ('opt.b2', 1.0, 'config.opt.b2=1.0 is outside the allowed range [0.0, 1.0)'),
+    ('model.dropout', 1.5, 'config.model.dropout=1.5 is outside the allowed range [0.0, 1.0)'),
+    ('opt.label_smoothing', -0.1, 'config.opt.label_smoothing=-0.1 is outside'),
+    ('data.batch_tokens', 0, 'config.data.batch_tokens=0 is outside'),
+    ('eval.beam_size', 0, 'config.eval.beam_size=0 is outside the allowed range [1, inf)'),
+    ('data.batching', 'pack', "config.data.batching='pack' must be one of ('buckets', 'packed')"),
+    ('data.source', 'csv', "config.data.source='csv' must be one of"),
+    ('data.vocab_type', 'word', "config.data.vocab_type='word' must be one of"),
+    ('model.norm', 'mid', "config.model.norm must be 'post' or 'pre', got 'mid'"),
+    ('model.remat', 'all', 'config.model.remat must be one of'),
+    ('model.dtype', 'int8', "config.model.dtype='int8' must be"),
+    ('model.attention_impl', 'flash', "config.model.attention_impl='flash' must be one of"),
+    ('model.dropout_prng', 'mt', "config.model.dropout_prng='mt' must be one of"),
+    ('opt.schedule', 'cosine', 'config.opt.schedule must be'),
+    ('model.num_heads', 3, 'config.model.d_model=32 is not divisible by config.model.num_heads=3'),
+    ('mesh.shape', (3, -1, 1), 'config.mesh.shape=(3, -1, 1) needs a multiple of 3 devices, but '
+     'there are 8'),
+])
+def test_each_violation_names_the_key_and_the_allowed_values(tiny_config, key, value, message):
+  section, name = key.split('.')
+  tiny_config[section][name] = value
+  with pytest.raises(ConfigError) as error:
+    config_check.check(tiny_config)
+  assert message in str(error.value)
+
+
+def test_vocabulary_must_exceed_the_reserved_ids_and_all_problems_are_listed(tiny_config):
+  tiny_config.data.source = 'text'
+  tiny_config.data.vocab_size = 3
+  tiny_config.train.log_every = 0
+  with pytest.raises(ConfigError) as error:
+    config_check.check(tiny_config)
+  assert 'config.data.vocab_size=3 must exceed the 3 reserved ids' in str(error.value)
+  assert 'config.train.log_every=0' in str(error.value)
+
+
+def test_the_shipped_configs_pass(tiny_config):
+  config_check.check(tiny_config)
+  tiny_config.mesh.shape = (2, 2, 4)  # Twice the devices: only the data side is checked.
+  config_check.check(tiny_config, mesh=False)
