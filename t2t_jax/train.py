@@ -451,7 +451,11 @@ def _train_and_evaluate(config, workdir: str) -> dict[str, Any]:
                                  config.data.batch_tokens, config.data.min_bucket,
                                  config.eval.max_extra_len, config.eval.beam_size,
                                  config.eval.alpha)
-  writer = tensorboardX.SummaryWriter(workdir) if jax.process_index() == 0 else _NullWriter()
+  # A resumed run logs again the steps after its checkpoint: TensorBoard drops the earlier
+  # launch's values from purge_step on, so each step shows once.
+  purge_step = int(state.step) + 1 if restored else None
+  writer = (tensorboardX.SummaryWriter(workdir, purge_step=purge_step)
+            if jax.process_index() == 0 else _NullWriter())
   num_steps, start_step = config.train.num_steps, int(state.step)
   metric_log = _MetricLog(writer, setup.schedule, num_steps, start_step,
                           flops.devices_peak_flops_per_second(list(mesh.devices.flat),

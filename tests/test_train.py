@@ -1,7 +1,10 @@
 """The training loop end to end on the tiny config, resume, NaN handling and the dry run."""
 
+import collections
+import glob
 import json
 import os
+import shutil
 import subprocess
 import sys
 import types
@@ -13,6 +16,7 @@ import pytest
 from conftest import ROOT, scalar_events, text_config
 from t2t_jax import data
 from t2t_jax import model as model_lib
+from t2t_jax import plot
 from t2t_jax import sharding
 from t2t_jax import train
 
@@ -85,6 +89,35 @@ def test_synthetic_loss_falls(tiny_config):
     losses.append(float(metrics['loss'] / metrics['weight']))
   # Copying needs attention: unigram statistics alone stay near the first losses.
   assert np.mean(losses[-10:]) < 0.6 * np.mean(losses[:10])
+
+
+def _tensorboard_scalars(workdir) -> dict[str, list[int]]:
+  """{tag: steps} as TensorBoard shows them: a SessionLog START at step S (a resumed launch)
+  hides the values an earlier launch wrote at steps >= S."""
+  from tensorboardX.proto import event_pb2  # pylint: disable=g-import-not-at-top
+  launches = [[event_pb2.Event.FromString(record) for record in plot._records(path)]
+              for path in glob.glob(os.path.join(workdir, 'events.out.tfevents.*'))]
+  steps = collections.defaultdict(list)
+  for events in sorted(launches, key=lambda events: events[0].wall_time):
+    for event in events:
+      if event.session_log.status == event_pb2.SessionLog.START:
+        steps = collections.defaultdict(list, {tag: [s for s in shown if s < event.step]
+                                               for tag, shown in steps.items()})
+      for value in event.summary.value:
+        steps[value.tag].append(event.step)
+  return steps
+
+
+def test_tensorboard_shows_each_step_once_after_a_resume(tiny_config, tmp_path):
+  tiny_config.train.eval_every = 1000
+  tiny_config.eval.bleu_sentences = 0
+  train.train_and_evaluate(tiny_config, str(tmp_path))
+  shutil.rmtree(tmp_path / 'checkpoints' / '20')  # As if killed before saving step 20.
+  os.remove(tmp_path / 'final.json')
+  train.train_and_evaluate(tiny_config, str(tmp_path))  # Resumes at 10, logs 15 and 20 again.
+  steps = _tensorboard_scalars(tmp_path)
+  assert steps['train/loss'] == [5, 10, 15, 20]
+  assert all(len(shown) == len(set(shown)) for shown in steps.values()), steps
 
 
 def test_text_source_trains(tiny_config, tmp_path):
