@@ -25,6 +25,7 @@ import numpy as np
 
 from t2t_jax import EOS_ID
 from t2t_jax import sources
+from t2t_jax import workdir_lock
 
 FORMAT_VERSION = 1
 _CHUNK_PAIRS = 20_000  # Pairs tokenised per call: SentencePiece spreads each call over all cores.
@@ -102,7 +103,8 @@ def _build(path: str, source: sources.Source, vocab, keep_text: bool) -> None:
   """Streams the source through the vocabulary into a new entry at `path`."""
   parent = os.path.dirname(path)
   os.makedirs(parent, exist_ok=True)
-  tmp = tempfile.mkdtemp(dir=parent, prefix='.building-')
+  workdir_lock.remove_dead_scratch(parent, '.building')
+  tmp = tempfile.mkdtemp(dir=parent, prefix=workdir_lock.scratch_prefix('.building'))
   try:
     skipped, lengths, start = collections.Counter(), {'inputs': [], 'targets': []}, time.time()
     with contextlib.ExitStack() as stack:

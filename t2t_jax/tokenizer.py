@@ -14,6 +14,7 @@ import sentencepiece as spm
 
 from t2t_jax import ConfigError
 from t2t_jax import EOS_ID, PAD_ID
+from t2t_jax import workdir_lock
 
 UNK_ID = 2
 RESERVED_IDS = 3  # pad, EOS and unknown: a vocabulary needs more ids than these.
@@ -95,7 +96,9 @@ def train_sentencepiece(sentences: Iterable[str], path: str, vocab_size: int,
   """Trains a model on `sentences` and writes it to `path` atomically."""
   directory = os.path.dirname(os.path.abspath(path))
   os.makedirs(directory, exist_ok=True)
-  with tempfile.TemporaryDirectory(dir=directory) as tmp:
+  workdir_lock.remove_dead_scratch(directory, '.vocab')
+  with tempfile.TemporaryDirectory(dir=directory,
+                                   prefix=workdir_lock.scratch_prefix('.vocab')) as tmp:
     prefix = os.path.join(tmp, 'spm')
     try:
       spm.SentencePieceTrainer.train(

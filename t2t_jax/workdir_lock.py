@@ -10,6 +10,7 @@ the same number), from another host when its heartbeat is older than STALE_SECON
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import socket
 import threading
@@ -172,3 +173,28 @@ class WorkdirLock:
 def _exit_on_sigterm(signum, frame):
   del signum, frame
   raise SystemExit(SIGTERM_EXIT_CODE)
+
+
+def scratch_prefix(stem: str) -> str:
+  """Prefix of a temporary folder this process writes: `<stem>-<host>-<pid>-`."""
+  return f'{stem}-{socket.gethostname()}-{os.getpid()}-'
+
+
+def remove_dead_scratch(parent: str, stem: str) -> None:
+  """Removes the `scratch_prefix(stem)` folders in `parent` of this host's ended processes.
+
+  A killed vocabulary or cache build leaves its folder behind; a live one's is left alone, as
+  is another host's (whose processes cannot be seen from here).
+  """
+  host = socket.gethostname()
+  try:
+    names = os.listdir(parent)
+  except FileNotFoundError:
+    return
+  for name in names:
+    if not name.startswith(f'{stem}-{host}-'):
+      continue
+    pid = name[len(stem) + len(host) + 2:].split('-', 1)[0]
+    if pid.isdigit() and not _runs(Holder(host, int(pid), None, '')):
+      logging.info('Removing %s, left by an interrupted run (PID %s)', name, pid)
+      shutil.rmtree(os.path.join(parent, name), ignore_errors=True)

@@ -83,3 +83,24 @@ def test_another_hosts_lock_is_kept_while_fresh_taken_when_stale_or_forced(tmp_p
     pass
   assert 'heartbeat stopped' in caplog.text and 'lost node' in caplog.text
   assert os.listdir(tmp_path) == []
+
+
+def test_prepare_removes_what_dead_builds_left_and_keeps_a_live_ones(tiny_config, tmp_path):
+  from conftest import text_config  # pylint: disable=g-import-not-at-top
+  from t2t_jax import prepare  # pylint: disable=g-import-not-at-top
+  config = text_config(tiny_config, tmp_path)
+  cache = tmp_path / 'cache'
+  finished = subprocess.Popen(['true'])
+  finished.wait()
+  dead_pid = finished.pid  # A PID that no longer runs.
+  host = socket.gethostname()
+  left = [cache / f'.vocab-{host}-{dead_pid}-abc',
+          cache / 'tokens' / f'.building-{host}-{dead_pid}-x']
+  live = [cache / f'.vocab-{host}-{os.getpid()}-def', cache / 'tokens' / '.building-other-1-y']
+  for folder in left + live:
+    os.makedirs(folder / 'part')
+  prepare.prepare(config, str(cache))
+  assert not any(folder.exists() for folder in left)
+  assert all(folder.exists() for folder in live)  # A live process's, and another host's.
+  names = sorted(os.listdir(cache))
+  assert names == sorted(['vocab.model', 'tokens', live[0].name]), names
