@@ -104,3 +104,17 @@ def test_prepare_removes_what_dead_builds_left_and_keeps_a_live_ones(tiny_config
   assert all(folder.exists() for folder in live)  # A live process's, and another host's.
   names = sorted(os.listdir(cache))
   assert names == sorted(['vocab.model', 'tokens', live[0].name]), names
+
+
+def test_second_launch_of_main_is_refused_in_one_line(tmp_path):
+  holder = _hold(tmp_path, 'wait')
+  try:
+    result = subprocess.run([sys.executable, '-m', 't2t_jax.main', '--config=configs/tiny.py',
+                             f'--workdir={tmp_path}'], cwd=ROOT, capture_output=True, text=True,
+                            env=dict(os.environ, PYTHONPATH=ROOT), timeout=300)
+  finally:
+    holder.kill()
+    holder.wait()
+  assert result.returncode == 1 and 'Traceback' not in result.stderr
+  (line,) = [line for line in result.stderr.splitlines() if line.startswith('error: ')]
+  assert f'in use by PID {holder.pid} on host {socket.gethostname()}' in line
