@@ -40,7 +40,7 @@ RANGES = {
     'model.attention_dropout': (0.0, 1.0, True),
     'model.relu_dropout': (0.0, 1.0, True),
     'model.max_len': (1, _INF, True),
-    'opt.lr_scale': (0.0, _INF, False),
+    'opt.lr_scale': (0.0, _INF, True),  # 0 freezes the weights.
     'opt.warmup_steps': (0, _INF, True),
     'opt.b1': (0.0, 1.0, True),
     'opt.b2': (0.0, 1.0, True),

@@ -11,7 +11,7 @@ from t2t_jax import config_check
     ('train.num_steps', -5, 'config.train.num_steps=-5 is outside the allowed range [1, inf)'),
     ('train.eval_every', 0, 'config.train.eval_every=0 is outside'),
     ('ckpt.keep', 0, 'config.ckpt.keep=0 is outside the allowed range [1, inf)'),
-    ('opt.lr_scale', 0.0, 'config.opt.lr_scale=0.0 is outside the allowed range (0.0, inf)'),
+    ('opt.lr_scale', -1e-3, 'config.opt.lr_scale=-0.001 is outside the allowed range [0.0, inf)'),
     ('opt.b2', 1.0, 'config.opt.b2=1.0 is outside the allowed range [0.0, 1.0)'),
     ('model.dropout', 1.5, 'config.model.dropout=1.5 is outside the allowed range [0.0, 1.0)'),
     ('opt.label_smoothing', -0.1, 'config.opt.label_smoothing=-0.1 is outside'),
