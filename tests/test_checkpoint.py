@@ -19,6 +19,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+import chaos
 from conftest import ROOT
 from t2t_jax import EOS_ID
 from t2t_jax import average
@@ -385,3 +386,16 @@ def test_sigterm_saves_at_the_signalled_step_and_exits_in_time(tmp_path):
   assert f'Restored checkpoint {tmp_path}/checkpoints/{saved}' in log
   restored = checkpoint.Checkpointer(str(tmp_path), _config().ckpt).manager.all_steps()
   assert saved in restored
+
+
+@pytest.mark.slow
+def test_chaos_kills_during_vocab_cache_steps_and_saves_then_sigterm_equal_a_straight_run(
+    tmp_path):
+  seed = random.randrange(2**31)
+  result = chaos.run(kills=4, seed=seed, root=str(tmp_path))
+  # Rerun with `python tests/chaos.py --kills=4 --seed=<seed>`.
+  assert result['ok'], (f'seed {seed}', result['problems'], result['launches'])
+  kinds = [launch['kind'] for launch in result['launches']]
+  assert sorted(kinds, key=str) == sorted(['vocab', 'cache', 'step', 'save', 'sigterm', None],
+                                          key=str)
+  assert result['launches'][-1]['left_behind'] == []  # No run.lock after a clean exit either.
