@@ -295,7 +295,7 @@ def test_training_evaluates_the_average_of_the_last_checkpoints(trained):
   assert results['averaged_eval_loss'] != results['eval_loss']
 
 
-def test_readme_snippet_restores_params_with_plain_orbax(trained):
+def test_readme_snippet_restores_params_with_plain_orbax(trained, caplog, capfd):
   workdir = trained[0]
   export.export(workdir, '20', 'bfloat16', os.path.join(workdir, 'export', 'snippet'))
   readme = open(os.path.join(ROOT, 'README.md')).read()
@@ -303,7 +303,12 @@ def test_readme_snippet_restores_params_with_plain_orbax(trained):
   snippet = (snippet.replace("'/tmp/t2t_default'", repr(workdir))
              .replace('3000_bfloat16', 'snippet').replace('3000', '20'))
   namespace = {}
-  exec(compile(snippet, 'README.md', 'exec'), namespace)  # pylint: disable=exec-used
+  capfd.readouterr()
+  with caplog.at_level(std_logging.INFO):
+    exec(compile(snippet, 'README.md', 'exec'), namespace)  # pylint: disable=exec-used
+  said = capfd.readouterr()
+  assert said.out == "{'embedding': (10, 32)}\n"  # The tiny copy task: 8 symbols, pad and EOS.
+  assert 'WARNING' not in caplog.text + said.err, caplog.text + said.err
   assert _leaves_equal(namespace['params'], _numpy_params(f'{workdir}/checkpoints/20'))
   assert _leaves_equal(namespace['exported'], checkpoint.load_params(f'{workdir}/export/snippet'))
 
