@@ -120,6 +120,7 @@ def test_damaged_latest_checkpoint_falls_back_with_warning(trained, tmp_path, ca
   messages = _absl_messages(caplog)
   assert f'Checkpoint {workdir}/checkpoints/20 is damaged' in messages
   assert 'falling back to step 15' in messages
+  assert 'tensorstore_spec' not in messages and '<' not in messages  # No library internals.
   assert sorted(os.listdir(f'{workdir}/checkpoints')) == ['10', '15', '5']
   assert len(os.listdir(f'{workdir}/damaged_checkpoints')) == 1
 
@@ -128,6 +129,19 @@ def test_damaged_latest_checkpoint_falls_back_with_warning(trained, tmp_path, ca
   assert results['step'] == 20
   assert _leaves_equal(_numpy_params(f'{workdir}/checkpoints/20'),
                        _numpy_params(f'{trained[0]}/checkpoints/20'))
+
+
+def test_damage_description_is_a_sentence_without_pybind_or_spec_text():
+  import tensorstore as ts  # pylint: disable=g-import-not-at-top
+  method = ts.array(np.zeros(2)).read  # Its repr spans lines: '<bound method pybind11_...'.
+  error = ValueError(f'NOT_FOUND: Error reading "params/w" via {method!r}')
+  assert checkpoint._describe(error) == (  # pylint: disable=protected-access
+      'ValueError: NOT_FOUND: Error reading "params/w" via')
+  spec = ValueError('NOT_FOUND: Metadata at "w/.zarray" does not exist '
+                    '[tensorstore_spec=\'{"context":{}}\']')
+  assert checkpoint._describe(spec) == (  # pylint: disable=protected-access
+      'ValueError: NOT_FOUND: Metadata at "w/.zarray" does not exist')
+  assert checkpoint._describe(OSError()) == 'OSError'  # pylint: disable=protected-access
 
 
 def test_all_checkpoints_damaged_is_an_error_not_a_fresh_start(trained, tmp_path):
