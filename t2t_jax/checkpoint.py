@@ -10,6 +10,7 @@ import dataclasses
 import errno
 import json
 import os
+import re
 import shutil
 import time
 from typing import Any
@@ -63,9 +64,22 @@ def _all_processes_agree(ok: bool) -> bool:
   return bool(np.all(multihost_utils.process_allgather(np.array(ok))))
 
 
+# Library detail in error texts that says nothing to a reader: cut from the first line.
+_LIBRARY_NOISE = (re.compile(r'\s*\[tensorstore_spec=.*'),  # The JSON spec of the file read.
+                  re.compile(r'\s*<(bound|built-in) method .*'),  # A pybind11 method's repr.
+                  re.compile(r'\s*<[^<>]* object at 0x[0-9a-f]+>'))
+
+
 def _describe(error: BaseException) -> str:
-  text = str(error).strip().splitlines()
-  return f'{type(error).__name__}: {text[0] if text else ""}'[:300]
+  """'ValueError: NOT_FOUND: ...': the error's type and first line, without library reprs."""
+  lines = str(error).strip().splitlines()
+  text = lines[0] if lines else ''
+  for noise in _LIBRARY_NOISE:
+    text = noise.sub('', text)
+  text = text.strip().rstrip('.:,;(')
+  if len(text) > 300:
+    text = text[:297] + '...'
+  return f'{type(error).__name__}: {text}' if text else type(error).__name__
 
 
 class Checkpointer:

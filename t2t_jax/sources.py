@@ -33,15 +33,24 @@ class Source:
   reader: Callable[[collections.Counter], Iterator[tuple[str, str]]]
 
   def read(self, skipped: collections.Counter | None = None) -> Iterator[tuple[str, str]]:
-    """Yields the pairs; counts skipped pairs by reason into `skipped` and logs them at the end."""
+    """Yields the pairs; counts skipped pairs by reason into `skipped` and logs them at the end.
+
+    Raises DataError naming the files and what was read when no pair is left to yield.
+    """
     skipped = collections.Counter() if skipped is None else skipped
     kept = 0
     for pair in self.reader(skipped):
       kept += 1
       yield pair
+    read = kept + sum(skipped.values())
+    if not kept:
+      raise DataError(f'{self.name}: no pairs: ' + (
+          f'all {read} read were skipped as bad lines ({describe(skipped)}) under '
+          "config.data.bad_lines='skip'. Fix the data or point config.data at other files."
+          if read else 'empty (0 pairs read). Point config.data at files with pairs.'))
     if skipped:
       logging.warning('%s: skipped %d of %d pairs (%s)', self.name, sum(skipped.values()),
-                      kept + sum(skipped.values()), describe(skipped))
+                      read, describe(skipped))
 
 
 def describe(skipped) -> str:

@@ -4,6 +4,7 @@ Both map text to ids without EOS and back, and agree on PAD_ID = 0 and EOS_ID = 
 """
 
 import heapq
+import io
 import os
 import random
 import tempfile
@@ -93,24 +94,28 @@ class SentencePieceVocabulary:
 
 def train_sentencepiece(sentences: Iterable[str], path: str, vocab_size: int,
                         model_type: str = 'unigram') -> None:
-  """Trains a model on `sentences` and writes it to `path` atomically."""
+  """Trains a model on `sentences` and writes it to `path` atomically.
+
+  The model is trained in memory: a file-based model would record its temporary path, so the
+  same sentences would give different bytes (and token-cache keys) on every run.
+  """
   directory = os.path.dirname(os.path.abspath(path))
   os.makedirs(directory, exist_ok=True)
-  workdir_lock.remove_dead_scratch(directory, '.vocab')
+  model = io.BytesIO()
+  try:
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(sentences), model_writer=model, vocab_size=vocab_size,
+        model_type=model_type, character_coverage=1.0, pad_id=PAD_ID, eos_id=EOS_ID,
+        unk_id=UNK_ID, bos_id=-1, num_threads=os.cpu_count() or 1, minloglevel=2)
+  except RuntimeError as e:
+    raise ConfigError(f'training a SentencePiece vocabulary of {vocab_size} ({model_type}) '
+                      f'failed: {str(e).rstrip(".")}. A small corpus needs a smaller '
+                      'config.data.vocab_size.') from None
   with tempfile.TemporaryDirectory(dir=directory,
                                    prefix=workdir_lock.scratch_prefix('.vocab')) as tmp:
-    prefix = os.path.join(tmp, 'spm')
-    try:
-      spm.SentencePieceTrainer.train(
-          sentence_iterator=iter(sentences), model_prefix=prefix, vocab_size=vocab_size,
-          model_type=model_type, character_coverage=1.0, pad_id=PAD_ID, eos_id=EOS_ID,
-          unk_id=UNK_ID, bos_id=-1, num_threads=os.cpu_count() or 1,
-          train_extremely_large_corpus=False, minloglevel=2)
-    except RuntimeError as e:
-      raise ConfigError(f'training a SentencePiece vocabulary of {vocab_size} ({model_type}) '
-                       f'failed: {e}. A small corpus needs a smaller config.data.vocab_size.'
-                       ) from None
-    os.replace(prefix + '.model', path)
+    with open(os.path.join(tmp, 'spm.model'), 'wb') as f:
+      f.write(model.getvalue())
+    os.replace(os.path.join(tmp, 'spm.model'), path)
 
 
 def sample_texts(texts: Iterable[str], max_chars: int, seed: int) -> list[str]:
@@ -135,6 +140,8 @@ def sample_texts(texts: Iterable[str], max_chars: int, seed: int) -> list[str]:
 def load_or_train(path: str, texts: Callable[[], Iterable[str]], data_config,
                   seed: int) -> SentencePieceVocabulary:
   """Loads the vocabulary at `path`, first training it on a sample of `texts()` if absent."""
+  # A run killed between writing the model and removing its scratch folder left that folder.
+  workdir_lock.remove_dead_scratch(os.path.dirname(os.path.abspath(path)), '.vocab')
   if not os.path.exists(path):
     sample = sample_texts(texts(), data_config.vocab_sample_chars, seed)
     logging.info('Training a %d-piece %s SentencePiece vocabulary on %d sampled sentences '

@@ -19,6 +19,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+import chaos
 from conftest import ROOT
 from t2t_jax import EOS_ID
 from t2t_jax import average
@@ -119,6 +120,7 @@ def test_damaged_latest_checkpoint_falls_back_with_warning(trained, tmp_path, ca
   messages = _absl_messages(caplog)
   assert f'Checkpoint {workdir}/checkpoints/20 is damaged' in messages
   assert 'falling back to step 15' in messages
+  assert 'tensorstore_spec' not in messages and '<' not in messages  # No library internals.
   assert sorted(os.listdir(f'{workdir}/checkpoints')) == ['10', '15', '5']
   assert len(os.listdir(f'{workdir}/damaged_checkpoints')) == 1
 
@@ -127,6 +129,19 @@ def test_damaged_latest_checkpoint_falls_back_with_warning(trained, tmp_path, ca
   assert results['step'] == 20
   assert _leaves_equal(_numpy_params(f'{workdir}/checkpoints/20'),
                        _numpy_params(f'{trained[0]}/checkpoints/20'))
+
+
+def test_damage_description_is_a_sentence_without_pybind_or_spec_text():
+  import tensorstore as ts  # pylint: disable=g-import-not-at-top
+  method = ts.array(np.zeros(2)).read  # Its repr spans lines: '<bound method pybind11_...'.
+  error = ValueError(f'NOT_FOUND: Error reading "params/w" via {method!r}')
+  assert checkpoint._describe(error) == (  # pylint: disable=protected-access
+      'ValueError: NOT_FOUND: Error reading "params/w" via')
+  spec = ValueError('NOT_FOUND: Metadata at "w/.zarray" does not exist '
+                    '[tensorstore_spec=\'{"context":{}}\']')
+  assert checkpoint._describe(spec) == (  # pylint: disable=protected-access
+      'ValueError: NOT_FOUND: Metadata at "w/.zarray" does not exist')
+  assert checkpoint._describe(OSError()) == 'OSError'  # pylint: disable=protected-access
 
 
 def test_all_checkpoints_damaged_is_an_error_not_a_fresh_start(trained, tmp_path):
@@ -294,7 +309,7 @@ def test_training_evaluates_the_average_of_the_last_checkpoints(trained):
   assert results['averaged_eval_loss'] != results['eval_loss']
 
 
-def test_readme_snippet_restores_params_with_plain_orbax(trained):
+def test_readme_snippet_restores_params_with_plain_orbax(trained, caplog, capfd):
   workdir = trained[0]
   export.export(workdir, '20', 'bfloat16', os.path.join(workdir, 'export', 'snippet'))
   readme = open(os.path.join(ROOT, 'README.md')).read()
@@ -302,7 +317,12 @@ def test_readme_snippet_restores_params_with_plain_orbax(trained):
   snippet = (snippet.replace("'/tmp/t2t_default'", repr(workdir))
              .replace('3000_bfloat16', 'snippet').replace('3000', '20'))
   namespace = {}
-  exec(compile(snippet, 'README.md', 'exec'), namespace)  # pylint: disable=exec-used
+  capfd.readouterr()
+  with caplog.at_level(std_logging.INFO):
+    exec(compile(snippet, 'README.md', 'exec'), namespace)  # pylint: disable=exec-used
+  said = capfd.readouterr()
+  assert said.out == "{'embedding': (10, 32)}\n"  # The tiny copy task: 8 symbols, pad and EOS.
+  assert 'WARNING' not in caplog.text + said.err, caplog.text + said.err
   assert _leaves_equal(namespace['params'], _numpy_params(f'{workdir}/checkpoints/20'))
   assert _leaves_equal(namespace['exported'], checkpoint.load_params(f'{workdir}/export/snippet'))
 
@@ -385,3 +405,16 @@ def test_sigterm_saves_at_the_signalled_step_and_exits_in_time(tmp_path):
   assert f'Restored checkpoint {tmp_path}/checkpoints/{saved}' in log
   restored = checkpoint.Checkpointer(str(tmp_path), _config().ckpt).manager.all_steps()
   assert saved in restored
+
+
+@pytest.mark.slow
+def test_chaos_kills_during_vocab_cache_steps_and_saves_then_sigterm_equal_a_straight_run(
+    tmp_path):
+  seed = random.randrange(2**31)
+  result = chaos.run(kills=4, seed=seed, root=str(tmp_path))
+  # Rerun with `python tests/chaos.py --kills=4 --seed=<seed>`.
+  assert result['ok'], (f'seed {seed}', result['problems'], result['launches'])
+  kinds = [launch['kind'] for launch in result['launches']]
+  assert sorted(kinds, key=str) == sorted(['vocab', 'cache', 'step', 'save', 'sigterm', None],
+                                          key=str)
+  assert result['launches'][-1]['left_behind'] == []  # No run.lock after a clean exit either.

@@ -295,3 +295,44 @@ def test_prepare_cli_builds_then_hits_the_cache(tiny_config, tmp_path):
   task = data.load(config, str(tmp_path / 'run'))
   assert task.vocab.path == str(tmp_path / 'cache' / 'vocab.model')
   assert not (tmp_path / 'run').exists()
+
+
+
+def _main_on_training_lines(tmp_path, source_lines, target_lines):
+  """`python -m t2t_jax.main` training on these lines (bad ones skipped); (exit code, stderr)."""
+  paths = {key: write_lines(tmp_path / key, lines) for key, lines in [
+      ('train_src', source_lines), ('train_tgt', target_lines), ('eval_src', ['cat dog']),
+      ('eval_tgt', ['katze hund'])]}
+  command = [sys.executable, '-m', 't2t_jax.main', '--config=configs/tiny.py',
+             f'--workdir={tmp_path / "run"}', '--config.data.source=text',
+             '--config.data.vocab_size=40', '--config.data.bad_lines=skip'] + [
+                 f'--config.data.{key}={path}' for key, path in paths.items()]
+  result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=ROOT), stdin=subprocess.DEVNULL)
+  return result.returncode, result.stderr
+
+
+@pytest.mark.parametrize('source_lines, target_lines, told', [
+    ([], [], 'empty (0 pairs read)'),
+    (['', 'cat', b'\xff dog'], ['katze', '', 'hund'],
+     "all 3 read were skipped as bad lines (2 empty, 1 undecodable) under "
+     "config.data.bad_lines='skip'"),
+], ids=['empty', 'all_skipped'])
+def test_empty_or_all_skipped_training_data_names_the_files_in_one_line(
+    tmp_path, source_lines, target_lines, told):
+  code, stderr = _main_on_training_lines(tmp_path, source_lines, target_lines)
+  errors = [line for line in stderr.splitlines() if line.startswith('error: ')]
+  assert code == 1 and 'Traceback' not in stderr and len(errors) == 1, stderr
+  assert errors[0] == f'error: {tmp_path}/train_src / {tmp_path}/train_tgt: no pairs: {told}' + (
+      '. Point config.data at files with pairs.' if not source_lines else
+      '. Fix the data or point config.data at other files.')
+  assert 'sentences_' not in stderr  # SentencePiece never saw the empty corpus.
+
+
+def test_vocabulary_bytes_depend_only_on_the_sentences_and_training_is_quiet(tmp_path, capfd):
+  sentences = [f'{a} {b}' for a in ('cat', 'dog', 'tree') for b in ('house', 'car', 'city')]
+  for name in ('a.model', 'b.model'):
+    tokenizer.train_sentencepiece(sentences * 20, str(tmp_path / name), 18)
+  assert (tmp_path / 'a.model').read_bytes() == (tmp_path / 'b.model').read_bytes()
+  assert 'deprecated' not in capfd.readouterr().err
+  assert sorted(os.listdir(tmp_path)) == ['a.model', 'b.model']  # No scratch left.
