@@ -58,8 +58,8 @@ class _Batches:
                process_count: int):
     if row_multiple % process_count:
       raise ConfigError(f'{process_count} processes cannot split batches whose row counts are '
-                       f'multiples of {row_multiple}: the mesh batch axes must be a multiple '
-                       'of the process count')
+                        f'multiples of {row_multiple}: the mesh batch axes must be a multiple '
+                        'of the process count')
     self.split, self.shuffle, self.seed = split, shuffle, seed
     self.process_index, self.process_count = process_index, process_count
     self._cached = (None, None)  # (epoch, plan), swapped as one object: grain reads it in threads.
@@ -314,7 +314,7 @@ def make_batchers(config, train_split, eval_split, row_multiple: int, process_in
                           train_rows, shuffle=True, seed=config.seed, **shard)
   else:
     raise ConfigError(f'config.data.batching must be one of {BATCHING_MODES}, '
-                     f'got {data_config.batching!r}')
+                      f'got {data_config.batching!r}')
   evaluation = TokenBudgetBatches(eval_split, data_config.batch_tokens, boundaries, row_multiple,
                                   shuffle=False, seed=config.seed, **shard)
   return train, evaluation

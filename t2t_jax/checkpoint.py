@@ -92,7 +92,7 @@ class Checkpointer:
     self.every = ckpt_config.every
     if ckpt_config.keep < max(1, average_last):
       raise ConfigError(f'config.ckpt.keep={ckpt_config.keep} must be at least 1 and at least '
-                       f'config.eval.average_last={average_last}, the checkpoints averaged')
+                        f'config.eval.average_last={average_last}, the checkpoints averaged')
     policies = [checkpoint_managers.LatestN(n=ckpt_config.keep)]
     if ckpt_config.keep_every > 0:
       policies.append(checkpoint_managers.EveryNSteps(interval_steps=ckpt_config.keep_every))

@@ -76,7 +76,7 @@ def synthetic_text(data_config, seed: int) -> tuple[tuple[list[str], list[str]],
   """(train, eval) text pairs; no eval source also occurs in training."""
   if data_config.task not in SYNTHETIC_TASKS:
     raise ConfigError(f'config.data.task must be one of {SYNTHETIC_TASKS}, '
-                     f'got {data_config.task!r}')
+                      f'got {data_config.task!r}')
   rng = np.random.default_rng(seed)
   train = [_synthetic_pair(data_config.task, rng, data_config)
            for _ in range(data_config.num_train)]
@@ -101,7 +101,7 @@ def read_parallel(source_path: str, target_path: str, bad_lines: str) -> tuple[l
   """Line-aligned sentence pairs in memory (small files); see `sources.parallel_text`."""
   if bad_lines not in sources.BAD_LINE_POLICIES:
     raise ConfigError(f'config.data.bad_lines must be one of {sources.BAD_LINE_POLICIES}, '
-                     f'got {bad_lines!r}')
+                      f'got {bad_lines!r}')
   pairs = list(sources.parallel_text(source_path, target_path, bad_lines).read())
   return [p[0] for p in pairs], [p[1] for p in pairs]
 
@@ -131,7 +131,7 @@ def cache_dir(config, workdir: str) -> str:
   directory = config.data.cache_dir or workdir
   if not directory:
     raise ConfigError('set config.data.cache_dir (or pass a workdir) for the vocabulary and '
-                     'the token cache')
+                      'the token cache')
   return os.path.abspath(os.path.expanduser(directory))
 
 

@@ -60,7 +60,7 @@ class TransformerConfig:
     """Builds from the `model` section of an ml_collections config."""
     if model_config.d_model % model_config.num_heads:
       raise ConfigError(f'config.model.d_model={model_config.d_model} is not divisible by '
-                       f'config.model.num_heads={model_config.num_heads}')
+                        f'config.model.num_heads={model_config.num_heads}')
     if model_config.norm not in ('post', 'pre'):
       raise ConfigError(f"config.model.norm must be 'post' or 'pre', got {model_config.norm!r}")
     kwargs = {f.name: model_config[f.name] for f in dataclasses.fields(cls)
@@ -75,7 +75,7 @@ class TransformerConfig:
     # Checked on the result: configs saved before the key existed lack it and mean 'none'.
     if config.remat not in REMAT_POLICIES:
       raise ConfigError(f'config.model.remat must be one of {", ".join(map(repr, REMAT_POLICIES))}'
-                       f', got {config.remat!r}')
+                        f', got {config.remat!r}')
     return config
 
 
@@ -85,7 +85,7 @@ def compute_dtype(name: str, platform: str):
     return jnp.dtype(jnp.float32 if platform == 'cpu' else jnp.bfloat16)
   if name not in ('float32', 'bfloat16', 'float16'):
     raise ConfigError(f"config.model.dtype={name!r} must be 'float32', 'bfloat16', 'float16' "
-                     "or 'auto'")
+                      "or 'auto'")
   return jnp.dtype(name)
 
 
@@ -124,7 +124,7 @@ def resolve_attention_impl(impl: str, dtype, head_dim: int, attention_dropout: f
     problem = problem or cudnn_problem
   if problem:
     raise ConfigError(f'config.model.attention_impl={impl!r} cannot run: {problem}. Use '
-                     "'auto' (which falls back) or change the setting named.")
+                      "'auto' (which falls back) or change the setting named.")
   return impl
 
 

@@ -12,6 +12,14 @@ from t2t_jax import ConfigError
 from t2t_jax import PAD_ID
 
 
+def _smoothed_target(vocab_size: int, label_smoothing: float) -> tuple[float, float, float]:
+  """The target's probability, every other entry's, and the distribution's entropy."""
+  confidence = 1.0 - label_smoothing
+  low = label_smoothing / (vocab_size - 1)
+  entropy = -(confidence * np.log(confidence) + (vocab_size - 1) * low * np.log(low + 1e-20))
+  return confidence, low, entropy
+
+
 def smoothed_cross_entropy(logits_BLV: jax.Array, targets_BL: jax.Array,
                            label_smoothing: float) -> tuple[jax.Array, jax.Array]:
   """Per-token label-smoothed cross-entropy and the non-pad weights.
@@ -22,12 +30,10 @@ def smoothed_cross_entropy(logits_BLV: jax.Array, targets_BL: jax.Array,
   (confidence - low) * log p_target.
   """
   vocab_size = logits_BLV.shape[-1]
-  confidence = 1.0 - label_smoothing
-  low = label_smoothing / (vocab_size - 1)
+  confidence, low, entropy = _smoothed_target(vocab_size, label_smoothing)
   log_probs_BLV = jax.nn.log_softmax(logits_BLV.astype(jnp.float32))
   target_log_prob_BL = jnp.take_along_axis(log_probs_BLV, targets_BL[..., None], -1)[..., 0]
   cross_entropy_BL = -(low * log_probs_BLV.sum(-1) + (confidence - low) * target_log_prob_BL)
-  entropy = -(confidence * np.log(confidence) + (vocab_size - 1) * low * np.log(low + 1e-20))
   weights_BL = (targets_BL != PAD_ID).astype(jnp.float32)
   return (cross_entropy_BL - entropy) * weights_BL, weights_BL
 
@@ -52,9 +58,7 @@ def metrics_and_logits_grad(logits_NV: jax.Array, targets_N: jax.Array,
   (argmax, up to exact ties), which reuses the softmax's maximum instead of another reduction.
   """
   vocab_size = logits_NV.shape[-1]
-  confidence = 1.0 - label_smoothing
-  low = label_smoothing / (vocab_size - 1)
-  entropy = -(confidence * np.log(confidence) + (vocab_size - 1) * low * np.log(low + 1e-20))
+  confidence, low, entropy = _smoothed_target(vocab_size, label_smoothing)
   logits_NV = logits_NV.astype(jnp.float32)
   shifted_NV = logits_NV - logits_NV.max(-1, keepdims=True)
   exp_NV = jnp.exp(shifted_NV)
@@ -84,8 +88,9 @@ def chunked_metrics(project, weights, hidden_BLE: jax.Array, targets_BL: jax.Arr
   stands would keep every chunk's logits for the backward pass, so a custom VJP instead takes
   each chunk's gradient while its logits are live (d loss / d logits from
   `metrics_and_logits_grad`, then the projection's VJP to the weights and hidden states) and
-  keeps only those: [V, E] and [B L, E]. Unlike rematerialising each chunk, nothing is projected twice. The sums equal
-  the full path's up to float32 rounding; only 'loss' is differentiable.
+  keeps only those: [V, E] and [B L, E]. Unlike rematerialising each chunk, nothing is
+  projected twice. The sums equal the full path's up to float32 rounding; only 'loss' is
+  differentiable.
 
   Args:
     project: (weights, hidden_NE) -> float32 logits_NV, the model's output layer.
@@ -181,7 +186,7 @@ def learning_rate_schedule(opt_config, d_model: int) -> optax.Schedule:
     schedule = optax.constant_schedule(scale)
   else:
     raise ConfigError(f"config.opt.schedule must be 'rsqrt', 't2t' or 'constant', "
-                     f'got {opt_config.schedule!r}')
+                      f'got {opt_config.schedule!r}')
   return schedule
 
 

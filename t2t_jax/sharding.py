@@ -26,15 +26,15 @@ def mesh_shape(shape, device_count: int) -> tuple[int, ...]:
   if len(shape) != len(MESH_AXES) or shape.count(-1) > 1 or any(
       n == 0 or n < -1 for n in shape):
     raise ConfigError(f'config.mesh.shape={shape} must give {len(MESH_AXES)} sizes for '
-                     f'{MESH_AXES}, positive or a single -1')
+                      f'{MESH_AXES}, positive or a single -1')
   known = math.prod(n for n in shape if n != -1)
   if device_count % known:
     raise ConfigError(f'config.mesh.shape={shape} needs a multiple of {known} devices, '
-                     f'but there are {device_count}')
+                      f'but there are {device_count}')
   shape = tuple(device_count // known if n == -1 else n for n in shape)
   if math.prod(shape) != device_count:
     raise ConfigError(f'config.mesh.shape={shape} covers {math.prod(shape)} devices, but there '
-                     f'are {device_count}; use -1 on one axis to take the rest')
+                      f'are {device_count}; use -1 on one axis to take the rest')
   return shape
 
 
@@ -48,7 +48,7 @@ def make_mesh(mesh_config, devices=None) -> Mesh:
     return jax.make_mesh(shape, MESH_AXES, devices=devices, axis_types=axis_types)
   if slices < 1 or shape[0] % slices:
     raise ConfigError(f'config.mesh.dcn_data={slices} must be a positive divisor of the data '
-                     f'axis size {shape[0]} (config.mesh.shape={tuple(mesh_config.shape)})')
+                      f'axis size {shape[0]} (config.mesh.shape={tuple(mesh_config.shape)})')
   # Slices talk over the data-centre network (DCN), so only the data axis crosses them: each
   # slice holds a full (data/slices, fsdp, tensor) sub-mesh on its fast interconnect. TPU
   # devices know their slice; elsewhere (GPU hosts) each process counts as one slice.
@@ -58,8 +58,8 @@ def make_mesh(mesh_config, devices=None) -> Mesh:
                  else {d.slice_index for d in devices})
   if granules != slices:
     raise ConfigError(f'config.mesh.dcn_data={slices} slices were asked for, but the devices '
-                     f'form {granules} ({"processes" if by_process else "TPU slices"}); set '
-                     f'config.mesh.dcn_data={granules}' + (' or 1' if granules > 1 else ''))
+                      f'form {granules} ({"processes" if by_process else "TPU slices"}); set '
+                      f'config.mesh.dcn_data={granules}' + (' or 1' if granules > 1 else ''))
   grid = mesh_utils.create_hybrid_device_mesh(per_slice, (slices, 1, 1), devices,
                                               process_is_granule=by_process)
   return Mesh(grid, MESH_AXES, axis_types=axis_types)
@@ -111,7 +111,7 @@ def check_batch_rows(rows: int, mesh: Mesh, accumulation: int = 1, what: str = '
     if accumulation > 1:
       split += f' x config.opt.grad_accum_steps={accumulation}'
     raise ConfigError(f'the {what} has {rows} rows, which do not divide into {multiple} equal '
-                     f'parts ({split}); use a row count that is a multiple of {multiple}')
+                      f'parts ({split}); use a row count that is a multiple of {multiple}')
 
 
 def global_batch(batch: dict[str, np.ndarray], mesh: Mesh,
@@ -165,8 +165,8 @@ def initialize_distributed(coordinator_address: str = '', num_processes: int = 0
   if coordinator_address:
     if num_processes < 1 or not 0 <= process_id < num_processes:
       raise ConfigError(f'--coordinator_address={coordinator_address} needs --num_processes >= 1 '
-                       f'and 0 <= --process_id < num_processes, got {num_processes} and '
-                       f'{process_id}')
+                        f'and 0 <= --process_id < num_processes, got {num_processes} and '
+                        f'{process_id}')
     kwargs = dict(coordinator_address=coordinator_address, num_processes=num_processes,
                   process_id=process_id)
     where = f'the coordinator {coordinator_address} (process {process_id} of {num_processes})'

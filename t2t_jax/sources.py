@@ -206,7 +206,7 @@ def open_split(data_config, split: str) -> Source:
   """The source of `split` ('train', 'eval' or 'test') named by `config.data`."""
   if data_config.bad_lines not in BAD_LINE_POLICIES:
     raise ConfigError(f'config.data.bad_lines must be one of {BAD_LINE_POLICIES}, '
-                     f'got {data_config.bad_lines!r}')
+                      f'got {data_config.bad_lines!r}')
   if split not in SPLITS:
     raise ValueError(f'split must be one of {SPLITS}, got {split!r}')
   kind = data_config.source

@@ -153,6 +153,6 @@ def load_or_train(path: str, texts: Callable[[], Iterable[str]], data_config,
   vocab = SentencePieceVocabulary(path)
   if vocab.vocab_size != data_config.vocab_size:
     raise ConfigError(f'{path} has {vocab.vocab_size} pieces but config.data.vocab_size is '
-                     f'{data_config.vocab_size}: use the matching size or another vocab_path '
-                     '(or delete the file to train a new one).')
+                      f'{data_config.vocab_size}: use the matching size or another vocab_path '
+                      '(or delete the file to train a new one).')
   return vocab
