@@ -52,6 +52,8 @@ class TransformerConfig:
   dtype: Any = jnp.float32
   param_dtype: Any = jnp.float32
   attention_impl: str = 'einsum'  # Resolved: 'einsum', 'xla' or 'cudnn' (never 'auto').
+  kind: str = 'encoder_decoder'  # Or 'decoder_only' (`DecoderOnly`); `make_model` picks.
+  prefix_attention: str = 'causal'  # Decoder-only: how the source attends ('causal', 'full').
   deterministic: bool = False
   decode: bool = False
 
@@ -67,6 +69,13 @@ class TransformerConfig:
               if f.name in model_config}
     kwargs['dtype'] = compute_dtype(kwargs['dtype'], jax.devices()[0].platform)
     kwargs['param_dtype'] = jnp.dtype(kwargs['param_dtype'])
+    if kwargs.get('kind', cls.kind) not in MODEL_KINDS:
+      raise ConfigError(f'config.model.kind={kwargs["kind"]!r} must be one of {MODEL_KINDS}')
+    if kwargs.get('prefix_attention', cls.prefix_attention) not in PREFIX_ATTENTION:
+      raise ConfigError(f'config.model.prefix_attention={kwargs["prefix_attention"]!r} must be '
+                        f'one of {PREFIX_ATTENTION}')
+    if kwargs.get('kind') == 'decoder_only':  # One stack: the encoder's depth does not apply.
+      kwargs['num_encoder_layers'] = 0
     kwargs['attention_impl'] = resolve_attention_impl(
         model_config.attention_impl, kwargs['dtype'],
         model_config.d_model // model_config.num_heads, model_config.attention_dropout,
@@ -77,6 +86,10 @@ class TransformerConfig:
       raise ConfigError(f'config.model.remat must be one of {", ".join(map(repr, REMAT_POLICIES))}'
                         f', got {config.remat!r}')
     return config
+
+
+MODEL_KINDS = ('encoder_decoder', 'decoder_only')  # config.model.kind
+PREFIX_ATTENTION = ('causal', 'full')  # config.model.prefix_attention
 
 
 def compute_dtype(name: str, platform: str):
@@ -235,21 +248,34 @@ class MultiHeadAttention(nn.Module):
                        (0, 1), 2)
     return jnp.einsum('BQHD,HDE->BQE', out_BQHD, w_out_HDE)
 
-  def _update_cache(self, k_B1HD, v_B1HD, mask_B1QK):
-    """Writes this step's key/value at the cache index; returns the whole cache and its mask."""
+  def _update_cache(self, k_BQHD, v_BQHD, mask_B1QK):
+    """Writes this call's keys/values from the cache index on; returns the whole cache and mask.
+
+    A call writes one token (a decoding step) or several (a decoder-only model's prompt, in
+    one pass). Each query sees the keys up to its own, except that a given `mask_B1QK`
+    decides for the first `mask_B1QK.shape[-1]` keys of the cache.
+    """
     initialised = self.has_variable('cache', 'key')
-    key = self.variable('cache', 'key', jnp.zeros, k_B1HD.shape, k_B1HD.dtype)
-    value = self.variable('cache', 'value', jnp.zeros, v_B1HD.shape, v_B1HD.dtype)
+    key = self.variable('cache', 'key', jnp.zeros, k_BQHD.shape, k_BQHD.dtype)
+    value = self.variable('cache', 'value', jnp.zeros, v_BQHD.shape, v_BQHD.dtype)
     index = self.variable('cache', 'index', lambda: jnp.array(0, jnp.int32))
     if not initialised:  # The init call only sizes the cache, from a full-length input.
-      return k_B1HD, v_B1HD, mask_B1QK
-    i = index.value
-    key.value = jax.lax.dynamic_update_slice(key.value, k_B1HD, (0, i, 0, 0))
-    value.value = jax.lax.dynamic_update_slice(value.value, v_B1HD, (0, i, 0, 0))
-    index.value = i + 1
+      return k_BQHD, v_BQHD, mask_B1QK
+    i, length = index.value, k_BQHD.shape[1]
+    key.value = jax.lax.dynamic_update_slice(key.value, k_BQHD, (0, i, 0, 0))
+    value.value = jax.lax.dynamic_update_slice(value.value, v_BQHD, (0, i, 0, 0))
+    index.value = i + length
     max_len = key.value.shape[1]
-    mask_B1QK = (jnp.arange(max_len) <= i)[None, None, None, :]
-    return key.value, value.value, mask_B1QK
+    causal_11QK = (jnp.arange(max_len)[None, :] <= i + jnp.arange(length)[:, None])[None, None]
+    if mask_B1QK is None:
+      return key.value, value.value, causal_11QK
+    # A decoder-only model's mask over its prompt, the first keys: it knows which are padding
+    # and whether the prompt attends among itself in full. Later keys stay causal.
+    rows, prompt = mask_B1QK.shape[0], mask_B1QK.shape[-1]
+    later_B1QK = jnp.broadcast_to(causal_11QK[..., prompt:],
+                                  (rows, 1, length, max_len - prompt))
+    mask_B1QK = jnp.broadcast_to(mask_B1QK, (rows, 1, length, prompt))
+    return key.value, value.value, jnp.concatenate([mask_B1QK, later_B1QK], axis=-1)
 
 
 class FeedForward(nn.Module):
@@ -307,16 +333,18 @@ class EncoderLayer(nn.Module):
 
 class DecoderLayer(nn.Module):
   config: TransformerConfig
+  with_cross_attention: bool = True  # False in the decoder-only model: no encoder to attend.
 
   @nn.compact
   def __call__(self, y_BLE, encoded_BKE, self_mask_B1LL, cross_mask_B1LK):
     cfg = self.config
     self_attention = MultiHeadAttention(cfg, self_attention_cache=True, name='self_attention')
-    cross_attention = MultiHeadAttention(cfg, memory_cache=True, name='cross_attention')
     y_BLE = Sublayer(cfg, name='self_attention_block')(
         lambda y: self_attention(y, y, self_mask_B1LL), y_BLE)
-    y_BLE = Sublayer(cfg, name='cross_attention_block')(
-        lambda y: cross_attention(y, encoded_BKE, cross_mask_B1LK), y_BLE)
+    if self.with_cross_attention:
+      cross_attention = MultiHeadAttention(cfg, memory_cache=True, name='cross_attention')
+      y_BLE = Sublayer(cfg, name='cross_attention_block')(
+          lambda y: cross_attention(y, encoded_BKE, cross_mask_B1LK), y_BLE)
     y_BLE = Sublayer(cfg, name='ffn_block')(FeedForward(cfg, name='ffn'), y_BLE)
     y_BLE = nn.with_logical_constraint(y_BLE, ('batch', 'length', 'embed'))
     return (y_BLE, None) if cfg.scan_layers else y_BLE  # nn.scan wants (carry, output).
@@ -382,6 +410,8 @@ def stack_layer_params(params: dict, config: TransformerConfig) -> dict:
   params = dict(params)
   for stack, count in (('encoder', config.num_encoder_layers),
                        ('decoder', config.num_decoder_layers)):
+    if not count:  # The decoder-only model has no encoder.
+      continue
     layers = [params.pop(f'{stack}_{i}') for i in range(count)]
     params[f'{stack}_layers'] = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
   return params
@@ -392,6 +422,8 @@ def unstack_layer_params(params: dict, config: TransformerConfig) -> dict:
   params = dict(params)
   for stack, count in (('encoder', config.num_encoder_layers),
                        ('decoder', config.num_decoder_layers)):
+    if not count:
+      continue
     stacked = params.pop(f'{stack}_layers')
     params.update({f'{stack}_{i}': jax.tree.map(lambda x, i=i: x[i], stacked)
                    for i in range(count)})
@@ -510,3 +542,152 @@ def output_params(params, config: TransformerConfig) -> dict:
   """The parameters `Transformer.output_logits` reads: the tied embedding or the output kernel."""
   name = 'embedding' if config.tie_output else 'output_projection'
   return {name: params[name]}
+
+
+def make_model(config: TransformerConfig) -> nn.Module:
+  """The model assembly `config.kind` names: `Transformer` or `DecoderOnly`."""
+  return DecoderOnly(config) if config.kind == 'decoder_only' else Transformer(config)
+
+
+def prefix_lm_mask(key_valid_BL: Array, source_length: int, segments_BL: Array | None,
+                   full_prefix: bool) -> Array:
+  """Mask [B, 1, L, L] of a "source, target" sequence whose first `source_length` are source.
+
+  Causal throughout; with `full_prefix` the source positions also see every (valid, same
+  segment) source position, later ones included: a prefix language model.
+  """
+  causal_B1LL = attention_mask(key_valid_BL, segments_BL, segments_BL, causal=True)
+  if not full_prefix or not source_length:
+    return causal_B1LL
+  length = key_valid_BL.shape[1]
+  source_LL = np.zeros((length, length), bool)
+  source_LL[:source_length, :source_length] = True
+  visible_B1LL = attention_mask(key_valid_BL, segments_BL, segments_BL, causal=False)
+  return causal_B1LL | (visible_B1LL & source_LL[None, None])
+
+
+def _source_lengths(inputs_BK: Array, inputs_segments_BK: Array | None,
+                    targets_segments_BL: Array | None) -> Array:
+  """Per target position, the length of its example's source: [B, 1], or [B, L] when packed."""
+  if inputs_segments_BK is None:
+    return (inputs_BK != PAD_ID).sum(-1, keepdims=True)
+  # Segment ids count examples within a row, so there are fewer than L + 1 of them.
+  count_segments = functools.partial(jnp.bincount, length=targets_segments_BL.shape[1] + 1)
+  lengths_BS = jax.vmap(count_segments)(jnp.where(inputs_BK != PAD_ID, inputs_segments_BK, 0))
+  lengths_BS = lengths_BS.at[:, 0].set(0)  # Segment 0 is padding, which has no source.
+  return jnp.take_along_axis(lengths_BS, targets_segments_BL, axis=1)
+
+
+class DecoderOnly(nn.Module):
+  """Transformer-D (Liu et al. 2018): one causal stack over the source and target as one sequence.
+
+  It takes the encoder-decoder's batch and concatenates inside: the sequence is the source
+  (ending in EOS), then the decoder's usual input, a start token 0 and the target shifted
+  right; tensor2tensor's prepend mode builds the same "inputs, 0, targets". Only the target
+  part's outputs are returned, so the loss, its weights (real target tokens only) and every
+  batching mode are the encoder-decoder's unchanged: a packed row keeps its separate source
+  and target rows, joined here per row, the same segment ids and same-segment masking tying
+  each target to its own source. Target positions continue from the source's length. A
+  language model is the case of an empty (zero-width) source.
+
+  Decoding: `prefill` runs the (right-padded) sources through the stack once, filling every
+  layer's cache at indices [0, S); `decode` then adds one token per call at index S, S + 1,
+  ..., its position the row's source length plus the steps so far, padding keys masked.
+  """
+  config: TransformerConfig
+
+  def setup(self):
+    cfg = self.config
+    self.target_embedding = _embed(cfg, 'embedding')
+    self.source_embedding = (self.target_embedding if cfg.share_embeddings
+                             else _embed(cfg, 'source_embedding'))
+    self.source_embedder = Embedder(cfg, self.source_embedding)
+    self.target_embedder = Embedder(cfg, self.target_embedding)
+    if cfg.scan_layers:
+      self.decoder_layers = _stack(DecoderLayer, cfg, cfg.num_decoder_layers, broadcast=3)(
+          cfg, with_cross_attention=False, name='decoder_layers')
+    else:
+      self.decoder_layers = [_remat(DecoderLayer, cfg)(cfg, with_cross_attention=False,
+                                                       name=f'decoder_{i}')
+                             for i in range(cfg.num_decoder_layers)]
+    if cfg.norm == 'pre':
+      self.decoder_norm = LayerNorm(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
+    if not cfg.tie_output:
+      self.output_projection = nn.Dense(
+          cfg.vocab_size, use_bias=False, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+          kernel_init=_dense_init(('embed', 'vocab')))
+    if cfg.decode:  # The cache index the next token goes to, shared by all rows.
+      self.cache_index = self.variable('cache', 'index', lambda: jnp.array(0, jnp.int32))
+
+  def _layers(self, x_BLE: Array, mask_B1QK: Array) -> Array:
+    cfg = self.config
+    if cfg.scan_layers:
+      x_BLE, _ = self.decoder_layers(x_BLE, None, mask_B1QK, None)
+    else:
+      for layer in self.decoder_layers:
+        x_BLE = layer(x_BLE, None, mask_B1QK, None)
+    return self.decoder_norm(x_BLE) if cfg.norm == 'pre' else x_BLE
+
+  def __call__(self, inputs_BK: Array, targets_BL: Array,
+               inputs_positions_BK: Array | None = None,
+               targets_positions_BL: Array | None = None,
+               inputs_segments_BK: Array | None = None,
+               targets_segments_BL: Array | None = None, return_hidden: bool = False) -> Array:
+    """Teacher-forced logits [B, L, V] (float32) of the target part, or its final states."""
+    cfg = self.config
+    source_length = inputs_BK.shape[1]
+    lengths_BL = _source_lengths(inputs_BK, inputs_segments_BK, targets_segments_BL)
+    if targets_positions_BL is None:
+      targets_positions_BL = jnp.arange(targets_BL.shape[1])[None]
+    x_BLE = jnp.concatenate([
+        self.source_embedder(inputs_BK, inputs_positions_BK),
+        self.target_embedder(shift_right(targets_BL, targets_segments_BL),
+                             targets_positions_BL + lengths_BL)], axis=1)
+    valid_BL = jnp.concatenate([inputs_BK != PAD_ID, targets_BL != PAD_ID], axis=1)
+    segments_BL = (None if targets_segments_BL is None else
+                   jnp.concatenate([inputs_segments_BK, targets_segments_BL], axis=1))
+    mask = prefix_lm_mask(valid_BL, source_length, segments_BL,
+                          cfg.prefix_attention == 'full')
+    y_BLE = self._layers(x_BLE, mask)[:, source_length:]
+    return y_BLE if return_hidden else self.output_logits(y_BLE)
+
+  def prefill(self, inputs_BS: Array) -> None:
+    """Decode mode: the sources' keys and values into every layer's cache, in one pass."""
+    cfg = self.config
+    self._next_index(inputs_BS.shape[1])
+    valid_BS = inputs_BS != PAD_ID
+    self._layers(self.source_embedder(inputs_BS),
+                 prefix_lm_mask(valid_BS, inputs_BS.shape[1], None,
+                                cfg.prefix_attention == 'full'))
+
+  def decode(self, encoded_BKE: None, inputs_BS: Array, targets_BL: Array,
+             *unused_args, return_hidden: bool = False) -> Array:
+    """Decode mode: logits [B, 1, V] after one more token per row (`targets_BL`, [B, 1]).
+
+    The signature is `Transformer.decode`'s, so decoding calls either alike; there is no
+    encoder output.
+    """
+    del encoded_BKE, unused_args
+    length_B1 = (inputs_BS != PAD_ID).sum(-1, keepdims=True)
+    step = self._next_index(1) - inputs_BS.shape[1]
+    y_BLE = self.target_embedder(targets_BL, length_B1 + step)
+    # The prompt part of the cache holds each row's source, then its padding.
+    prompt_mask_B11S = (jnp.arange(inputs_BS.shape[1]) < length_B1)[:, None, None, :]
+    y_BLE = self._layers(y_BLE, prompt_mask_B11S)
+    return y_BLE if return_hidden else self.output_logits(y_BLE)
+
+  def _next_index(self, count: int) -> Array:
+    """The cache index the next `count` tokens are written from; advances it by `count`."""
+    current = self.cache_index.value
+    self.cache_index.value = current + count
+    return current
+
+  def output_logits(self, y_BLE: Array) -> Array:
+    """Output softmax logits in float32 for final states [..., E]; see `Transformer`."""
+    if self.config.tie_output:
+      logits_BLV = self.target_embedding.attend(y_BLE)
+    else:
+      logits_BLV = self.output_projection(y_BLE)
+    names = ('batch',) + ('length',) * (y_BLE.ndim - 2) + ('vocab',)
+    logits_BLV = nn.with_logical_constraint(logits_BLV, names)
+    return logits_BLV.astype(jnp.float32)
