@@ -191,8 +191,9 @@ def test_scanned_layers_decode_like_unrolled_ones(remat):
   params, inputs = _random_params(seed=2), _sources()
   stacked = model_lib.stack_layer_params(params, CONFIG)
   cache = decode.init_cache(scanned, 8, 8)
-  # One cache per decoder layer, stacked ahead of the rows; no cross-attention entries yet.
-  assert cache['decoder_layers']['self_attention']['key'].shape == (2, 8, 8, 2, 8)
+  # One cache per decoder layer, stacked ahead of the rows, heads-major ([layers, B, H, L, D]);
+  # no cross-attention entries yet.
+  assert cache['decoder_layers']['self_attention']['key'].shape == (2, 8, 2, 8, 8)
   assert cache['decoder_layers']['self_attention']['index'].shape == (2,)
   assert cache['decoder_layers']['cross_attention'] == {}
   np.testing.assert_array_equal(greedy_search(stacked, inputs, config=scanned, max_len=8),
