@@ -163,7 +163,7 @@ def test_translator_keeps_input_order_through_length_sorting(beam_size):
                                  beam_size=beam_size, alpha=0.6)
   outputs = translator.translate(params, inputs)
   assert len(outputs) == len(inputs) and len(outputs[2]) == 0  # The empty input.
-  # Translated one at a time (same bucket shapes, so no new compilation), nothing can move.
+  # Translated one at a time (other batch shapes, the same length limits), nothing can move.
   for seq, output in zip(inputs, outputs):
     assert _trim(output) == _trim(translator.translate(params, [seq])[0])
   assert len(set(_trim(o) for o in outputs)) > 3  # Distinct outputs, so a swap would show.
