@@ -212,21 +212,15 @@ class MultiHeadAttention(nn.Module):
                         cfg.param_dtype).astype(cfg.dtype)
 
     qkv_shape, qkv_names = (cfg.d_model, cfg.num_heads, head_dim), ('embed', 'heads', 'kv')
-    def project(name, y_BKE):
-      return jnp.einsum('BKE,EHD->BKHD', y_BKE.astype(cfg.dtype),
+    def project(name, y_BKE, layout='BKHD'):
+      return jnp.einsum(f'BKE,EHD->{layout}', y_BKE.astype(cfg.dtype),
                         kernel(name, qkv_shape, qkv_names, 0, (1, 2)))
 
     q_BQHD = project('query', x_BQE) * head_dim**-0.5
     q_BQHD = nn.with_logical_constraint(q_BQHD, ('batch', 'length', 'heads', 'kv'))
-    if cfg.decode and self.memory_cache:
-      # The init function runs only while the cache lacks the entry: once per batch.
-      k_BKHD = self.variable('cache', 'memory_key', project, 'key', memory_BKE).value
-      v_BKHD = self.variable('cache', 'memory_value', project, 'value', memory_BKE).value
-    else:
-      k_BKHD, v_BKHD = project('key', memory_BKE), project('value', memory_BKE)
-
-    if cfg.decode and self.self_attention_cache:
-      k_BKHD, v_BKHD, mask_B1QK = self._update_cache(k_BKHD, v_BKHD, mask_B1QK)
+    if cfg.decode and (self.memory_cache or self.self_attention_cache):
+      return self._cached_attention(q_BQHD, memory_BKE, mask_B1QK, project, kernel)
+    k_BKHD, v_BKHD = project('key', memory_BKE), project('value', memory_BKE)
 
     if cfg.attention_impl == 'einsum':
       logits_BHQK = jnp.einsum('BQHD,BKHD->BHQK', q_BQHD, k_BKHD).astype(jnp.float32)
@@ -248,7 +242,34 @@ class MultiHeadAttention(nn.Module):
                        (0, 1), 2)
     return jnp.einsum('BQHD,HDE->BQE', out_BQHD, w_out_HDE)
 
-  def _update_cache(self, k_BQHD, v_BQHD, mask_B1QK):
+  def _cached_attention(self, q_BQHD, memory_BKE, mask_B1QK, project, kernel) -> Array:
+    """One decoding step against the cache, kept heads-major ([B, H, K, D]).
+
+    Heads-major is the layout the query-key and weight-value products read: stored
+    [B, K, H, D], every step would transpose the whole cache of every layer first.
+    """
+    cfg = self.config
+    if self.memory_cache:
+      # The init function runs only while the cache lacks the entry: once per batch.
+      k_BHKD = self.variable('cache', 'memory_key', project, 'key', memory_BKE, 'BHKD').value
+      v_BHKD = self.variable('cache', 'memory_value', project, 'value', memory_BKE,
+                             'BHKD').value
+    else:
+      k_BHKD, v_BHKD, mask_B1QK = self._update_cache(project('key', memory_BKE, 'BHKD'),
+                                                     project('value', memory_BKE, 'BHKD'),
+                                                     mask_B1QK)
+    logits_BHQK = jnp.einsum('BQHD,BHKD->BHQK', q_BQHD, k_BHKD).astype(jnp.float32)
+    if mask_B1QK is not None:
+      logits_BHQK = jnp.where(mask_B1QK, logits_BHQK, _NEG_INF)
+    weights_BHQK = jax.nn.softmax(logits_BHQK).astype(cfg.dtype)
+    self.sow('intermediates', 'attention_weights', weights_BHQK)
+    out_BQHD = jnp.einsum('BHQK,BHKD->BQHD', weights_BHQK, v_BHKD)
+    head_dim = cfg.d_model // cfg.num_heads
+    w_out_HDE = kernel('out', (cfg.num_heads, head_dim, cfg.d_model), ('heads', 'kv', 'embed'),
+                       (0, 1), 2)
+    return jnp.einsum('BQHD,HDE->BQE', out_BQHD, w_out_HDE)
+
+  def _update_cache(self, k_BHQD, v_BHQD, mask_B1QK):
     """Writes this call's keys/values from the cache index on; returns the whole cache and mask.
 
     A call writes one token (a decoding step) or several (a decoder-only model's prompt, in
@@ -256,16 +277,18 @@ class MultiHeadAttention(nn.Module):
     decides for the first `mask_B1QK.shape[-1]` keys of the cache.
     """
     initialised = self.has_variable('cache', 'key')
-    key = self.variable('cache', 'key', jnp.zeros, k_BQHD.shape, k_BQHD.dtype)
-    value = self.variable('cache', 'value', jnp.zeros, v_BQHD.shape, v_BQHD.dtype)
+    key = self.variable('cache', 'key', jnp.zeros, k_BHQD.shape, k_BHQD.dtype)
+    value = self.variable('cache', 'value', jnp.zeros, v_BHQD.shape, v_BHQD.dtype)
     index = self.variable('cache', 'index', lambda: jnp.array(0, jnp.int32))
     if not initialised:  # The init call only sizes the cache, from a full-length input.
-      return k_BQHD, v_BQHD, mask_B1QK
-    i, length = index.value, k_BQHD.shape[1]
-    key.value = jax.lax.dynamic_update_slice(key.value, k_BQHD, (0, i, 0, 0))
-    value.value = jax.lax.dynamic_update_slice(value.value, v_BQHD, (0, i, 0, 0))
+      return k_BHQD, v_BHQD, mask_B1QK
+    i, length = index.value, k_BHQD.shape[2]
+    key.value = jax.lax.dynamic_update_slice(key.value, k_BHQD, (0, 0, i, 0))
+    value.value = jax.lax.dynamic_update_slice(value.value, v_BHQD, (0, 0, i, 0))
     index.value = i + length
-    max_len = key.value.shape[1]
+    max_len = key.value.shape[2]
+    if mask_B1QK is None and length == 1:  # A decoding step: every key written so far.
+      return key.value, value.value, (jnp.arange(max_len) <= i)[None, None, None, :]
     causal_11QK = (jnp.arange(max_len)[None, :] <= i + jnp.arange(length)[:, None])[None, None]
     if mask_B1QK is None:
       return key.value, value.value, causal_11QK
