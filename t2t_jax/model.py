@@ -287,8 +287,6 @@ class MultiHeadAttention(nn.Module):
     value.value = jax.lax.dynamic_update_slice(value.value, v_BHQD, (0, 0, i, 0))
     index.value = i + length
     max_len = key.value.shape[2]
-    if mask_B1QK is None and length == 1:  # A decoding step: every key written so far.
-      return key.value, value.value, (jnp.arange(max_len) <= i)[None, None, None, :]
     causal_11QK = (jnp.arange(max_len)[None, :] <= i + jnp.arange(length)[:, None])[None, None]
     if mask_B1QK is None:
       return key.value, value.value, causal_11QK
