@@ -10,7 +10,9 @@ def get_config():
   config.seed = 0  # Seeds parameter init, dropout and data shuffling.
 
   data = config.data = ml_collections.ConfigDict()
-  data.source = 'synthetic'  # 'synthetic' (built-in task), 'text' (two files), 'tsv' or 'tfds'.
+  # 'synthetic' (built-in task), 'text' (two files), 'tsv', 'tfds', or 'lm': language modelling
+  # on one text file (train_text/eval_text below; needs model.kind='decoder_only').
+  data.source = 'synthetic'
   data.task = 'reverse'  # Synthetic task: 'copy', 'reverse', 'sort' or 'addition'.
   data.num_symbols = 16  # Synthetic: distinct symbols for copy/reverse/sort.
   data.min_length = 1  # Synthetic: shortest source, in symbols (digits per operand for addition).
@@ -24,6 +26,8 @@ def get_config():
   data.eval_tgt = ''  # Text: evaluation target (reference) file.
   data.train_tsv = ''  # TSV: training file of 'source<TAB>target' lines.
   data.eval_tsv = ''  # TSV: evaluation file of 'source<TAB>target' lines.
+  data.train_text = ''  # LM: training text file, one sequence per line.
+  data.eval_text = ''  # LM: evaluation text file, one sequence per line.
   data.tfds_name = 'wmt14_translate/de-en'  # TFDS: dataset/config, e.g. 'wmt17_translate/de-en'.
   data.tfds_eval_name = ''  # TFDS: dataset of the eval and test splits; '' means tfds_name.
   data.tfds_train_split = 'train'  # TFDS: training split (any TFDS split spec).
@@ -39,7 +43,9 @@ def get_config():
   data.vocab_type = 'unigram'  # SentencePiece model type: 'unigram' or 'bpe'.
   data.vocab_sample_chars = 10_000_000  # Characters sampled across both sides to train the vocab.
   data.bad_lines = 'error'  # Bad lines/pairs: 'error' names file and line, 'skip' logs counts.
-  data.max_len = 256  # Pairs longer than this (tokens incl. EOS) on either side are dropped.
+  # Pairs longer than this (tokens incl. EOS) on either side are dropped; for a decoder-only
+  # model, pairs whose source and target together are longer (the one sequence it reads).
+  data.max_len = 256
   data.batch_tokens = 4096  # Tokens per global batch: rows x padded length, max of both sides.
   data.bucket_scale = 1.1  # Length buckets grow geometrically by this factor (tensor2tensor).
   data.min_bucket = 8  # Shortest bucket length; also the granularity of bucket lengths.
@@ -69,6 +75,12 @@ def get_config():
   # Attention: 'einsum' (explicit softmax, attention dropout), 'xla' or 'cudnn' (fused, through
   # jax.nn.dot_product_attention; no attention dropout), 'auto' (cuDNN where it applies).
   model.attention_impl = 'auto'
+  # 'encoder_decoder' (the paper) or 'decoder_only' (Transformer-D, Liu et al. 2018: one stack
+  # of num_decoder_layers over source + target; num_encoder_layers is ignored).
+  model.kind = 'encoder_decoder'
+  # Decoder-only: 'causal' (every position sees only earlier ones) or 'full' (the source part
+  # also sees later source positions: a prefix LM). Target positions are causal either way.
+  model.prefix_attention = 'causal'
 
   opt = config.opt = ml_collections.ConfigDict()
   opt.schedule = 'rsqrt'  # 'rsqrt' (paper), 't2t' (linear warmup x rsqrt decay), 'constant'.

@@ -61,6 +61,8 @@ class _Batches:
                         f'multiples of {row_multiple}: the mesh batch axes must be a multiple '
                         'of the process count')
     self.split, self.shuffle, self.seed = split, shuffle, seed
+    # Language modelling has no source: its 'inputs' fields are zero columns wide.
+    self.has_source = bool(split.inputs.lengths.any())
     self.process_index, self.process_count = process_index, process_count
     self._cached = (None, None)  # (epoch, plan), swapped as one object: grain reads it in threads.
 
@@ -128,7 +130,8 @@ class TokenBudgetBatches(_Batches):
     """This process's rows of one global batch (all rows when there is one process)."""
     length, rows = self.boundaries[bucket], self.rows[bucket] // self.process_count
     indices = indices[self._local(self.rows[bucket])]
-    batch = {key: np.full((rows, length), PAD_ID, np.int32) for key in ('inputs', 'targets')}
+    batch = {'inputs': np.full((rows, length if self.has_source else 0), PAD_ID, np.int32),
+             'targets': np.full((rows, length), PAD_ID, np.int32)}
     row_ids, columns = np.arange(len(indices)), np.zeros(len(indices), np.int64)
     _gather(self.split.inputs, indices, row_ids, columns, batch['inputs'])
     _gather(self.split.targets, indices, row_ids, columns, batch['targets'])
@@ -205,8 +208,8 @@ class PackedBatches(_Batches):
 
   def collate(self, rows: np.ndarray) -> dict[str, np.ndarray]:
     rows = rows[self._local(self.rows)]
-    shape = (len(rows), self.length)
-    batch = {key: np.full(shape, PAD_ID, np.int32) for key in (
+    width = {'inputs': self.length if self.has_source else 0, 'targets': self.length}
+    batch = {key: np.full((len(rows), width[key.split('_')[0]]), PAD_ID, np.int32) for key in (
         'inputs', 'targets', 'inputs_positions', 'targets_positions', 'inputs_segments',
         'targets_segments')}
     row_ids, slot = np.nonzero(rows >= 0)

@@ -14,7 +14,7 @@ from t2t_jax import prng
 from t2t_jax import sharding
 from t2t_jax import sources
 from t2t_jax import tokenizer
-from t2t_jax.model import TransformerConfig
+from t2t_jax.model import MODEL_KINDS, PREFIX_ATTENTION, TransformerConfig
 
 _INF = math.inf
 # key: (lowest, highest, whether the lowest itself is allowed). Highest is always allowed.
@@ -77,6 +77,8 @@ CHOICES = {
     'data.bad_lines': sources.BAD_LINE_POLICIES,
     'data.vocab_type': tokenizer.MODEL_TYPES,
     'data.batching': batching.BATCHING_MODES,
+    'model.kind': MODEL_KINDS,
+    'model.prefix_attention': PREFIX_ATTENTION,
 }
 
 
@@ -111,6 +113,7 @@ def check(config, mesh: bool = True) -> None:
   if config.data.source != 'synthetic' and config.data.vocab_size <= tokenizer.RESERVED_IDS:
     problems.append(f'config.data.vocab_size={config.data.vocab_size} must exceed the '
                     f'{tokenizer.RESERVED_IDS} reserved ids (pad, EOS, unknown)')
+  problems += _decoder_only_problems(config)
   if problems:  # Checks below need the values above to be sane.
     raise ConfigError('; '.join(problems))
   for call in (lambda: TransformerConfig.from_config(config.model, data.vocab_size(config)),
@@ -123,3 +126,22 @@ def check(config, mesh: bool = True) -> None:
       problems.append(str(e))
   if problems:
     raise ConfigError('; '.join(problems))
+
+
+def _decoder_only_problems(config) -> list[str]:
+  """Language modelling needs the decoder-only model, which reads source + target as one."""
+  problems = []
+  if config.data.source == 'lm':
+    if config.model.kind != 'decoder_only':
+      problems.append(f"config.data.source='lm' needs config.model.kind='decoder_only', got "
+                      f'{config.model.kind!r}: a language model has no source to encode')
+    if config.eval.bleu_sentences:
+      problems.append(f'config.eval.bleu_sentences={config.eval.bleu_sentences} must be 0 '
+                      "with config.data.source='lm': there are no translations to score (the "
+                      'eval figures are loss and perplexity)')
+  if config.model.kind == 'decoder_only' and config.data.max_len > config.model.max_len:
+    problems.append(f'config.data.max_len={config.data.max_len} exceeds config.model.max_len='
+                    f'{config.model.max_len}: a decoder-only model reads source and target as '
+                    'one sequence of up to data.max_len positions, so raise model.max_len or '
+                    'lower data.max_len')
+  return problems

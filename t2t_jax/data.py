@@ -106,19 +106,28 @@ def read_parallel(source_path: str, target_path: str, bad_lines: str) -> tuple[l
   return [p[0] for p in pairs], [p[1] for p in pairs]
 
 
-def _encode(vocab, texts: tuple[list[str], list[str]], max_len: int, name: str) -> Split:
-  """Encodes synthetic text pairs, appending EOS; see `_filter` for `max_len`."""
+def _encode(vocab, texts: tuple[list[str], list[str]], config, name: str) -> Split:
+  """Encodes synthetic text pairs, appending EOS; see `_filter` for the length limit."""
   inputs, targets = ([np.asarray(ids + [EOS_ID], np.int32) for ids in vocab.encode(side)]
                      for side in texts)
-  return _filter(Split(inputs, targets, list(texts[0]), list(texts[1])), max_len, name)
+  return _filter(Split(inputs, targets, list(texts[0]), list(texts[1])), config, name)
 
 
-def _filter(split: Split, max_len: int, name: str) -> Split:
-  """Drops (with a logged count) pairs longer than `max_len` tokens, EOS included, either side."""
-  keep = np.flatnonzero(np.maximum(split.inputs.lengths, split.targets.lengths) <= max_len)
+def _filter(split: Split, config, name: str) -> Split:
+  """Drops (with a logged count) pairs longer than config.data.max_len tokens, EOS included.
+
+  The encoder-decoder reads each side on its own, so the longer side counts; a decoder-only
+  model reads one sequence of both (and its position table must cover it), so their sum does.
+  """
+  max_len = config.data.max_len
+  if config.model.kind == 'decoder_only':
+    lengths, what = split.inputs.lengths + split.targets.lengths, 'source + target'
+  else:
+    lengths, what = np.maximum(split.inputs.lengths, split.targets.lengths), 'either side'
+  keep = np.flatnonzero(lengths <= max_len)
   if dropped := len(split) - len(keep):
-    logging.warning('%s: dropped %d of %d pairs longer than config.data.max_len=%d tokens',
-                    name, dropped, len(split), max_len)
+    logging.warning('%s: dropped %d of %d pairs longer than config.data.max_len=%d tokens (%s)',
+                    name, dropped, len(split), max_len, what)
   else:
     return split
   return Split(split.inputs.subset(keep), split.targets.subset(keep),
@@ -145,7 +154,7 @@ def load_vocab(config, workdir: str) -> tokenizer.Vocabulary:
   if config.data.source == 'synthetic':
     return synthetic_vocabulary(config.data)
   train_source = sources.open_split(config.data, 'train')
-  texts = lambda: (text for pair in train_source.read() for text in pair)
+  texts = lambda: (text for pair in train_source.read() for text in pair if text)
   return tokenizer.load_or_train(vocab_path(config, workdir), texts, config.data, config.seed)
 
 
@@ -160,8 +169,11 @@ def load_split(config, workdir: str, split: str, vocab=None) -> tuple[Split, boo
                                      keep_text=split != 'train')
   if not len(cached.inputs):
     raise DataError(f'{source.name} ({split}) yielded no pairs')
-  full = Split(cached.inputs, cached.targets, cached.sources, cached.references)
-  return _filter(full, config.data.max_len, split), cached.built
+  inputs = cached.inputs
+  if config.data.source == 'lm':  # The cache holds a lone EOS per empty source: no source.
+    inputs = Ragged(inputs.tokens, inputs.starts, np.zeros_like(inputs.lengths))
+  full = Split(inputs, cached.targets, cached.sources, cached.references)
+  return _filter(full, config, split), cached.built
 
 
 def load(config, workdir: str) -> TaskData:
@@ -170,8 +182,8 @@ def load(config, workdir: str) -> TaskData:
   if data_config.source == 'synthetic':
     vocab = synthetic_vocabulary(data_config)
     train_text, eval_text = synthetic_text(data_config, config.seed)
-    return TaskData(vocab, _encode(vocab, train_text, data_config.max_len, 'train'),
-                    _encode(vocab, eval_text, data_config.max_len, 'eval'))
+    return TaskData(vocab, _encode(vocab, train_text, config, 'train'),
+                    _encode(vocab, eval_text, config, 'eval'))
   sources.open_split(data_config, 'train')  # Refuses an unknown source before any work.
   vocab = load_vocab(config, workdir)
   return TaskData(vocab, load_split(config, workdir, 'train', vocab)[0],

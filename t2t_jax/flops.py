@@ -94,8 +94,30 @@ def model_flops_per_step(*, d_model: int, d_ff: int, num_encoder_layers: int,
   return float(dense + attention)
 
 
+def decoder_only_flops_per_step(*, d_model: int, d_ff: int, num_layers: int, vocab_size: int,
+                                rows: int, source_length: int, target_length: int) -> float:
+  """Analytic FLOPs of one training update of the decoder-only model (Transformer-D).
+
+  Every position of the joined sequence (length L = L_src + L_tgt, padding included) passes
+  through the layers' Q, K, V, O and FFN; only the target part reaches the output layer; each
+  layer's attention is the full L x L square:
+
+    6 x (rows L num_layers (4 d^2 + 2 d d_ff) + rows L_tgt d V) + 3 x 4 d num_layers rows L^2
+  """
+  d, length = d_model, source_length + target_length
+  dense = 6 * (rows * length * num_layers * (4 * d * d + 2 * d * d_ff)
+               + rows * target_length * d * vocab_size)
+  attention = 3 * 4 * d * num_layers * rows * length * length
+  return float(dense + attention)
+
+
 def train_step_flops(model_config, rows: int, source_length: int, target_length: int) -> float:
   """`model_flops_per_step` of a model config (t2t_jax's TransformerConfig) on a batch shape."""
+  if model_config.kind == 'decoder_only':
+    return decoder_only_flops_per_step(
+        d_model=model_config.d_model, d_ff=model_config.d_ff,
+        num_layers=model_config.num_decoder_layers, vocab_size=model_config.vocab_size,
+        rows=rows, source_length=source_length, target_length=target_length)
   return model_flops_per_step(
       d_model=model_config.d_model, d_ff=model_config.d_ff,
       num_encoder_layers=model_config.num_encoder_layers,

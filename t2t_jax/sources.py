@@ -1,5 +1,7 @@
 """Where translation pairs come from: parallel text files, TSV files or TFDS, read as streams.
 
+Language modelling reads one text file as pairs with an empty source.
+
 A `Source` names one split of one corpus. `read` yields stripped (source, target) text pairs
 one at a time, so a corpus of millions of lines is never held in memory; bad lines raise a
 `DataError` naming file and line, or are skipped and counted, per `config.data.bad_lines`.
@@ -18,7 +20,7 @@ from t2t_jax import ConfigError
 
 SPLITS = ('train', 'eval', 'test')
 BAD_LINE_POLICIES = ('error', 'skip')
-SOURCES = ('synthetic', 'text', 'tsv', 'tfds')  # config.data.source
+SOURCES = ('synthetic', 'text', 'tsv', 'tfds', 'lm')  # config.data.source
 
 
 class DataError(ValueError):
@@ -148,6 +150,22 @@ def tsv(path: str, bad_lines: str) -> Source:
   return Source(path, {'kind': 'tsv', 'file': _file_key(path), 'bad_lines': bad_lines}, reader)
 
 
+def monolingual_text(path: str, bad_lines: str) -> Source:
+  """One file of text for language modelling: pairs ('', line), a line being one sequence."""
+  if not path:
+    raise DataError("a language-modelling data path is empty: set config.data.train_text and "
+                    'eval_text')
+
+  def reader(skipped):
+    with _open(path) as f:
+      for number, raw in enumerate(f, start=1):
+        text = _clean(raw, f'{path}:{number}', bad_lines, skipped)
+        if text is not None:
+          yield '', text
+
+  return Source(path, {'kind': 'lm', 'file': _file_key(path), 'bad_lines': bad_lines}, reader)
+
+
 def _tfds_split_name(data_config, split: str) -> tuple[str, str]:
   """(dataset name, TFDS split) of one of our splits."""
   name = data_config.tfds_name
@@ -220,4 +238,6 @@ def open_split(data_config, split: str) -> Source:
                          in_data_dir(data_config, f'{split}_tgt'), data_config.bad_lines)
   if kind == 'tsv':
     return tsv(in_data_dir(data_config, f'{split}_tsv'), data_config.bad_lines)
+  if kind == 'lm':
+    return monolingual_text(in_data_dir(data_config, f'{split}_text'), data_config.bad_lines)
   raise ConfigError(f'config.data.source must be one of {SOURCES}, got {kind!r}')

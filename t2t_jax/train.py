@@ -31,7 +31,7 @@ from t2t_jax import preemption
 from t2t_jax import prng
 from t2t_jax import sharding
 from t2t_jax import workdir_lock
-from t2t_jax.model import Transformer, TransformerConfig, output_params
+from t2t_jax.model import TransformerConfig, make_model, output_params
 
 FINAL_JSON = 'final.json'  # The final figures of a finished run, one strict JSON line.
 
@@ -43,14 +43,14 @@ class TrainState:
   opt_state: Any
 
 
-def apply_model(model: Transformer, params, batch: dict, **kwargs) -> jax.Array:
+def apply_model(model: nn.Module, params, batch: dict, **kwargs) -> jax.Array:
   """Teacher-forced logits; packed batches carry positions and segment ids."""
   return model.apply({'params': params}, batch['inputs'], batch['targets'],
                      batch.get('inputs_positions'), batch.get('targets_positions'),
                      batch.get('inputs_segments'), batch.get('targets_segments'), **kwargs)
 
 
-def model_metrics(model: Transformer, params, batch: dict, label_smoothing: float,
+def model_metrics(model: nn.Module, params, batch: dict, label_smoothing: float,
                   loss_chunk_tokens: int = 0, **kwargs) -> dict[str, jax.Array]:
   """Metric sums of the model on a batch: from whole logits, or chunk by chunk of tokens."""
   if not loss_chunk_tokens:
@@ -58,12 +58,12 @@ def model_metrics(model: Transformer, params, batch: dict, label_smoothing: floa
     return optim.compute_metrics(logits_BLV, batch['targets'], label_smoothing)
   hidden_BLE = apply_model(model, params, batch, return_hidden=True, **kwargs)
   def project(weights, hidden_NE):
-    return model.apply({'params': weights}, hidden_NE, method=Transformer.output_logits)
+    return model.apply({'params': weights}, hidden_NE, method='output_logits')
   return optim.chunked_metrics(project, output_params(params, model.config), hidden_BLE,
                                batch['targets'], label_smoothing, loss_chunk_tokens)
 
 
-def train_step(state: TrainState, batch: dict, rng: jax.Array, *, model: Transformer,
+def train_step(state: TrainState, batch: dict, rng: jax.Array, *, model: nn.Module,
                optimizer: optax.GradientTransformation, label_smoothing: float,
                grad_accum_steps: int = 1, loss_chunk_tokens: int = 0,
                dropout_prng: str = 'threefry2x32'):
@@ -118,7 +118,7 @@ def _split_rows(x_BL: jax.Array, parts: int) -> jax.Array:
   return nn.with_logical_constraint(x, (None, 'batch') + (None,) * (x_BL.ndim - 1))
 
 
-def eval_step(params, batch: dict, *, model: Transformer, label_smoothing: float,
+def eval_step(params, batch: dict, *, model: nn.Module, label_smoothing: float,
               loss_chunk_tokens: int = 0):
   return model_metrics(model, params, batch, label_smoothing, loss_chunk_tokens)
 
@@ -141,7 +141,7 @@ def init_state(rng: jax.Array, *, model_config: TransformerConfig,
                optimizer: optax.GradientTransformation) -> TrainState:
   """Fresh parameters (boxed with their logical axes) and optimiser state at step 0."""
   dummy = jnp.ones((1, 1), jnp.int32)
-  params = Transformer(dataclasses.replace(model_config, deterministic=True)).init(
+  params = make_model(dataclasses.replace(model_config, deterministic=True)).init(
       rng, dummy, dummy)['params']
   return TrainState(step=jnp.array(0, jnp.int32), params=params,
                     opt_state=optimizer.init(params))
@@ -152,7 +152,7 @@ def build(config, vocab_size: int, mesh=None) -> Setup:
   mesh = mesh if mesh is not None else sharding.make_mesh(config.mesh)
   axis_rules = sharding.rules(config.mesh)
   model_config = TransformerConfig.from_config(config.model, vocab_size)
-  model = Transformer(model_config)
+  model = make_model(model_config)
   optimizer = optim.make_optimizer(config.opt, config.model.d_model)
 
   init = functools.partial(init_state, model_config=model_config, optimizer=optimizer)
@@ -168,7 +168,7 @@ def build(config, vocab_size: int, mesh=None) -> Setup:
       in_shardings=(shardings, batch_sharding, replicated),
       out_shardings=(shardings, replicated), donate_argnums=0)
   jit_eval = jax.jit(
-      functools.partial(eval_step, model=Transformer(dataclasses.replace(
+      functools.partial(eval_step, model=make_model(dataclasses.replace(
           model_config, deterministic=True)), label_smoothing=ls, loss_chunk_tokens=chunk),
       in_shardings=(shardings.params, batch_sharding), out_shardings=replicated)
 
@@ -218,8 +218,9 @@ def dry_run(config) -> dict:
                                         config.data.bucket_scale)[-1], config.model.max_len)
     keys = ('inputs', 'targets')
   rows = max(shards, config.data.batch_tokens // length // shards * shards)
-  batch = {key: jax.ShapeDtypeStruct((rows, length), jnp.int32,
-                                     sharding=sharding.batch_sharding(setup.mesh))
+  source_length = 0 if config.data.source == 'lm' else length  # A language model: no source.
+  batch = {key: jax.ShapeDtypeStruct((rows, source_length if key.startswith('inputs') else length),
+                                     jnp.int32, sharding=sharding.batch_sharding(setup.mesh))
            for key in keys}
   rng = jax.ShapeDtypeStruct(prng.dropout_key(jnp.zeros((2,), jnp.uint32),
                                           config.model.dropout_prng).shape, jnp.uint32)
@@ -261,7 +262,7 @@ def _global_flops(setup: Setup, config, batch, rng) -> float:
   config.model.remat counts.
   """
   model_config = dataclasses.replace(setup.model_config, scan_layers=False)
-  step = jax.jit(functools.partial(train_step, model=Transformer(model_config),
+  step = jax.jit(functools.partial(train_step, model=make_model(model_config),
                                    optimizer=setup.optimizer,
                                    label_smoothing=config.opt.label_smoothing,
                                    dropout_prng=config.model.dropout_prng))
