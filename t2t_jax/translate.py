@@ -20,6 +20,7 @@ import ml_collections
 import numpy as np
 import tqdm
 
+from t2t_jax import ConfigError
 from t2t_jax import EOS_ID
 from t2t_jax import checkpoint as checkpoint_lib
 from t2t_jax import cli
@@ -28,7 +29,7 @@ from t2t_jax import decode
 from t2t_jax import sharding
 from t2t_jax import tokenizer
 from t2t_jax.sources import DataError
-from t2t_jax.model import Transformer, TransformerConfig
+from t2t_jax.model import Transformer, TransformerConfig, make_model
 
 
 @dataclasses.dataclass
@@ -66,7 +67,7 @@ def abstract_params(model_config: TransformerConfig, mesh, axis_rules):
   """Parameter shapes and dtypes with their shardings, without materialising anything."""
   def init():
     tokens = jnp.ones((1, 1), jnp.int32)
-    return Transformer(dataclasses.replace(model_config, deterministic=True)).init(
+    return make_model(dataclasses.replace(model_config, deterministic=True)).init(
         jax.random.PRNGKey(0), tokens, tokens)['params']
   with sharding.mesh_context(mesh, axis_rules):
     boxed = jax.eval_shape(init)
@@ -79,6 +80,9 @@ def load(workdir: str, checkpoint: str | None = None, beam_size: int | None = No
          alpha: float | None = None, batch_tokens: int | None = None) -> Run:
   """Config, vocabulary and parameters of a run; unset decoding options come from its config."""
   config = load_config(workdir)
+  if config.data.source == 'lm':
+    raise ConfigError(f"{workdir} holds a language model (config.data.source='lm'), which has "
+                      'no source to translate: there is nothing to translate or score')
   vocab = load_vocabulary(config, workdir)
   mesh = sharding.make_mesh(config.mesh)
   axis_rules = sharding.rules(config.mesh)
@@ -139,6 +143,9 @@ def _strip_to_eos(ids) -> list[int]:
 
 def cross_attention(run: Run, source_ids, output_ids) -> list[np.ndarray]:
   """Encoder-decoder attention [heads, output, source] of every decoder layer."""
+  if run.model_config.kind != 'encoder_decoder':
+    raise app.UsageError('--attention_png draws encoder-decoder attention, and this run\'s '
+                         f'model (config.model.kind={run.model_config.kind!r}) has none')
   # Only the einsum path materialises (and records) the attention weights.
   model = Transformer(dataclasses.replace(run.model_config, deterministic=True,
                                           attention_impl='einsum'))
