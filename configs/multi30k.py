@@ -4,6 +4,11 @@ Variants, chosen after the file name:
   configs/multi30k.py:tok  lowercased, Moses-tokenised `*.lc.norm.tok.*` files; BLEU with
                            tokenize='none', the form published Multi30k figures use (default).
   configs/multi30k.py:raw  the cased raw text; sacreBLEU with its 13a tokenizer.
+  configs/multi30k.py:decoder_only, :tok_decoder_only, :raw_decoder_only
+                           the same data for Transformer-D (Liu et al. 2018): one stack of 10
+                           layers reads "source, target" as one sequence, the loss on the
+                           target only. 10 layers of self-attention + FFN hold the parameters
+                           of the 4 + 4 encoder-decoder (2.34M parameters each).
 
 The data folder is `config.data.data_dir` (default: ../shared/data/multi30k, relative to the
 directory you run from); point it elsewhere with --config.data.data_dir=/path/to/multi30k.
@@ -17,11 +22,19 @@ FILES = {
 }
 
 
+DECODER_ONLY = 'decoder_only'  # Variant suffix: the decoder-only model on the same data.
+
+
 def get_config(variant: str = 'tok'):
-  if variant not in FILES:
-    raise ValueError(f'configs/multi30k.py:{variant}: the variant must be one of {sorted(FILES)}')
+  files, decoder_only = variant, variant.endswith(DECODER_ONLY)
+  if decoder_only:
+    files = variant[:-len(DECODER_ONLY)].rstrip('_') or 'tok'
+  if files not in FILES:
+    raise ValueError(f'configs/multi30k.py:{variant}: the variant must be one of '
+                     f'{sorted(FILES)}, optionally followed by _{DECODER_ONLY}')
   config = base.get_config()
-  config.name = f'multi30k_{variant}'
+  config.name = f'multi30k_{files}' + (f'_{DECODER_ONLY}' if decoder_only else '')
+  variant = files
 
   data = config.data
   data.source = 'text'
@@ -69,4 +82,19 @@ def get_config(variant: str = 'tok'):
 
   config.ckpt.every = 100
   config.ckpt.keep = 10  # The recipe averages the last 10 checkpoints (1,000 updates).
+  if decoder_only:
+    _decoder_only(config)
   return config
+
+
+def _decoder_only(config) -> None:
+  """Transformer-D at the encoder-decoder's parameter count, on the same batches."""
+  config.model.kind = 'decoder_only'
+  # An encoder layer has 4 d^2 + 2 d F weights, a decoder layer 8 d^2 + 2 d F; at F = 2 d the
+  # 4 + 4 stack is 80 d^2, ten layers of 8 d^2 (self-attention + FFN) each.
+  config.model.num_decoder_layers = 10
+  config.model.prefix_attention = 'full'  # The source reads itself in full, as an encoder would.
+  # Source + target is one sequence here: pairs are kept up to 128 tokens together (none of
+  # Multi30k's is dropped), while packed rows stay 64 tokens a side as above.
+  config.data.max_len = 128
+  config.data.pack_length = 64
