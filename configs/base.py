@@ -98,6 +98,9 @@ def get_config():
   evaluation.beam_size = 4  # Beam width for evaluation decoding; 1 is greedy.
   evaluation.alpha = 0.6  # Length penalty exponent: ((5 + len) / 6) ** alpha.
   evaluation.max_extra_len = 50  # Longest output = source length + this (capped by model.max_len).
+  # Decoding activations: 'auto' (bfloat16 on GPU/TPU, float32 on CPU), 'model' (model.dtype),
+  # 'float32' or 'bfloat16'.
+  evaluation.dtype = 'auto'
   evaluation.examples_to_print = 3  # Example translations logged after each evaluation.
   evaluation.average_last = 0  # Also evaluate the mean of the last N checkpoints; 0: off.
 

@@ -9,6 +9,7 @@ import math
 from t2t_jax import ConfigError
 from t2t_jax import batching
 from t2t_jax import data
+from t2t_jax import decode
 from t2t_jax import optim
 from t2t_jax import prng
 from t2t_jax import sharding
@@ -77,6 +78,7 @@ CHOICES = {
     'data.bad_lines': sources.BAD_LINE_POLICIES,
     'data.vocab_type': tokenizer.MODEL_TYPES,
     'data.batching': batching.BATCHING_MODES,
+    'eval.dtype': decode.DECODE_DTYPES,
 }
 
 

@@ -450,7 +450,7 @@ def _train_and_evaluate(config, workdir: str) -> dict[str, Any]:
   translator = decode.Translator(setup.model_config, setup.mesh, setup.axis_rules,
                                  config.data.batch_tokens, config.data.min_bucket,
                                  config.eval.max_extra_len, config.eval.beam_size,
-                                 config.eval.alpha)
+                                 config.eval.alpha, config.eval.dtype)
   # A resumed run logs again the steps after its checkpoint: TensorBoard drops the earlier
   # launch's values from purge_step on, so each step shows once.
   purge_step = int(state.step) + 1 if restored else None
