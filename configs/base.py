@@ -115,11 +115,14 @@ def get_config():
   ckpt.init_from = ''  # Fresh runs start from these params (a step or averaged/exported dir).
 
   mesh = config.mesh = ml_collections.ConfigDict()
-  mesh.shape = (-1, 1, 1)  # Devices along ('data', 'fsdp', 'tensor'); -1 takes what is left.
+  # Devices along ('data', 'fsdp', 'tensor', 'expert'); -1 takes what is left; 3 sizes: expert=1.
+  mesh.shape = (-1, 1, 1)
   mesh.dcn_data = 1  # Slices (TPU) or processes (GPU) the data axis spans over the slow network.
   # Logical axis -> mesh axes. A mesh axis already used in an array goes to the next rule.
   mesh.rules = (
-      ('batch', ('data', 'fsdp')),
+      ('expert', 'expert'),  # Mixture-of-experts weights and slots; before 'batch' claims it.
+      ('batch', ('data', 'fsdp', 'expert')),
+      ('batch', ('data', 'fsdp')),  # Arrays split over experts already: the rest of the batch.
       ('vocab', 'tensor'),
       ('mlp', 'tensor'),
       ('heads', 'tensor'),
