@@ -14,10 +14,11 @@ from configs import tiny
 from t2t_jax import ConfigError
 from t2t_jax import config_check
 from t2t_jax import data
+from t2t_jax import decode
 from t2t_jax import moe
 from t2t_jax import sharding
 from t2t_jax import train
-from t2t_jax.model import FeedForward, Transformer, TransformerConfig
+from t2t_jax.model import FeedForward, Transformer, TransformerConfig, shift_right
 
 
 def _config(**overrides) -> TransformerConfig:
@@ -162,6 +163,26 @@ def test_a_token_keeps_its_slot_whatever_the_later_tokens_are():
   changed_y_BLE, _, _, _ = _run(cfg, changed_BLE, valid_BL, params)
   np.testing.assert_array_equal(changed_y_BLE[:, :3], y_BLE[:, :3])
   assert not np.allclose(changed_y_BLE[:, 3:], y_BLE[:, 3:])
+
+
+def test_cached_decoding_through_experts_equals_teacher_forcing():
+  """Without a capacity limit a token's experts do not depend on the others: same logits."""
+  cfg = _config(moe_capacity_factor=0.0, num_decoder_layers=2, max_len=16)
+  tokens = jax.random.randint(jax.random.PRNGKey(8), (2, 2, 5), 2, cfg.vocab_size)
+  inputs_BS, targets_BL = tokens[0], tokens[1]
+  params = nn.meta.unbox(Transformer(cfg).init(jax.random.PRNGKey(0), inputs_BS,
+                                               targets_BL)['params'])
+  teacher_BLV = Transformer(cfg).apply({'params': params}, inputs_BS, targets_BL)
+  model = Transformer(decode.decode_config(cfg))
+  encoded_BSE = model.apply({'params': params}, inputs_BS, method=Transformer.encode)
+  cache = decode.init_cache(cfg, 2, 5)
+  previous_BL = shift_right(targets_BL)
+  for i in range(5):
+    logits_B1V, variables = model.apply(
+        {'params': params, 'cache': cache}, encoded_BSE, inputs_BS, previous_BL[:, i:i + 1],
+        mutable=['cache'], method=Transformer.decode)
+    cache = variables['cache']
+    np.testing.assert_allclose(logits_B1V[:, 0], teacher_BLV[:, i], rtol=1e-5, atol=1e-5)
 
 
 def test_layer_choice_and_config_errors():
