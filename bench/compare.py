@@ -39,13 +39,10 @@ What differs unavoidably (it is the example's model and step):
 import argparse
 import ast
 import dataclasses
-import importlib
-import importlib.util
 import os
 import statistics
 import sys
 import time
-import types
 
 import jax
 import jax.numpy as jnp
@@ -54,6 +51,7 @@ import optax
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # pylint: disable=g-import-not-at-top
+import reference as reference_lib  # pylint: disable=g-import-not-at-top
 
 from configs import base as base_config
 from configs import multi30k
@@ -91,25 +89,6 @@ _REFERENCE_KEYS = {'inputs': 'inputs', 'targets': 'targets',
                    'inputs_positions': 'inputs_position', 'targets_positions': 'targets_position',
                    'inputs_segments': 'inputs_segmentation',
                    'targets_segments': 'targets_segmentation'}
-# Imported by the reference's train.py for its own loop and input pipeline, never run here.
-_STUBBED = ('clu', 'tensorflow', 'tensorflow_datasets', 'tensorflow_text', 'sentencepiece')
-
-
-class _Stub(types.ModuleType):
-  """Stands in for a missing package: any attribute, item or call gives the stub again."""
-
-  def __getattr__(self, name):
-    if name.startswith('__'):  # Keeps the import machinery's probes honest.
-      raise AttributeError(name)
-    return self
-
-  def __getitem__(self, key):
-    return self
-
-  def __call__(self, *args, **kwargs):
-    return self
-
-
 def parse_args(argv):
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--shapes', default='small,m30k,m30k_packed,base',
@@ -137,29 +116,6 @@ def parse_args(argv):
   if unknown:
     parser.error(f'--shapes: unknown {sorted(unknown)}; choose from {sorted(SHAPES)}')
   return args
-
-
-def import_reference(reference_dir: str) -> types.SimpleNamespace:
-  """The reference's `models` and `train`; packages only its own loop uses may be missing."""
-  directory = os.path.abspath(reference_dir)
-  if not os.path.isfile(os.path.join(directory, 'models.py')):
-    raise FileNotFoundError(f'--reference_dir={reference_dir} ({directory}) holds no models.py: '
-                            "point it at a copy of Flax's examples/wmt")
-  for name in ('models', 'train', 'decode', 'bleu', 'input_pipeline', 'tokenizer'):
-    module = sys.modules.get(name)
-    if module is not None and os.path.dirname(getattr(module, '__file__', '') or '') != directory:
-      raise ImportError(f'a module {name!r} from {module.__file__} is already imported, so the '
-                        f"reference's {name}.py in {directory} would not be: run compare.py in "
-                        'a process of its own')
-  # Flax's checkpoint module asks whether TensorFlow exists when first imported: let it see
-  # the truth before any stub stands in.
-  importlib.import_module('flax.training.checkpoints')
-  for package in _STUBBED:
-    if package not in sys.modules and importlib.util.find_spec(package) is None:
-      sys.modules[package] = _Stub(package)
-  sys.path.insert(0, directory)
-  return types.SimpleNamespace(models=importlib.import_module('models'),
-                               train=importlib.import_module('train'))
 
 
 def dropout_settings(args) -> dict:
@@ -390,7 +346,7 @@ def compare_shape(name: str, args, reference, matmul: common.Matmul) -> dict:
 def main(argv=None) -> list[dict]:
   """Compares every shape asked for; prints and returns one result dict per shape."""
   args = parse_args(argv)
-  reference = import_reference(args.reference_dir)
+  reference = reference_lib.import_reference(args.reference_dir)
   matmul = common.Matmul(2048, jnp.float32)
   results = []
   for name in args.shapes.split(','):

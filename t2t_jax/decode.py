@@ -12,6 +12,7 @@ EOS ends there. PAD is never generated.
 import collections
 import dataclasses
 import functools
+import time
 from typing import Callable, NamedTuple, Sequence
 
 import jax
@@ -64,38 +65,56 @@ def length_penalty(length, alpha: float):
 
 
 def _decode_step(model: Transformer, params, cache, encoded_BSE, inputs_BS, previous_B):
-  """Log-probabilities [B, V] of the next token (PAD excluded) and the updated cache."""
+  """Next-token logits [B, V] in float32 and the updated cache.
+
+  Logits, not log-probabilities: greedy search needs only their argmax, and beam search
+  normalises just the few candidates it keeps.
+  """
   logits_B1V, variables = model.apply({'params': params, 'cache': cache}, encoded_BSE,
                                       inputs_BS, previous_B[:, None], mutable=['cache'],
                                       method=Transformer.decode)
-  log_probs_BV = jax.nn.log_softmax(logits_B1V[:, 0])
-  return log_probs_BV.at[:, PAD_ID].set(_NEG), variables['cache']
+  return logits_B1V[:, 0], variables['cache']
 
 
-def greedy_search(params, inputs_BS: jax.Array, config: TransformerConfig,
-                  max_len: int) -> jax.Array:
-  """Argmax decoding; returns [B, max_len] tokens, EOS included, PAD after it."""
+def _without_pad(logits_BV: jax.Array) -> jax.Array:
+  """PAD is never generated (its probability still counts in the softmax's normaliser)."""
+  return logits_BV.at[..., PAD_ID].set(_NEG)
+
+
+def _row_limits(max_lengths_B: jax.Array | None, batch_size: int, max_len: int) -> jax.Array:
+  """Each row's longest output: `max_lengths_B` capped by `max_len` (the cache size)."""
+  if max_lengths_B is None:
+    return jnp.full((batch_size,), max_len, jnp.int32)
+  return jnp.minimum(jnp.asarray(max_lengths_B, jnp.int32), max_len)
+
+
+def greedy_search(params, inputs_BS: jax.Array, config: TransformerConfig, max_len: int,
+                  max_lengths_B: jax.Array | None = None) -> jax.Array:
+  """Argmax decoding; returns [B, max_len] tokens, EOS included, PAD after it.
+
+  Row b generates at most `max_lengths_B[b]` tokens (default: `max_len` for every row).
+  """
   model = Transformer(decode_config(config))
   batch_size = inputs_BS.shape[0]
+  limit_B = _row_limits(max_lengths_B, batch_size, max_len)
   encoded_BSE = model.apply({'params': params}, inputs_BS, method=Transformer.encode)
-  log_probs_BV, cache = _decode_step(model, params, init_cache(config, batch_size, max_len),
-                                     encoded_BSE, inputs_BS, jnp.zeros((batch_size,), jnp.int32))
-  first_B = log_probs_BV.argmax(-1)
+  logits_BV, cache = _decode_step(model, params, init_cache(config, batch_size, max_len),
+                                  encoded_BSE, inputs_BS, jnp.zeros((batch_size,), jnp.int32))
+  first_B = _without_pad(logits_BV).argmax(-1)
   tokens_BL = jnp.zeros((batch_size, max_len), jnp.int32).at[:, 0].set(first_B)
 
   def step(carry):
     i, cache, tokens_BL, finished_B = carry
-    log_probs_BV, cache = _decode_step(model, params, cache, None, inputs_BS,
-                                       tokens_BL[:, i - 1])
-    next_B = jnp.where(finished_B, PAD_ID, log_probs_BV.argmax(-1))
+    logits_BV, cache = _decode_step(model, params, cache, None, inputs_BS, tokens_BL[:, i - 1])
+    next_B = jnp.where(finished_B, PAD_ID, _without_pad(logits_BV).argmax(-1))
     tokens_BL = jax.lax.dynamic_update_slice_in_dim(tokens_BL, next_B[:, None], i, 1)
-    return i + 1, cache, tokens_BL, finished_B | (next_B == EOS_ID)
+    return i + 1, cache, tokens_BL, finished_B | (next_B == EOS_ID) | (i + 1 >= limit_B)
 
   def not_done(carry):
     i, _, _, finished_B = carry
     return (i < max_len) & ~finished_B.all()
 
-  carry = (jnp.array(1), cache, tokens_BL, first_B == EOS_ID)
+  carry = (jnp.array(1), cache, tokens_BL, (first_B == EOS_ID) | (limit_B <= 1))
   return jax.lax.while_loop(not_done, step, carry)[2]
 
 
@@ -108,20 +127,42 @@ class BeamState(NamedTuple):
   finished_scores_BK: jax.Array  # Log-probability / length penalty; sorted, best first.
 
 
-def _beam_update(state: BeamState, log_probs_BKV: jax.Array, max_len: int,
+def _top_log_probs(logits_BKV: jax.Array, count: int) -> tuple[jax.Array, jax.Array]:
+  """The `count` largest log-softmax entries [B, K, count] of each row, and their tokens.
+
+  Log-softmax shifts a row's logits by one constant, so its largest entries are those of the
+  largest logits: only they are normalised, never the whole [B, K, V] array.
+  """
+  max_BK1 = jax.lax.stop_gradient(logits_BKV.max(-1, keepdims=True))
+  log_norm_BK1 = jnp.log(jnp.exp(logits_BKV - max_BK1).sum(-1, keepdims=True))
+  top_logits_BKC, token_BKC = jax.lax.top_k(_without_pad(logits_BKV), count)
+  return (top_logits_BKC - max_BK1) - log_norm_BK1, token_BKC
+
+
+def _beam_update(state: BeamState, logits_BKV: jax.Array, limit_B: jax.Array,
                  alpha: float) -> tuple[BeamState, jax.Array]:
-  """Extends every live hypothesis by one token; returns the new state and live parents [B, K]."""
-  batch_size, beam_size, vocab_size = log_probs_BKV.shape
+  """Extends every live hypothesis by one token; returns the new state and live parents [B, K].
+
+  A row whose length limit this step reaches ends all its candidates, and its live
+  hypotheses die (log-probability _NEG), so nothing longer can enter its finished set.
+  """
+  batch_size, beam_size, vocab_size = logits_BKV.shape
   i = state.step
-  candidates_BKV = state.live_log_probs_BK[:, :, None] + log_probs_BKV
-  log_probs_BC, flat_BC = jax.lax.top_k(candidates_BKV.reshape(batch_size, -1), 2 * beam_size)
-  parent_BC, token_BC = flat_BC // vocab_size, flat_BC % vocab_size
+  # Two stages: each beam's best 2K tokens, then the best 2K of those K * 2K candidates. A
+  # candidate among the best 2K overall is among its own beam's best 2K, and ties resolve
+  # as one top-k over [K * V] would (lower beam, then lower token, first).
+  per_beam = min(2 * beam_size, vocab_size)
+  log_probs_BKC, token_BKC = _top_log_probs(logits_BKV, per_beam)
+  candidates_BKC = state.live_log_probs_BK[:, :, None] + log_probs_BKC
+  log_probs_BC, flat_BC = jax.lax.top_k(candidates_BKC.reshape(batch_size, -1), 2 * beam_size)
+  parent_BC = flat_BC // per_beam
+  token_BC = jnp.take_along_axis(token_BKC.reshape(batch_size, -1), flat_BC, axis=1)
   tokens_BCL = jnp.take_along_axis(state.live_tokens_BKL, parent_BC[:, :, None], axis=1)
   tokens_BCL = tokens_BCL.at[:, :, i].set(token_BC)
-  is_last = i + 1 >= max_len
+  is_last_B1 = (i + 1 >= limit_B)[:, None]
   # EOS ends a hypothesis only if it ranks among the best K candidates (so beam 1 is greedy);
   # at the length limit every candidate ends.
-  ends_BC = ((token_BC == EOS_ID) & (jnp.arange(2 * beam_size) < beam_size)) | is_last
+  ends_BC = ((token_BC == EOS_ID) & (jnp.arange(2 * beam_size) < beam_size)) | is_last_B1
   scores_BC = jnp.where(ends_BC, log_probs_BC / length_penalty(i + 1, alpha), _NEG)
   finished_scores_BK, keep_BK = jax.lax.top_k(
       jnp.concatenate([state.finished_scores_BK, scores_BC], axis=1), beam_size)
@@ -129,20 +170,20 @@ def _beam_update(state: BeamState, log_probs_BKV: jax.Array, max_len: int,
       jnp.concatenate([state.finished_tokens_BKL, tokens_BCL], axis=1), keep_BK[:, :, None],
       axis=1)
   live_log_probs_BK, keep_BK = jax.lax.top_k(
-      jnp.where(token_BC == EOS_ID, _NEG, log_probs_BC), beam_size)
+      jnp.where((token_BC == EOS_ID) | is_last_B1, _NEG, log_probs_BC), beam_size)
   live_tokens_BKL = jnp.take_along_axis(tokens_BCL, keep_BK[:, :, None], axis=1)
   parent_BK = jnp.take_along_axis(parent_BC, keep_BK, axis=1)
   return BeamState(i + 1, live_tokens_BKL, live_log_probs_BK, finished_tokens_BKL,
                    finished_scores_BK), parent_BK
 
 
-def _can_improve(state: BeamState, max_len: int, alpha: float) -> jax.Array:
+def _can_improve(state: BeamState, limit_B: jax.Array, alpha: float) -> jax.Array:
   """Whether any row's best live hypothesis could still enter its finished top K."""
   # Log-probabilities only fall as a hypothesis grows, so its best reachable score divides
   # today's by the largest penalty of the lengths still open (the penalty is monotonic).
-  largest_penalty = jnp.maximum(length_penalty(state.step + 1, alpha),
-                                length_penalty(max_len, alpha))
-  best_live_B = state.live_log_probs_BK[:, 0] / largest_penalty
+  largest_penalty_B = jnp.maximum(length_penalty(state.step + 1, alpha),
+                                  length_penalty(limit_B, alpha))
+  best_live_B = state.live_log_probs_BK[:, 0] / largest_penalty_B
   return ~jnp.all(state.finished_scores_BK[:, -1] >= best_live_B)
 
 
@@ -165,54 +206,91 @@ def _map_rows(fn, cache, config: TransformerConfig, skip: tuple[str, ...] = ()):
 
 
 def beam_search(params, inputs_BS: jax.Array, config: TransformerConfig, max_len: int,
-                beam_size: int, alpha: float) -> tuple[jax.Array, jax.Array]:
+                beam_size: int, alpha: float,
+                max_lengths_B: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """The `beam_size` best hypotheses [B, K, max_len] (EOS included, PAD after) and scores [B, K].
 
-  Scores are log-probability / ((5 + length) / 6) ** alpha, best first. A row stops when its
-  K finished hypotheses all beat what its best live hypothesis could still reach.
+  Scores are log-probability / ((5 + length) / 6) ** alpha, best first. Row b's hypotheses
+  end by `max_lengths_B[b]` tokens (default: `max_len`, the cache size, for every row). A row
+  stops when its K finished hypotheses all beat what its best live one could still reach.
   """
   model = Transformer(decode_config(config))
   batch_size, beam_size = inputs_BS.shape[0], int(beam_size)
+  limit_B = _row_limits(max_lengths_B, batch_size, max_len)
   encoded_BSE = model.apply({'params': params}, inputs_BS, method=Transformer.encode)
   # The first step sees one row per sentence; its cache is then copied to every beam.
-  log_probs_BV, cache = _decode_step(model, params, init_cache(config, batch_size, max_len),
-                                     encoded_BSE, inputs_BS, jnp.zeros((batch_size,), jnp.int32))
+  logits_BV, cache = _decode_step(model, params, init_cache(config, batch_size, max_len),
+                                  encoded_BSE, inputs_BS, jnp.zeros((batch_size,), jnp.int32))
   empty_BKL = jnp.zeros((batch_size, beam_size, max_len), jnp.int32)
   only_first_beam_BK = jnp.where(jnp.arange(beam_size) == 0, 0.0, _NEG)[None].repeat(
       batch_size, 0)
   state = BeamState(jnp.array(0), empty_BKL, only_first_beam_BK, empty_BKL,
                     jnp.full((batch_size, beam_size), _NEG))
-  state, _ = _beam_update(state, jnp.broadcast_to(log_probs_BV[:, None], (
-      batch_size, beam_size, log_probs_BV.shape[-1])), max_len, alpha)
+  state, _ = _beam_update(state, jnp.broadcast_to(logits_BV[:, None], (
+      batch_size, beam_size, logits_BV.shape[-1])), limit_B, alpha)
   cache = _map_rows(lambda x, axis: jnp.repeat(x, beam_size, axis=axis), cache, config)
   inputs_NS = jnp.repeat(inputs_BS, beam_size, axis=0)
 
   def step(carry):
     state, cache = carry
     previous_N = state.live_tokens_BKL[:, :, state.step - 1].reshape(-1)
-    log_probs_NV, cache = _decode_step(model, params, cache, None, inputs_NS, previous_N)
-    state, parent_BK = _beam_update(state, log_probs_NV.reshape(batch_size, beam_size, -1),
-                                    max_len, alpha)
+    logits_NV, cache = _decode_step(model, params, cache, None, inputs_NS, previous_N)
+    state, parent_BK = _beam_update(state, logits_NV.reshape(batch_size, beam_size, -1),
+                                    limit_B, alpha)
     return state, _reorder_cache(cache, parent_BK, config)
 
   def not_done(carry):
     state, _ = carry
-    return (state.step < max_len) & _can_improve(state, max_len, alpha)
+    return (state.step < max_len) & _can_improve(state, limit_B, alpha)
 
   state, _ = jax.lax.while_loop(not_done, step, (state, cache))
   return state.finished_tokens_BKL, state.finished_scores_BK
 
 
-def _best_beam(params, inputs_BS, config, max_len, beam_size, alpha):
-  return beam_search(params, inputs_BS, config, max_len, beam_size, alpha)[0][:, 0]
+def _best_beam(params, inputs_BS, config, max_len, beam_size, alpha, max_lengths_B):
+  return beam_search(params, inputs_BS, config, max_len, beam_size, alpha, max_lengths_B)[0][:, 0]
+
+
+def bucket_lengths(min_bucket: int, max_len: int) -> list[int]:
+  """Padded source lengths of decoding batches: two per octave, so few shapes compile.
+
+  `min_bucket` times 1, 2, 3, 4, 6, 8, 12, ..., then `max_len`: a source is padded by at
+  most a third of its length (a bucket of its own per `min_bucket` tokens would compile
+  tens of shapes for news text).
+  """
+  lengths, unit = set(), 1
+  while min_bucket * unit < max_len:
+    lengths.update(min_bucket * m for m in (unit, unit * 3 // 2 if unit > 1 else unit))
+    unit *= 2
+  return sorted({n for n in lengths if n < max_len} | {max_len})
+
+
+@dataclasses.dataclass
+class TranslateStats:
+  """Where the time of `Translator.translate` calls went, summed over the calls."""
+  sentences: int = 0
+  batches: int = 0
+  padding_rows: int = 0  # Batch rows that held no sentence.
+  shapes_compiled: int = 0
+  compile_seconds: float = 0.0
+  search_seconds: float = 0.0  # In compiled searches: dispatch to results on the host.
+  seconds: float = 0.0  # Whole `translate` calls (batching, searching, unpacking).
+
+  def as_dict(self) -> dict:
+    return {key: round(value, 3) if isinstance(value, float) else value
+            for key, value in dataclasses.asdict(self).items()}
 
 
 class Translator:
   """Decodes lists of id sequences in length-sorted batches sharded over the mesh's batch axes.
 
-  Batches of one length bucket always have the same shape, so each bucket compiles once.
-  A batch holds at most `batch_tokens` tokens counted over all beams (rows x beam x padded
-  source length). Beam size 1 is greedy search, as in tensor2tensor.
+  Sources are sorted by length and padded to a few bucket lengths (`bucket_lengths`); a batch
+  holds at most `batch_tokens` tokens counted over all beams (rows x beam x padded source
+  length). Sentences left over in one bucket join the next longer one's batches, and the very
+  last batch shrinks to a power-of-two number of rows, so little work goes to padding rows.
+  Each output is at most its own source length + `max_extra_len` tokens (capped by the
+  model's max_len), whichever batch it lands in: outputs do not depend on the batching.
+  Beam size 1 is greedy search, as in tensor2tensor.
   """
 
   def __init__(self, config: TransformerConfig, mesh, axis_rules, batch_tokens: int,
@@ -222,10 +300,15 @@ class Translator:
     self.config, self.mesh, self.axis_rules = config, mesh, axis_rules
     self.batch_tokens, self.min_bucket, self.max_extra_len = batch_tokens, min_bucket, max_extra_len
     self.beam_size, self.alpha = beam_size, alpha
+    self.buckets = bucket_lengths(min_bucket, config.max_len)
+    self.stats = TranslateStats()
     self._compiled = {}
 
-  def _search(self, max_len: int, beam_size: int, alpha: float):
-    key = (max_len, beam_size, alpha if beam_size > 1 else None)
+  def _search(self, params, inputs_BS, max_lengths_B, beam_size: int, alpha: float):
+    """The compiled search for this batch's shape, compiled (and timed) on first use."""
+    rows, length = inputs_BS.shape
+    max_len = max_decode_length(length, self.max_extra_len, self.config.max_len)
+    key = (rows, length, beam_size, alpha if beam_size > 1 else None)
     if key not in self._compiled:
       replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
       if beam_size == 1:
@@ -233,47 +316,81 @@ class Translator:
       else:
         search = functools.partial(_best_beam, config=self.config, max_len=max_len,
                                    beam_size=beam_size, alpha=alpha)
-      self._compiled[key] = jax.jit(search, out_shardings=replicated)
+      start = time.perf_counter()
+      self._compiled[key] = jax.jit(search, out_shardings=replicated).lower(
+          params, inputs_BS, max_lengths_B=max_lengths_B).compile()
+      self.stats.compile_seconds += time.perf_counter() - start
+      self.stats.shapes_compiled += 1
     return self._compiled[key]
+
+  def _batches(self, lengths: Sequence[int], beam_size: int) -> list[tuple[int, int, list[int]]]:
+    """(padded length, rows, input indices) of every batch, shortest sources first."""
+    from t2t_jax import sharding  # Decoding needs only the batch placement helpers.
+    shards = sharding.batch_shards(self.mesh)
+    def rows_of(length):
+      return max(shards, self.batch_tokens // (length * beam_size) // shards * shards)
+    def bucket_of(index):
+      return next(b for b in self.buckets if b >= lengths[index])
+    by_bucket = collections.defaultdict(list)
+    for index in sorted((i for i, n in enumerate(lengths) if n), key=lambda i: lengths[i]):
+      by_bucket[bucket_of(index)].append(index)
+    batches, waiting = [], []
+    for length in sorted(by_bucket):
+      waiting += by_bucket[length]  # With any left over from the shorter buckets.
+      rows = rows_of(length)
+      while len(waiting) >= rows:
+        batches.append((length, rows, waiting[:rows]))
+        waiting = waiting[rows:]
+    if waiting:  # The last, partial batch: a power of two times the shards in rows.
+      length, rows = bucket_of(waiting[-1]), shards
+      while rows < len(waiting):
+        rows *= 2
+      batches.append((length, min(rows, rows_of(length)), waiting))
+    return batches
 
   def translate(self, params, inputs: Sequence[np.ndarray], beam_size: int | None = None,
                 alpha: float | None = None,
                 progress: Callable[[int], object] | None = None) -> list[np.ndarray]:
-    """Output ids (EOS included) for each input, in the input order; [] for an empty input.
+    """Output ids (EOS included, no padding) of each input, in order; [] for an empty input.
 
     `progress(n)` is called with the number of sentences each finished batch held.
     """
     from t2t_jax import sharding  # Decoding needs only the batch placement helpers.
+    start = time.perf_counter()
     beam_size = self.beam_size if beam_size is None else beam_size
     alpha = self.alpha if alpha is None else alpha
     if beam_size < 1:
       raise ValueError(f'beam size must be at least 1, got {beam_size}')
-    shards = sharding.batch_shards(self.mesh)
-    outputs = [np.zeros((0,), np.int32)] * len(inputs)
-    by_length = collections.defaultdict(list)
     for index, seq in enumerate(inputs):
       if len(seq) > self.config.max_len:
         raise ValueError(f'input {index} has {len(seq)} tokens, more than the model\'s '
                          f'max_len={self.config.max_len}: truncate it first')
-      if len(seq):
-        bucket = -(-len(seq) // self.min_bucket) * self.min_bucket
-        by_length[min(bucket, self.config.max_len)].append(index)
-    for length, members in sorted(by_length.items()):
-      rows = max(shards, self.batch_tokens // (length * beam_size) // shards * shards)
-      max_len = max_decode_length(length, self.max_extra_len, self.config.max_len)
-      for start in range(0, len(members), rows):
-        chunk = members[start:start + rows]
-        batch = np.full((rows, length), PAD_ID, np.int32)
-        for row, index in enumerate(chunk):
-          batch[row, :len(inputs[index])] = inputs[index]
-        with sharding.mesh_context(self.mesh, self.axis_rules):
-          tokens = self._search(max_len, beam_size, alpha)(params, sharding.global_batch(
-              {'inputs': batch}, self.mesh, whole=True)['inputs'])
-        tokens = np.asarray(jax.device_get(tokens))
-        for row, index in enumerate(chunk):
-          outputs[index] = tokens[row]
-        if progress:
-          progress(len(chunk))
-    if progress and len(inputs) > sum(len(m) for m in by_length.values()):
-      progress(len(inputs) - sum(len(m) for m in by_length.values()))  # The empty inputs.
+    lengths = [len(seq) for seq in inputs]
+    outputs = [np.zeros((0,), np.int32)] * len(inputs)
+    for length, rows, members in self._batches(lengths, beam_size):
+      batch = np.full((rows, length), PAD_ID, np.int32)
+      max_lengths = np.zeros((rows,), np.int32)
+      for row, index in enumerate(members):
+        batch[row, :lengths[index]] = inputs[index]
+        max_lengths[row] = max_decode_length(lengths[index], self.max_extra_len,
+                                             self.config.max_len)
+      with sharding.mesh_context(self.mesh, self.axis_rules):
+        placed = sharding.global_batch({'inputs': batch, 'max_lengths': max_lengths},
+                                       self.mesh, whole=True)
+        search = self._search(params, placed['inputs'], placed['max_lengths'], beam_size, alpha)
+        search_start = time.perf_counter()
+        tokens = np.asarray(jax.device_get(search(params, placed['inputs'],
+                                                  max_lengths_B=placed['max_lengths'])))
+        self.stats.search_seconds += time.perf_counter() - search_start
+      for row, index in enumerate(members):
+        outputs[index] = tokens[row][tokens[row] != PAD_ID]  # PAD is never generated.
+      self.stats.batches += 1
+      self.stats.padding_rows += rows - len(members)
+      if progress:
+        progress(len(members))
+    empty = sum(1 for n in lengths if not n)
+    if progress and empty:
+      progress(empty)
+    self.stats.sentences += len(inputs)
+    self.stats.seconds += time.perf_counter() - start
     return outputs

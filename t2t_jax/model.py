@@ -205,21 +205,15 @@ class MultiHeadAttention(nn.Module):
                         cfg.param_dtype).astype(cfg.dtype)
 
     qkv_shape, qkv_names = (cfg.d_model, cfg.num_heads, head_dim), ('embed', 'heads', 'kv')
-    def project(name, y_BKE):
-      return jnp.einsum('BKE,EHD->BKHD', y_BKE.astype(cfg.dtype),
+    def project(name, y_BKE, layout='BKHD'):
+      return jnp.einsum(f'BKE,EHD->{layout}', y_BKE.astype(cfg.dtype),
                         kernel(name, qkv_shape, qkv_names, 0, (1, 2)))
 
     q_BQHD = project('query', x_BQE) * head_dim**-0.5
     q_BQHD = nn.with_logical_constraint(q_BQHD, ('batch', 'length', 'heads', 'kv'))
-    if cfg.decode and self.memory_cache:
-      # The init function runs only while the cache lacks the entry: once per batch.
-      k_BKHD = self.variable('cache', 'memory_key', project, 'key', memory_BKE).value
-      v_BKHD = self.variable('cache', 'memory_value', project, 'value', memory_BKE).value
-    else:
-      k_BKHD, v_BKHD = project('key', memory_BKE), project('value', memory_BKE)
-
-    if cfg.decode and self.self_attention_cache:
-      k_BKHD, v_BKHD, mask_B1QK = self._update_cache(k_BKHD, v_BKHD, mask_B1QK)
+    if cfg.decode and (self.memory_cache or self.self_attention_cache):
+      return self._cached_attention(q_BQHD, memory_BKE, mask_B1QK, project, kernel)
+    k_BKHD, v_BKHD = project('key', memory_BKE), project('value', memory_BKE)
 
     if cfg.attention_impl == 'einsum':
       logits_BHQK = jnp.einsum('BQHD,BKHD->BHQK', q_BQHD, k_BKHD).astype(jnp.float32)
@@ -241,19 +235,46 @@ class MultiHeadAttention(nn.Module):
                        (0, 1), 2)
     return jnp.einsum('BQHD,HDE->BQE', out_BQHD, w_out_HDE)
 
-  def _update_cache(self, k_B1HD, v_B1HD, mask_B1QK):
+  def _cached_attention(self, q_BQHD, memory_BKE, mask_B1QK, project, kernel) -> Array:
+    """One decoding step against the cache, kept heads-major ([B, H, K, D]).
+
+    Heads-major is the layout the query-key and weight-value products read: stored
+    [B, K, H, D], every step would transpose the whole cache of every layer first.
+    """
+    cfg = self.config
+    if self.memory_cache:
+      # The init function runs only while the cache lacks the entry: once per batch.
+      k_BHKD = self.variable('cache', 'memory_key', project, 'key', memory_BKE, 'BHKD').value
+      v_BHKD = self.variable('cache', 'memory_value', project, 'value', memory_BKE,
+                             'BHKD').value
+    else:
+      k_BHKD, v_BHKD, mask_B1QK = self._update_cache(project('key', memory_BKE, 'BHKD'),
+                                                     project('value', memory_BKE, 'BHKD'),
+                                                     mask_B1QK)
+    logits_BHQK = jnp.einsum('BQHD,BHKD->BHQK', q_BQHD, k_BHKD).astype(jnp.float32)
+    if mask_B1QK is not None:
+      logits_BHQK = jnp.where(mask_B1QK, logits_BHQK, _NEG_INF)
+    weights_BHQK = jax.nn.softmax(logits_BHQK).astype(cfg.dtype)
+    self.sow('intermediates', 'attention_weights', weights_BHQK)
+    out_BQHD = jnp.einsum('BHQK,BHKD->BQHD', weights_BHQK, v_BHKD)
+    head_dim = cfg.d_model // cfg.num_heads
+    w_out_HDE = kernel('out', (cfg.num_heads, head_dim, cfg.d_model), ('heads', 'kv', 'embed'),
+                       (0, 1), 2)
+    return jnp.einsum('BQHD,HDE->BQE', out_BQHD, w_out_HDE)
+
+  def _update_cache(self, k_BH1D, v_BH1D, mask_B1QK):
     """Writes this step's key/value at the cache index; returns the whole cache and its mask."""
     initialised = self.has_variable('cache', 'key')
-    key = self.variable('cache', 'key', jnp.zeros, k_B1HD.shape, k_B1HD.dtype)
-    value = self.variable('cache', 'value', jnp.zeros, v_B1HD.shape, v_B1HD.dtype)
+    key = self.variable('cache', 'key', jnp.zeros, k_BH1D.shape, k_BH1D.dtype)
+    value = self.variable('cache', 'value', jnp.zeros, v_BH1D.shape, v_BH1D.dtype)
     index = self.variable('cache', 'index', lambda: jnp.array(0, jnp.int32))
     if not initialised:  # The init call only sizes the cache, from a full-length input.
-      return k_B1HD, v_B1HD, mask_B1QK
+      return k_BH1D, v_BH1D, mask_B1QK
     i = index.value
-    key.value = jax.lax.dynamic_update_slice(key.value, k_B1HD, (0, i, 0, 0))
-    value.value = jax.lax.dynamic_update_slice(value.value, v_B1HD, (0, i, 0, 0))
+    key.value = jax.lax.dynamic_update_slice(key.value, k_BH1D, (0, 0, i, 0))
+    value.value = jax.lax.dynamic_update_slice(value.value, v_BH1D, (0, 0, i, 0))
     index.value = i + 1
-    max_len = key.value.shape[1]
+    max_len = key.value.shape[2]
     mask_B1QK = (jnp.arange(max_len) <= i)[None, None, None, :]
     return key.value, value.value, mask_B1QK
 

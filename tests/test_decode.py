@@ -163,7 +163,7 @@ def test_translator_keeps_input_order_through_length_sorting(beam_size):
                                  beam_size=beam_size, alpha=0.6)
   outputs = translator.translate(params, inputs)
   assert len(outputs) == len(inputs) and len(outputs[2]) == 0  # The empty input.
-  # Translated one at a time (same bucket shapes, so no new compilation), nothing can move.
+  # Translated one at a time (other batch shapes, the same length limits), nothing can move.
   for seq, output in zip(inputs, outputs):
     assert _trim(output) == _trim(translator.translate(params, [seq])[0])
   assert len(set(_trim(o) for o in outputs)) > 3  # Distinct outputs, so a swap would show.
@@ -191,8 +191,9 @@ def test_scanned_layers_decode_like_unrolled_ones(remat):
   params, inputs = _random_params(seed=2), _sources()
   stacked = model_lib.stack_layer_params(params, CONFIG)
   cache = decode.init_cache(scanned, 8, 8)
-  # One cache per decoder layer, stacked ahead of the rows; no cross-attention entries yet.
-  assert cache['decoder_layers']['self_attention']['key'].shape == (2, 8, 8, 2, 8)
+  # One cache per decoder layer, stacked ahead of the rows, heads-major ([layers, B, H, L, D]);
+  # no cross-attention entries yet.
+  assert cache['decoder_layers']['self_attention']['key'].shape == (2, 8, 2, 8, 8)
   assert cache['decoder_layers']['self_attention']['index'].shape == (2,)
   assert cache['decoder_layers']['cross_attention'] == {}
   np.testing.assert_array_equal(greedy_search(stacked, inputs, config=scanned, max_len=8),
