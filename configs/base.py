@@ -69,6 +69,12 @@ def get_config():
   # Attention: 'einsum' (explicit softmax, attention dropout), 'xla' or 'cudnn' (fused, through
   # jax.nn.dot_product_attention; no attention dropout), 'auto' (cuDNN where it applies).
   model.attention_impl = 'auto'
+  # Mixture of experts (t2t_jax/moe.py): chosen feed-forward layers become `moe_experts` experts.
+  model.moe_experts = 0  # Experts per MoE layer; 0 keeps a dense feed-forward in every layer.
+  model.moe_top_k = 2  # Experts each token goes to (1: Switch, 2: GShard); at most moe_experts.
+  model.moe_capacity_factor = 1.25  # Slots = ceil(this x row length x top_k / experts); <=0: all.
+  model.moe_layers = 'every_other'  # Per stack: 'all', 'every_other' (1, 3, ..) or '0,2' indices.
+  model.moe_aux_loss_weight = 0.01  # Weight of the load-balancing loss in the training loss.
 
   opt = config.opt = ml_collections.ConfigDict()
   opt.schedule = 'rsqrt'  # 'rsqrt' (paper), 't2t' (linear warmup x rsqrt decay), 'constant'.
@@ -112,11 +118,14 @@ def get_config():
   ckpt.init_from = ''  # Fresh runs start from these params (a step or averaged/exported dir).
 
   mesh = config.mesh = ml_collections.ConfigDict()
-  mesh.shape = (-1, 1, 1)  # Devices along ('data', 'fsdp', 'tensor'); -1 takes what is left.
+  # Devices along ('data', 'fsdp', 'tensor', 'expert'); -1 takes what is left; 3 sizes: expert=1.
+  mesh.shape = (-1, 1, 1)
   mesh.dcn_data = 1  # Slices (TPU) or processes (GPU) the data axis spans over the slow network.
   # Logical axis -> mesh axes. A mesh axis already used in an array goes to the next rule.
   mesh.rules = (
-      ('batch', ('data', 'fsdp')),
+      ('expert', 'expert'),  # Mixture-of-experts weights and slots; before 'batch' claims it.
+      ('batch', ('data', 'fsdp', 'expert')),
+      ('batch', ('data', 'fsdp')),  # Arrays split over experts already: the rest of the batch.
       ('vocab', 'tensor'),
       ('mlp', 'tensor'),
       ('heads', 'tensor'),
