@@ -81,6 +81,12 @@ def get_config():
   # Decoder-only: 'causal' (every position sees only earlier ones) or 'full' (the source part
   # also sees later source positions: a prefix LM). Target positions are causal either way.
   model.prefix_attention = 'causal'
+  # Mixture of experts (t2t_jax/moe.py): chosen feed-forward layers become `moe_experts` experts.
+  model.moe_experts = 0  # Experts per MoE layer; 0 keeps a dense feed-forward in every layer.
+  model.moe_top_k = 2  # Experts each token goes to (1: Switch, 2: GShard); at most moe_experts.
+  model.moe_capacity_factor = 1.25  # Slots = ceil(this x row length x top_k / experts); <=0: all.
+  model.moe_layers = 'every_other'  # Per stack: 'all', 'every_other' (1, 3, ..) or '0,2' indices.
+  model.moe_aux_loss_weight = 0.01  # Weight of the load-balancing loss in the training loss.
 
   opt = config.opt = ml_collections.ConfigDict()
   opt.schedule = 'rsqrt'  # 'rsqrt' (paper), 't2t' (linear warmup x rsqrt decay), 'constant'.
@@ -110,6 +116,9 @@ def get_config():
   evaluation.beam_size = 4  # Beam width for evaluation decoding; 1 is greedy.
   evaluation.alpha = 0.6  # Length penalty exponent: ((5 + len) / 6) ** alpha.
   evaluation.max_extra_len = 50  # Longest output = source length + this (capped by model.max_len).
+  # Decoding activations: 'auto' (bfloat16 on GPU/TPU, float32 on CPU), 'model' (model.dtype),
+  # 'float32' or 'bfloat16'.
+  evaluation.dtype = 'auto'
   evaluation.examples_to_print = 3  # Example translations logged after each evaluation.
   evaluation.average_last = 0  # Also evaluate the mean of the last N checkpoints; 0: off.
 
@@ -121,11 +130,14 @@ def get_config():
   ckpt.init_from = ''  # Fresh runs start from these params (a step or averaged/exported dir).
 
   mesh = config.mesh = ml_collections.ConfigDict()
-  mesh.shape = (-1, 1, 1)  # Devices along ('data', 'fsdp', 'tensor'); -1 takes what is left.
+  # Devices along ('data', 'fsdp', 'tensor', 'expert'); -1 takes what is left; 3 sizes: expert=1.
+  mesh.shape = (-1, 1, 1)
   mesh.dcn_data = 1  # Slices (TPU) or processes (GPU) the data axis spans over the slow network.
   # Logical axis -> mesh axes. A mesh axis already used in an array goes to the next rule.
   mesh.rules = (
-      ('batch', ('data', 'fsdp')),
+      ('expert', 'expert'),  # Mixture-of-experts weights and slots; before 'batch' claims it.
+      ('batch', ('data', 'fsdp', 'expert')),
+      ('batch', ('data', 'fsdp')),  # Arrays split over experts already: the rest of the batch.
       ('vocab', 'tensor'),
       ('mlp', 'tensor'),
       ('heads', 'tensor'),

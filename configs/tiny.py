@@ -3,9 +3,12 @@
 from configs import base
 
 
-def get_config():
+def get_config(variant: str = ''):
+  """variant: '' (dense) or 'moe' (4 experts, top-2, in every layer)."""
+  if variant not in ('', 'moe'):
+    raise ValueError(f"configs/tiny.py: variant must be '' or 'moe', got {variant!r}")
   config = base.get_config()
-  config.name = 'tiny'
+  config.name = f'tiny_{variant}' if variant else 'tiny'
   config.data.task = 'copy'
   config.data.num_symbols = 8
   config.data.min_length = 1
@@ -30,4 +33,8 @@ def get_config():
   config.eval.max_extra_len = 4
   config.eval.examples_to_print = 1
   config.ckpt.every = 10
+  if variant == 'moe':
+    config.model.moe_experts = 4
+    config.model.moe_top_k = 2
+    config.model.moe_layers = 'all'  # Both stacks have one layer: 'every_other' would skip it.
   return config

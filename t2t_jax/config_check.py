@@ -1,7 +1,7 @@
 """Checks a whole config before any work: every violation names the key and what is allowed.
 
-Choices whose check lives next to the code that uses them (the model's norm, remat, dtype and
-attention, the dropout PRNG, the schedule, the mesh) are checked by calling that code.
+Choices whose check lives next to the code that uses them (the model's norm, remat, dtype,
+attention and experts, the dropout PRNG, the schedule, the mesh) are checked by calling that code.
 """
 
 import math
@@ -9,6 +9,7 @@ import math
 from t2t_jax import ConfigError
 from t2t_jax import batching
 from t2t_jax import data
+from t2t_jax import decode
 from t2t_jax import optim
 from t2t_jax import prng
 from t2t_jax import sharding
@@ -40,6 +41,10 @@ RANGES = {
     'model.attention_dropout': (0.0, 1.0, True),
     'model.relu_dropout': (0.0, 1.0, True),
     'model.max_len': (1, _INF, True),
+    'model.moe_experts': (0, _INF, True),
+    'model.moe_top_k': (1, _INF, True),
+    'model.moe_capacity_factor': (-_INF, _INF, True),  # <= 0: no capacity limit.
+    'model.moe_aux_loss_weight': (0.0, _INF, True),
     'opt.lr_scale': (0.0, _INF, True),  # 0 freezes the weights.
     'opt.warmup_steps': (0, _INF, True),
     'opt.b1': (0.0, 1.0, True),
@@ -79,6 +84,7 @@ CHOICES = {
     'data.batching': batching.BATCHING_MODES,
     'model.kind': MODEL_KINDS,
     'model.prefix_attention': PREFIX_ATTENTION,
+    'eval.dtype': decode.DECODE_DTYPES,
 }
 
 

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from t2t_jax import ConfigError
 from t2t_jax import EOS_ID, PAD_ID
 from t2t_jax.model import Transformer, TransformerConfig
 
@@ -52,6 +53,25 @@ _COUNTERS = ('index', 'position')  # Steps decoded so far, shared by all rows.
 
 def _named(path, names: tuple[str, ...]) -> bool:
   return any(getattr(key, 'key', None) in names for key in path)
+
+
+DECODE_DTYPES = ('auto', 'model', 'float32', 'bfloat16')
+
+
+def decoding_config(config: TransformerConfig, dtype: str, platform: str) -> TransformerConfig:
+  """The model config searches run with: activations and caches in `dtype`.
+
+  'model' keeps the training dtype; 'auto' is bfloat16 on accelerators (GPU, TPU) and float32
+  on CPU, where bfloat16 arithmetic is slower. Parameters stay as stored; the logits are
+  float32 either way.
+  """
+  if dtype not in DECODE_DTYPES:
+    raise ConfigError(f'config.eval.dtype={dtype!r} must be one of {DECODE_DTYPES}')
+  if dtype == 'model':
+    return config
+  if dtype == 'auto':
+    dtype = 'float32' if platform == 'cpu' else 'bfloat16'
+  return dataclasses.replace(config, dtype=jnp.dtype(dtype))
 
 
 def max_decode_length(source_length: int, extra: int, model_max_len: int) -> int:
@@ -275,6 +295,7 @@ class TranslateStats:
   compile_seconds: float = 0.0
   search_seconds: float = 0.0  # In compiled searches: dispatch to results on the host.
   seconds: float = 0.0  # Whole `translate` calls (batching, searching, unpacking).
+  text_seconds: float = 0.0  # Tokenising and detokenising around them (translate.py's).
 
   def as_dict(self) -> dict:
     return {key: round(value, 3) if isinstance(value, float) else value
@@ -290,13 +311,15 @@ class Translator:
   last batch shrinks to a power-of-two number of rows, so little work goes to padding rows.
   Each output is at most its own source length + `max_extra_len` tokens (capped by the
   model's max_len), whichever batch it lands in: outputs do not depend on the batching.
-  Beam size 1 is greedy search, as in tensor2tensor.
+  Beam size 1 is greedy search, as in tensor2tensor. `dtype` is one of DECODE_DTYPES.
   """
 
   def __init__(self, config: TransformerConfig, mesh, axis_rules, batch_tokens: int,
-               min_bucket: int, max_extra_len: int, beam_size: int = 1, alpha: float = 0.6):
+               min_bucket: int, max_extra_len: int, beam_size: int = 1, alpha: float = 0.6,
+               dtype: str = 'model'):
     if beam_size < 1:
       raise ValueError(f'beam size must be at least 1, got {beam_size}')
+    config = decoding_config(config, dtype, mesh.devices.flat[0].platform)
     self.config, self.mesh, self.axis_rules = config, mesh, axis_rules
     self.batch_tokens, self.min_bucket, self.max_extra_len = batch_tokens, min_bucket, max_extra_len
     self.beam_size, self.alpha = beam_size, alpha

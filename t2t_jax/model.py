@@ -16,6 +16,7 @@ import numpy as np
 
 from t2t_jax import ConfigError
 from t2t_jax import PAD_ID
+from t2t_jax import moe
 
 Array = jax.Array
 _NEG_INF = -1e9  # Large but finite, so rows with no visible key stay NaN-free.
@@ -54,6 +55,10 @@ class TransformerConfig:
   attention_impl: str = 'einsum'  # Resolved: 'einsum', 'xla' or 'cudnn' (never 'auto').
   kind: str = 'encoder_decoder'  # Or 'decoder_only' (`DecoderOnly`); `make_model` picks.
   prefix_attention: str = 'causal'  # Decoder-only: how the source attends ('causal', 'full').
+  moe_experts: int = 0  # Mixture of experts (moe.py); 0: dense feed-forward layers.
+  moe_top_k: int = 2
+  moe_capacity_factor: float = 1.25
+  moe_layers: str = 'every_other'
   deterministic: bool = False
   decode: bool = False
 
@@ -85,6 +90,7 @@ class TransformerConfig:
     if config.remat not in REMAT_POLICIES:
       raise ConfigError(f'config.model.remat must be one of {", ".join(map(repr, REMAT_POLICIES))}'
                         f', got {config.remat!r}')
+    moe.check(config)
     return config
 
 
@@ -339,25 +345,35 @@ class Sublayer(nn.Module):
     return norm(x_BLE + y_BLE)
 
 
+def _feed_forward(cfg: TransformerConfig, use_moe: bool, valid_BL: Array | None):
+  """The feed-forward sublayer's function: dense, or experts that skip invalid tokens."""
+  if not use_moe:
+    return FeedForward(cfg, name='ffn')
+  experts = moe.MoeFeedForward(cfg, name='moe')
+  return lambda x_BLE: experts(x_BLE, valid_BL)
+
+
 class EncoderLayer(nn.Module):
   config: TransformerConfig
+  use_moe: bool = False  # Mixture of experts in place of the feed-forward network.
 
   @nn.compact
-  def __call__(self, x_BLE: Array, mask_B1LL: Array) -> Array:
+  def __call__(self, x_BLE: Array, mask_B1LL: Array, valid_BL: Array | None = None) -> Array:
     cfg = self.config
     attention = MultiHeadAttention(cfg, name='self_attention')
     x_BLE = Sublayer(cfg, name='attention_block')(lambda x: attention(x, x, mask_B1LL), x_BLE)
-    x_BLE = Sublayer(cfg, name='ffn_block')(FeedForward(cfg, name='ffn'), x_BLE)
+    x_BLE = Sublayer(cfg, name='ffn_block')(_feed_forward(cfg, self.use_moe, valid_BL), x_BLE)
     x_BLE = nn.with_logical_constraint(x_BLE, ('batch', 'length', 'embed'))
     return (x_BLE, None) if cfg.scan_layers else x_BLE  # nn.scan wants (carry, output).
 
 
 class DecoderLayer(nn.Module):
   config: TransformerConfig
+  use_moe: bool = False  # Mixture of experts in place of the feed-forward network.
   with_cross_attention: bool = True  # False in the decoder-only model: no encoder to attend.
 
   @nn.compact
-  def __call__(self, y_BLE, encoded_BKE, self_mask_B1LL, cross_mask_B1LK):
+  def __call__(self, y_BLE, encoded_BKE, self_mask_B1LL, cross_mask_B1LK, valid_BL=None):
     cfg = self.config
     self_attention = MultiHeadAttention(cfg, self_attention_cache=True, name='self_attention')
     y_BLE = Sublayer(cfg, name='self_attention_block')(
@@ -366,7 +382,7 @@ class DecoderLayer(nn.Module):
       cross_attention = MultiHeadAttention(cfg, memory_cache=True, name='cross_attention')
       y_BLE = Sublayer(cfg, name='cross_attention_block')(
           lambda y: cross_attention(y, encoded_BKE, cross_mask_B1LK), y_BLE)
-    y_BLE = Sublayer(cfg, name='ffn_block')(FeedForward(cfg, name='ffn'), y_BLE)
+    y_BLE = Sublayer(cfg, name='ffn_block')(_feed_forward(cfg, self.use_moe, valid_BL), y_BLE)
     y_BLE = nn.with_logical_constraint(y_BLE, ('batch', 'length', 'embed'))
     return (y_BLE, None) if cfg.scan_layers else y_BLE  # nn.scan wants (carry, output).
 
@@ -420,7 +436,7 @@ def _stack(layer_class, cfg: TransformerConfig, num_layers: int, broadcast: int)
   get a leading axis of length `num_layers`.
   """
   return nn.scan(_remat(layer_class, cfg),
-                 variable_axes={'params': 0, 'cache': 0, 'intermediates': 0},
+                 variable_axes={'params': 0, 'cache': 0, 'intermediates': 0, moe.COLLECTION: 0},
                  split_rngs={'params': True, 'dropout': True},
                  in_axes=(nn.broadcast,) * broadcast, length=num_layers,
                  metadata_params={nn.PARTITION_NAME: 'layers'})
@@ -471,16 +487,18 @@ class Transformer(nn.Module):
     self.source_embedder = Embedder(cfg, self.source_embedding)
     self.target_embedder = Embedder(cfg, self.target_embedding, decode_step=True)
     if cfg.scan_layers:
-      self.encoder_layers = _stack(EncoderLayer, cfg, cfg.num_encoder_layers, broadcast=1)(
-          cfg, name='encoder_layers')
-      self.decoder_layers = _stack(DecoderLayer, cfg, cfg.num_decoder_layers, broadcast=3)(
-          cfg, name='decoder_layers')
+      # moe.check allows scanned MoE stacks only with every layer an MoE layer.
+      self.encoder_layers = _stack(EncoderLayer, cfg, cfg.num_encoder_layers, broadcast=2)(
+          cfg, use_moe=bool(cfg.moe_experts), name='encoder_layers')
+      self.decoder_layers = _stack(DecoderLayer, cfg, cfg.num_decoder_layers, broadcast=4)(
+          cfg, use_moe=bool(cfg.moe_experts), name='decoder_layers')
     else:
       encoder_layer, decoder_layer = _remat(EncoderLayer, cfg), _remat(DecoderLayer, cfg)
-      self.encoder_layers = [encoder_layer(cfg, name=f'encoder_{i}')
-                             for i in range(cfg.num_encoder_layers)]
-      self.decoder_layers = [decoder_layer(cfg, name=f'decoder_{i}')
-                             for i in range(cfg.num_decoder_layers)]
+      n_enc, n_dec = cfg.num_encoder_layers, cfg.num_decoder_layers
+      self.encoder_layers = [encoder_layer(cfg, moe.uses_moe(cfg, i, n_enc), name=f'encoder_{i}')
+                             for i in range(n_enc)]
+      self.decoder_layers = [decoder_layer(cfg, moe.uses_moe(cfg, i, n_dec), name=f'decoder_{i}')
+                             for i in range(n_dec)]
     if cfg.norm == 'pre':
       self.encoder_norm = LayerNorm(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
       self.decoder_norm = LayerNorm(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
@@ -497,10 +515,10 @@ class Transformer(nn.Module):
     mask = attention_mask(valid_BL, inputs_segments_BL, inputs_segments_BL)
     x_BLE = self.source_embedder(inputs_BL, inputs_positions_BL)
     if cfg.scan_layers:
-      x_BLE, _ = self.encoder_layers(x_BLE, mask)
+      x_BLE, _ = self.encoder_layers(x_BLE, mask, valid_BL)
     else:
       for layer in self.encoder_layers:
-        x_BLE = layer(x_BLE, mask)
+        x_BLE = layer(x_BLE, mask, valid_BL)
     return self.encoder_norm(x_BLE) if cfg.norm == 'pre' else x_BLE
 
   def decode(self, encoded_BKE: Array | None, inputs_BK: Array, targets_BL: Array,
@@ -520,17 +538,19 @@ class Transformer(nn.Module):
     if cfg.decode:
       decoder_inputs_BL = targets_BL
       self_mask = None  # The self-attention cache builds its own.
+      valid_BL = None  # Every step's token is real (the start token is a PAD id).
     else:
       decoder_inputs_BL = shift_right(targets_BL, targets_segments_BL)
+      valid_BL = targets_BL != PAD_ID  # Positions that predict a real target token.
       self_mask = attention_mask(targets_BL != PAD_ID, targets_segments_BL, targets_segments_BL,
                                  causal=True)
     cross_mask = attention_mask(inputs_valid_BK, targets_segments_BL, inputs_segments_BK)
     y_BLE = self.target_embedder(decoder_inputs_BL, targets_positions_BL)
     if cfg.scan_layers:
-      y_BLE, _ = self.decoder_layers(y_BLE, encoded_BKE, self_mask, cross_mask)
+      y_BLE, _ = self.decoder_layers(y_BLE, encoded_BKE, self_mask, cross_mask, valid_BL)
     else:
       for layer in self.decoder_layers:
-        y_BLE = layer(y_BLE, encoded_BKE, self_mask, cross_mask)
+        y_BLE = layer(y_BLE, encoded_BKE, self_mask, cross_mask, valid_BL)
     if cfg.norm == 'pre':
       y_BLE = self.decoder_norm(y_BLE)
     return y_BLE if return_hidden else self.output_logits(y_BLE)
@@ -624,13 +644,14 @@ class DecoderOnly(nn.Module):
                              else _embed(cfg, 'source_embedding'))
     self.source_embedder = Embedder(cfg, self.source_embedding)
     self.target_embedder = Embedder(cfg, self.target_embedding)
-    if cfg.scan_layers:
-      self.decoder_layers = _stack(DecoderLayer, cfg, cfg.num_decoder_layers, broadcast=3)(
-          cfg, with_cross_attention=False, name='decoder_layers')
+    if cfg.scan_layers:  # moe.check allows scanned MoE stacks only with every layer MoE.
+      self.decoder_layers = _stack(DecoderLayer, cfg, cfg.num_decoder_layers, broadcast=4)(
+          cfg, use_moe=bool(cfg.moe_experts), with_cross_attention=False, name='decoder_layers')
     else:
-      self.decoder_layers = [_remat(DecoderLayer, cfg)(cfg, with_cross_attention=False,
-                                                       name=f'decoder_{i}')
-                             for i in range(cfg.num_decoder_layers)]
+      layers = cfg.num_decoder_layers
+      self.decoder_layers = [_remat(DecoderLayer, cfg)(
+          cfg, moe.uses_moe(cfg, i, layers), with_cross_attention=False, name=f'decoder_{i}')
+                             for i in range(layers)]
     if cfg.norm == 'pre':
       self.decoder_norm = LayerNorm(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
     if not cfg.tie_output:
@@ -640,13 +661,14 @@ class DecoderOnly(nn.Module):
     if cfg.decode:  # The cache index the next token goes to, shared by all rows.
       self.cache_index = self.variable('cache', 'index', lambda: jnp.array(0, jnp.int32))
 
-  def _layers(self, x_BLE: Array, mask_B1QK: Array) -> Array:
+  def _layers(self, x_BLE: Array, mask_B1QK: Array, valid_BL: Array | None) -> Array:
+    """The stack (no encoder output, no cross-attention); `valid_BL`: real tokens, for experts."""
     cfg = self.config
     if cfg.scan_layers:
-      x_BLE, _ = self.decoder_layers(x_BLE, None, mask_B1QK, None)
+      x_BLE, _ = self.decoder_layers(x_BLE, None, mask_B1QK, None, valid_BL)
     else:
       for layer in self.decoder_layers:
-        x_BLE = layer(x_BLE, None, mask_B1QK, None)
+        x_BLE = layer(x_BLE, None, mask_B1QK, None, valid_BL)
     return self.decoder_norm(x_BLE) if cfg.norm == 'pre' else x_BLE
 
   def __call__(self, inputs_BK: Array, targets_BL: Array,
@@ -669,7 +691,7 @@ class DecoderOnly(nn.Module):
                    jnp.concatenate([inputs_segments_BK, targets_segments_BL], axis=1))
     mask = prefix_lm_mask(valid_BL, source_length, segments_BL,
                           cfg.prefix_attention == 'full')
-    y_BLE = self._layers(x_BLE, mask)[:, source_length:]
+    y_BLE = self._layers(x_BLE, mask, valid_BL)[:, source_length:]
     return y_BLE if return_hidden else self.output_logits(y_BLE)
 
   def prefill(self, inputs_BS: Array) -> None:
@@ -679,7 +701,7 @@ class DecoderOnly(nn.Module):
     valid_BS = inputs_BS != PAD_ID
     self._layers(self.source_embedder(inputs_BS),
                  prefix_lm_mask(valid_BS, inputs_BS.shape[1], None,
-                                cfg.prefix_attention == 'full'))
+                                cfg.prefix_attention == 'full'), valid_BS)
 
   def decode(self, encoded_BKE: None, inputs_BS: Array, targets_BL: Array,
              *unused_args, return_hidden: bool = False) -> Array:
@@ -694,7 +716,7 @@ class DecoderOnly(nn.Module):
     y_BLE = self.target_embedder(targets_BL, length_B1 + step)
     # The prompt part of the cache holds each row's source, then its padding.
     prompt_mask_B11S = (jnp.arange(inputs_BS.shape[1]) < length_B1)[:, None, None, :]
-    y_BLE = self._layers(y_BLE, prompt_mask_B11S)
+    y_BLE = self._layers(y_BLE, prompt_mask_B11S, None)  # Every step's token is real.
     return y_BLE if return_hidden else self.output_logits(y_BLE)
 
   def _next_index(self, count: int) -> Array:

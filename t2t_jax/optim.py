@@ -157,12 +157,17 @@ def _zero_sums() -> dict[str, jax.Array]:
 
 
 def summarize(metric_sums: dict[str, float]) -> dict[str, float]:
-  """Loss, accuracy and perplexity per real target token from summed metrics."""
+  """Loss, accuracy and perplexity per real target token (and MoE figures) from summed metrics."""
   weight = max(float(metric_sums['weight']), 1.0)
   nll = float(metric_sums['nll']) / weight
-  return {'loss': float(metric_sums['loss']) / weight,
-          'accuracy': float(metric_sums['correct']) / weight,
-          'perplexity': float(np.exp(min(nll, 50.0)))}
+  figures = {'loss': float(metric_sums['loss']) / weight,
+             'accuracy': float(metric_sums['correct']) / weight,
+             'perplexity': float(np.exp(min(nll, 50.0)))}
+  if 'moe_aux_loss' in metric_sums:  # Mixture of experts: balance and overflow (moe.py).
+    figures['moe_aux_loss'] = float(metric_sums['moe_aux_loss']) / weight
+    figures['moe_dropped_fraction'] = (float(metric_sums['moe_dropped'])
+                                       / max(float(metric_sums['moe_routed']), 1.0))
+  return figures
 
 
 def learning_rate_schedule(opt_config, d_model: int) -> optax.Schedule:

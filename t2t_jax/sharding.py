@@ -16,20 +16,26 @@ import numpy as np
 
 from t2t_jax import ConfigError
 
-MESH_AXES = ('data', 'fsdp', 'tensor')
-BATCH_AXES = ('data', 'fsdp')
+MESH_AXES = ('data', 'fsdp', 'tensor', 'expert')
+# The devices of the expert axis hold different experts of a mixture-of-experts layer and
+# split the batch of everything else (GShard), so the batch spreads over them too.
+BATCH_AXES = ('data', 'fsdp', 'expert')
 
 
 def mesh_shape(shape, device_count: int) -> tuple[int, ...]:
-  """Resolves one -1 in `shape` from the device count; refuses shapes that do not fit."""
-  shape = tuple(int(n) for n in shape)
+  """Resolves one -1 in `shape` from the device count; refuses shapes that do not fit.
+
+  Three sizes are (data, fsdp, tensor) with no expert parallelism, as before the expert axis.
+  """
+  given = tuple(int(n) for n in shape)  # As written, for the messages.
+  shape = given + (1,) if len(given) == len(MESH_AXES) - 1 else given
   if len(shape) != len(MESH_AXES) or shape.count(-1) > 1 or any(
       n == 0 or n < -1 for n in shape):
-    raise ConfigError(f'config.mesh.shape={shape} must give {len(MESH_AXES)} sizes for '
-                      f'{MESH_AXES}, positive or a single -1')
+    raise ConfigError(f'config.mesh.shape={given} must give {len(MESH_AXES)} sizes for '
+                      f'{MESH_AXES} (or 3, without expert), positive or a single -1')
   known = math.prod(n for n in shape if n != -1)
   if device_count % known:
-    raise ConfigError(f'config.mesh.shape={shape} needs a multiple of {known} devices, '
+    raise ConfigError(f'config.mesh.shape={given} needs a multiple of {known} devices, '
                       f'but there are {device_count}')
   shape = tuple(device_count // known if n == -1 else n for n in shape)
   if math.prod(shape) != device_count:
@@ -39,7 +45,7 @@ def mesh_shape(shape, device_count: int) -> tuple[int, ...]:
 
 
 def make_mesh(mesh_config, devices=None) -> Mesh:
-  """The ('data', 'fsdp', 'tensor') mesh; with `dcn_data` > 1 the data axis spans slices."""
+  """The ('data', 'fsdp', 'tensor', 'expert') mesh; with `dcn_data` > 1 data spans slices."""
   devices = jax.devices() if devices is None else devices
   shape = mesh_shape(mesh_config.shape, len(devices))
   axis_types = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
@@ -50,7 +56,7 @@ def make_mesh(mesh_config, devices=None) -> Mesh:
     raise ConfigError(f'config.mesh.dcn_data={slices} must be a positive divisor of the data '
                       f'axis size {shape[0]} (config.mesh.shape={tuple(mesh_config.shape)})')
   # Slices talk over the data-centre network (DCN), so only the data axis crosses them: each
-  # slice holds a full (data/slices, fsdp, tensor) sub-mesh on its fast interconnect. TPU
+  # slice holds a full (data/slices, fsdp, tensor, expert) sub-mesh on its fast interconnect. TPU
   # devices know their slice; elsewhere (GPU hosts) each process counts as one slice.
   per_slice = (shape[0] // slices,) + shape[1:]
   by_process = devices[0].platform != 'tpu'
@@ -60,7 +66,7 @@ def make_mesh(mesh_config, devices=None) -> Mesh:
     raise ConfigError(f'config.mesh.dcn_data={slices} slices were asked for, but the devices '
                       f'form {granules} ({"processes" if by_process else "TPU slices"}); set '
                       f'config.mesh.dcn_data={granules}' + (' or 1' if granules > 1 else ''))
-  grid = mesh_utils.create_hybrid_device_mesh(per_slice, (slices, 1, 1), devices,
+  grid = mesh_utils.create_hybrid_device_mesh(per_slice, (slices, 1, 1, 1), devices,
                                               process_is_granule=by_process)
   return Mesh(grid, MESH_AXES, axis_types=axis_types)
 
@@ -107,9 +113,10 @@ def check_batch_rows(rows: int, mesh: Mesh, accumulation: int = 1, what: str = '
   """Refuses a batch whose rows do not split evenly over the batch shards (x micro-batches)."""
   multiple = batch_shards(mesh) * accumulation
   if rows % multiple:
-    split = ' x '.join(f'{axis}={mesh.shape[axis]}' for axis in BATCH_AXES)
+    parts = [f'{axis}={mesh.shape[axis]}' for axis in BATCH_AXES if mesh.shape[axis] > 1]
     if accumulation > 1:
-      split += f' x config.opt.grad_accum_steps={accumulation}'
+      parts.append(f'config.opt.grad_accum_steps={accumulation}')
+    split = ' x '.join(parts)
     raise ConfigError(f'the {what} has {rows} rows, which do not divide into {multiple} equal '
                       f'parts ({split}); use a row count that is a multiple of {multiple}')
 

@@ -26,6 +26,7 @@ from t2t_jax import decode
 from t2t_jax import evaluate
 from t2t_jax import flops
 from t2t_jax import hang_guard
+from t2t_jax import moe
 from t2t_jax import optim
 from t2t_jax import preemption
 from t2t_jax import prng
@@ -52,22 +53,42 @@ def apply_model(model: nn.Module, params, batch: dict, **kwargs) -> jax.Array:
 
 def model_metrics(model: nn.Module, params, batch: dict, label_smoothing: float,
                   loss_chunk_tokens: int = 0, **kwargs) -> dict[str, jax.Array]:
-  """Metric sums of the model on a batch: from whole logits, or chunk by chunk of tokens."""
+  """Metric sums of the model on a batch: from whole logits, or chunk by chunk of tokens.
+
+  A model with experts adds 'moe_aux_loss' (the layers' mean load-balancing loss times the
+  batch's target tokens, so sums over batches divide by 'weight' as the loss does),
+  'moe_routed' and 'moe_dropped' (choices of real tokens sent to an expert, and dropped
+  there for want of capacity).
+  """
+  with_experts = bool(model.config.moe_experts)
+  if with_experts:
+    kwargs['mutable'] = [moe.COLLECTION]
   if not loss_chunk_tokens:
-    logits_BLV = apply_model(model, params, batch, **kwargs)
-    return optim.compute_metrics(logits_BLV, batch['targets'], label_smoothing)
-  hidden_BLE = apply_model(model, params, batch, return_hidden=True, **kwargs)
-  def project(weights, hidden_NE):
-    return model.apply({'params': weights}, hidden_NE, method='output_logits')
-  return optim.chunked_metrics(project, output_params(params, model.config), hidden_BLE,
-                               batch['targets'], label_smoothing, loss_chunk_tokens)
+    output = apply_model(model, params, batch, **kwargs)
+    logits_BLV, sown = output if with_experts else (output, None)
+    metrics = optim.compute_metrics(logits_BLV, batch['targets'], label_smoothing)
+  else:
+    output = apply_model(model, params, batch, return_hidden=True, **kwargs)
+    hidden_BLE, sown = output if with_experts else (output, None)
+    def project(weights, hidden_NE):
+      return model.apply({'params': weights}, hidden_NE, method='output_logits')
+    metrics = optim.chunked_metrics(project, output_params(params, model.config), hidden_BLE,
+                                    batch['targets'], label_smoothing, loss_chunk_tokens)
+  if with_experts:  # Outside the (chunked) token loss: the experts' loss is not from logits.
+    sums = moe.metrics(sown[moe.COLLECTION])
+    metrics.update(moe_aux_loss=sums['aux_loss'] * metrics['weight'],
+                   moe_routed=sums['routed'], moe_dropped=sums['dropped'])
+  return metrics
 
 
 def train_step(state: TrainState, batch: dict, rng: jax.Array, *, model: nn.Module,
                optimizer: optax.GradientTransformation, label_smoothing: float,
                grad_accum_steps: int = 1, loss_chunk_tokens: int = 0,
-               dropout_prng: str = 'threefry2x32'):
+               dropout_prng: str = 'threefry2x32', moe_aux_loss_weight: float = 0.0):
   """One update on the loss per real target token of the whole (global) batch.
+
+  With experts the objective is that loss plus `moe_aux_loss_weight` times the MoE layers'
+  mean load-balancing loss; the 'loss' metric stays the token loss alone.
 
   `rng` is the raw key data of PRNG `dropout_prng` (`prng.dropout_key`); the step's dropout
   key is it folded with the step number, so a resumed run draws the same masks.
@@ -85,7 +106,10 @@ def train_step(state: TrainState, batch: dict, rng: jax.Array, *, model: nn.Modu
   def loss_sum_fn(params, micro_batch, micro_rng):
     metrics = model_metrics(model, params, micro_batch, label_smoothing, loss_chunk_tokens,
                             rngs={'dropout': micro_rng})
-    return metrics['loss'], metrics
+    objective = metrics['loss']
+    if 'moe_aux_loss' in metrics:  # Scaled by the tokens like the loss: the same division.
+      objective += moe_aux_loss_weight * metrics['moe_aux_loss']
+    return objective, metrics
 
   grad_fn = jax.grad(loss_sum_fn, has_aux=True)
   if grad_accum_steps == 1:
@@ -164,7 +188,8 @@ def build(config, vocab_size: int, mesh=None) -> Setup:
   jit_train = jax.jit(
       functools.partial(train_step, model=model, optimizer=optimizer, label_smoothing=ls,
                         grad_accum_steps=config.opt.grad_accum_steps, loss_chunk_tokens=chunk,
-                        dropout_prng=config.model.dropout_prng),
+                        dropout_prng=config.model.dropout_prng,
+                        moe_aux_loss_weight=config.model.moe_aux_loss_weight),
       in_shardings=(shardings, batch_sharding, replicated),
       out_shardings=(shardings, replicated), donate_argnums=0)
   jit_eval = jax.jit(
@@ -265,7 +290,8 @@ def _global_flops(setup: Setup, config, batch, rng) -> float:
   step = jax.jit(functools.partial(train_step, model=make_model(model_config),
                                    optimizer=setup.optimizer,
                                    label_smoothing=config.opt.label_smoothing,
-                                   dropout_prng=config.model.dropout_prng))
+                                   dropout_prng=config.model.dropout_prng,
+                                   moe_aux_loss_weight=config.model.moe_aux_loss_weight))
   state = setup.abstract_state
   if setup.model_config.scan_layers:
     state, _ = _abstract_state(functools.partial(
@@ -374,8 +400,10 @@ class _MetricLog:
     if self.peak:
       summary['mfu'] = flops.mfu(self.model_flops, elapsed, self.peak)
     eta = (self.num_steps - step) / steps_per_second
-    logging.info('step %d: loss %.4f, accuracy %.4f, lr %.3g, %.0f target tokens/s, '
-                 '%.2f steps/s, %.4g model TFLOP/s%s, ETA %s', step, summary['loss'],
+    experts = (f', MoE aux loss {summary["moe_aux_loss"]:.4f}, dropped '
+               f'{summary["moe_dropped_fraction"]:.2%}' if 'moe_aux_loss' in summary else '')
+    logging.info('step %d: loss %.4f%s, accuracy %.4f, lr %.3g, %.0f target tokens/s, '
+                 '%.2f steps/s, %.4g model TFLOP/s%s, ETA %s', step, summary['loss'], experts,
                  summary['accuracy'], summary['learning_rate'],
                  summary['target_tokens_per_second'], steps_per_second,
                  summary['model_flops_per_second'] / 1e12,
@@ -451,7 +479,7 @@ def _train_and_evaluate(config, workdir: str) -> dict[str, Any]:
   translator = decode.Translator(setup.model_config, setup.mesh, setup.axis_rules,
                                  config.data.batch_tokens, config.data.min_bucket,
                                  config.eval.max_extra_len, config.eval.beam_size,
-                                 config.eval.alpha)
+                                 config.eval.alpha, config.eval.dtype)
   # A resumed run logs again the steps after its checkpoint: TensorBoard drops the earlier
   # launch's values from purge_step on, so each step shows once.
   purge_step = int(state.step) + 1 if restored else None

@@ -9,6 +9,7 @@ import dataclasses
 import json
 import os
 import sys
+import time
 
 from absl import app
 from absl import flags
@@ -77,7 +78,8 @@ def abstract_params(model_config: TransformerConfig, mesh, axis_rules):
 
 
 def load(workdir: str, checkpoint: str | None = None, beam_size: int | None = None,
-         alpha: float | None = None, batch_tokens: int | None = None) -> Run:
+         alpha: float | None = None, batch_tokens: int | None = None,
+         dtype: str | None = None) -> Run:
   """Config, vocabulary and parameters of a run; unset decoding options come from its config."""
   config = load_config(workdir)
   if config.data.source == 'lm':
@@ -94,7 +96,8 @@ def load(workdir: str, checkpoint: str | None = None, beam_size: int | None = No
       batch_tokens or config.data.batch_tokens, config.data.min_bucket,
       config.eval.max_extra_len,
       beam_size=config.eval.beam_size if beam_size is None else beam_size,
-      alpha=config.eval.alpha if alpha is None else alpha)
+      alpha=config.eval.alpha if alpha is None else alpha,
+      dtype=config.eval.dtype if dtype is None else dtype)
   return Run(config, vocab, model_config, params, translator)
 
 
@@ -129,11 +132,28 @@ def translate_lines(run: Run, lines, name: str = '<stdin>', progress: bool = Fal
                     ) -> tuple[list[str], list[np.ndarray], list[np.ndarray]]:
   """Translations of `lines` in order, with the source and output ids behind them."""
   max_tokens = min(run.config.data.max_len, run.model_config.max_len)
+  start = time.perf_counter()
   inputs = encode_lines(run.vocab, lines, max_tokens, name)
+  text_seconds = time.perf_counter() - start
   with tqdm.tqdm(total=len(inputs), desc='translating', unit=' sentences', file=sys.stderr,
                  disable=not progress) as bar:
     outputs = run.translator.translate(run.params, inputs, progress=bar.update)
-  return [run.vocab.decode(o) if len(o) else '' for o in outputs], inputs, outputs
+  start = time.perf_counter()
+  translations = [run.vocab.decode(o) if len(o) else '' for o in outputs]
+  run.translator.stats.text_seconds += text_seconds + time.perf_counter() - start
+  return translations, inputs, outputs
+
+
+def summary(stats: decode.TranslateStats, outputs) -> str:
+  """One line of throughput, and where the time went, for the log."""
+  seconds = stats.seconds + stats.text_seconds
+  tokens = sum(len(ids) for ids in outputs)
+  outside = seconds - stats.search_seconds
+  return (f'Translated {stats.sentences} sentences in {seconds:.1f} s: '
+          f'{stats.sentences / seconds:.1f} sentences/s, {tokens / seconds:.0f} target tokens/s; '
+          f'{stats.batches} batches, {stats.shapes_compiled} shapes compiled in '
+          f'{stats.compile_seconds:.1f} s; {outside / seconds:.0%} of the time outside the '
+          f'compiled search (compiling, tokenising {stats.text_seconds:.1f} s, batching)')
 
 
 def _strip_to_eos(ids) -> list[int]:
@@ -222,9 +242,11 @@ def main(argv):
   if not FLAGS.workdir:
     raise app.UsageError('--workdir is required')
   lines = _read_input(FLAGS.input)
-  run = load(FLAGS.workdir, FLAGS.checkpoint, FLAGS.beam_size, FLAGS.alpha, FLAGS.batch_tokens)
+  run = load(FLAGS.workdir, FLAGS.checkpoint, FLAGS.beam_size, FLAGS.alpha, FLAGS.batch_tokens,
+             FLAGS.dtype)
   translations, inputs, outputs = translate_lines(run, lines, FLAGS.input or '<stdin>',
                                                   progress=bool(FLAGS.input))
+  logging.info('%s', summary(run.translator.stats, outputs))
   text = ''.join(t + '\n' for t in translations)
   if FLAGS.output:
     with open(FLAGS.output, 'w', encoding='utf-8') as f:
@@ -252,7 +274,11 @@ def _define_flags():
                        'config.eval.beam_size.')
   flags.DEFINE_float('alpha', None, 'Length penalty exponent. Default: config.eval.alpha.')
   flags.DEFINE_integer('batch_tokens', None, 'Tokens per decoding batch, counted over all '
-                       'beams. Default: config.data.batch_tokens.')
+                       'beams (rows x beam x padded source length); README "Translating" has '
+                       'the speed of each choice. Default: config.data.batch_tokens.')
+  flags.DEFINE_enum('dtype', None, list(decode.DECODE_DTYPES), 'Decoding activations: auto '
+                    '(bfloat16 on GPU/TPU, float32 on CPU), model, float32 or bfloat16. '
+                    'Default: config.eval.dtype.')
   flags.DEFINE_string('attention_png', '', 'Directory for encoder-decoder attention pictures '
                       '(one PNG per decoder layer).')
   flags.DEFINE_integer('attention_lines', 1, 'With --attention_png: how many input lines (the '

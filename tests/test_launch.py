@@ -95,7 +95,8 @@ def test_dry_run_of_big_on_a_simulated_4_2_1_mesh_prints_memory_per_device():
               '--dry_run', '--dry_run_devices=8', "--config.mesh.shape=(4,2,1)"], timeout=600)
   assert run.returncode == 0, run.stderr[-3000:]
   result = json.loads(run.stdout.strip().splitlines()[-1])
-  assert result['mesh'] == {'data': 4, 'fsdp': 2, 'tensor': 1} and result['device_count'] == 8
+  assert result['mesh'] == {'data': 4, 'fsdp': 2, 'tensor': 1, 'expert': 1}
+  assert result['device_count'] == 8
   assert 200e6 < result['params'] < 220e6 and result['flops_per_step'] > 1e12
   memory = result['memory_per_device_bytes']
   # Parameters and Adam's two moments (float32), split two ways over fsdp, are the arguments.

@@ -193,7 +193,8 @@ def test_flops_and_parameter_count_of_the_dry_run(config):
   layer = 4 * d * d + 2 * d * f + f + d + 4 * d  # Attention, FFN, biases, two LayerNorms.
   decoder_layer = 8 * d * d + 2 * d * f + f + d + 6 * d
   assert result['params'] == v * d + layer + decoder_layer
-  assert result['device_count'] == 8 and result['mesh'] == {'data': 2, 'fsdp': 2, 'tensor': 2}
+  assert result['device_count'] == 8 and result['mesh'] == {'data': 2, 'fsdp': 2, 'tensor': 2,
+                                                               'expert': 1}
   # Forward and backward cost at least 6 FLOPs per weight of every matmul per token.
   rows, length = result['batch_shape']
   matmul_weights = 2 * (4 * d * d + 2 * d * f) + 4 * d * d + v * d
