@@ -4,7 +4,9 @@ Shapes in names: B batch, K beam, N = B*K rows of beams, S source length, L outp
 V vocabulary, C = 2*K candidates per step.
 
 The encoder runs once per batch, and so do the cross-attention key/value projections: the
-first decoding step stores them in the cache, later steps only read them. Output lengths
+first decoding step stores them in the cache, later steps only read them. A decoder-only
+model reads its (right-padded) sources once too, in a prefill pass that fills every layer's
+self-attention cache at [0, S); its steps then write S, S + 1, ... (`_start`). Output lengths
 count generated tokens, EOS included; a hypothesis that reaches the maximum length without
 EOS ends there. PAD is never generated.
 """
@@ -21,7 +23,7 @@ import numpy as np
 
 from t2t_jax import ConfigError
 from t2t_jax import EOS_ID, PAD_ID
-from t2t_jax.model import Transformer, TransformerConfig
+from t2t_jax.model import TransformerConfig, make_model
 
 _NEG = -1.0e9  # Log-probability of an impossible hypothesis; finite, so sums stay ordered.
 
@@ -30,14 +32,16 @@ def decode_config(config: TransformerConfig) -> TransformerConfig:
   return dataclasses.replace(config, decode=True, deterministic=True)
 
 
-def init_cache(config: TransformerConfig, batch_size: int, max_len: int):
+def init_cache(config: TransformerConfig, batch_size: int, max_len: int,
+               source_length: int = 1):
   """Zeroed self-attention caches for `batch_size` rows and up to `max_len` output tokens.
 
-  The cross-attention entries are absent: the first decoding step computes them.
+  The cross-attention entries are absent: the first decoding step computes them. A
+  decoder-only model's caches also hold the `source_length` source positions first.
   """
-  model = Transformer(decode_config(config))
+  model = make_model(decode_config(config))
   shapes = jax.eval_shape(
-      lambda: model.init(jax.random.PRNGKey(0), jnp.ones((batch_size, 1), jnp.int32),
+      lambda: model.init(jax.random.PRNGKey(0), jnp.ones((batch_size, source_length), jnp.int32),
                          jnp.ones((batch_size, max_len), jnp.int32))['cache'])
   return _without_memory(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes))
 
@@ -74,9 +78,15 @@ def decoding_config(config: TransformerConfig, dtype: str, platform: str) -> Tra
   return dataclasses.replace(config, dtype=jnp.dtype(dtype))
 
 
-def max_decode_length(source_length: int, extra: int, model_max_len: int) -> int:
-  """Source length + `extra`, capped by the position table."""
-  return min(source_length + extra, model_max_len)
+def max_decode_length(source_length: int, extra: int, model_max_len: int,
+                      decoder_only: bool = False) -> int:
+  """Source length + `extra`, capped by the position table.
+
+  A decoder-only model's output positions follow its source's, so the source takes its
+  share of the table first.
+  """
+  room = model_max_len - source_length if decoder_only else model_max_len
+  return min(source_length + extra, room)
 
 
 def length_penalty(length, alpha: float):
@@ -84,16 +94,36 @@ def length_penalty(length, alpha: float):
   return ((5.0 + jnp.asarray(length, jnp.float32)) / 6.0) ** alpha
 
 
-def _decode_step(model: Transformer, params, cache, encoded_BSE, inputs_BS, previous_B):
+def _decode_step(model, params, cache, encoded_BSE, inputs_BS, previous_B):
   """Next-token logits [B, V] in float32 and the updated cache.
 
   Logits, not log-probabilities: greedy search needs only their argmax, and beam search
-  normalises just the few candidates it keeps.
+  normalises just the few candidates it keeps. Both model kinds take the same arguments
+  (a decoder-only model has no `encoded_BSE`).
   """
   logits_B1V, variables = model.apply({'params': params, 'cache': cache}, encoded_BSE,
                                       inputs_BS, previous_B[:, None], mutable=['cache'],
-                                      method=Transformer.decode)
+                                      method='decode')
   return logits_B1V[:, 0], variables['cache']
+
+
+def _start(model, params, inputs_BS: jax.Array, config: TransformerConfig, max_len: int):
+  """The first step's logits [B, V] and cache: the sources read once, then the start token.
+
+  Encoder-decoder: the encoder runs, and the first step caches the cross-attention
+  projections. Decoder-only: one prefill pass fills the self-attention caches with the
+  sources' keys and values, then the start token (0, as in training) goes in after them.
+  """
+  batch_size, source_length = inputs_BS.shape
+  start_B = jnp.zeros((batch_size,), jnp.int32)
+  if config.kind == 'decoder_only':
+    cache = init_cache(config, batch_size, max_len, source_length)
+    _, variables = model.apply({'params': params, 'cache': cache}, inputs_BS,
+                               mutable=['cache'], method='prefill')
+    return _decode_step(model, params, variables['cache'], None, inputs_BS, start_B)
+  encoded_BSE = model.apply({'params': params}, inputs_BS, method='encode')
+  return _decode_step(model, params, init_cache(config, batch_size, max_len), encoded_BSE,
+                      inputs_BS, start_B)
 
 
 def _without_pad(logits_BV: jax.Array) -> jax.Array:
@@ -114,12 +144,10 @@ def greedy_search(params, inputs_BS: jax.Array, config: TransformerConfig, max_l
 
   Row b generates at most `max_lengths_B[b]` tokens (default: `max_len` for every row).
   """
-  model = Transformer(decode_config(config))
+  model = make_model(decode_config(config))
   batch_size = inputs_BS.shape[0]
   limit_B = _row_limits(max_lengths_B, batch_size, max_len)
-  encoded_BSE = model.apply({'params': params}, inputs_BS, method=Transformer.encode)
-  logits_BV, cache = _decode_step(model, params, init_cache(config, batch_size, max_len),
-                                  encoded_BSE, inputs_BS, jnp.zeros((batch_size,), jnp.int32))
+  logits_BV, cache = _start(model, params, inputs_BS, config, max_len)
   first_B = _without_pad(logits_BV).argmax(-1)
   tokens_BL = jnp.zeros((batch_size, max_len), jnp.int32).at[:, 0].set(first_B)
 
@@ -234,13 +262,11 @@ def beam_search(params, inputs_BS: jax.Array, config: TransformerConfig, max_len
   end by `max_lengths_B[b]` tokens (default: `max_len`, the cache size, for every row). A row
   stops when its K finished hypotheses all beat what its best live one could still reach.
   """
-  model = Transformer(decode_config(config))
+  model = make_model(decode_config(config))
   batch_size, beam_size = inputs_BS.shape[0], int(beam_size)
   limit_B = _row_limits(max_lengths_B, batch_size, max_len)
-  encoded_BSE = model.apply({'params': params}, inputs_BS, method=Transformer.encode)
   # The first step sees one row per sentence; its cache is then copied to every beam.
-  logits_BV, cache = _decode_step(model, params, init_cache(config, batch_size, max_len),
-                                  encoded_BSE, inputs_BS, jnp.zeros((batch_size,), jnp.int32))
+  logits_BV, cache = _start(model, params, inputs_BS, config, max_len)
   empty_BKL = jnp.zeros((batch_size, beam_size, max_len), jnp.int32)
   only_first_beam_BK = jnp.where(jnp.arange(beam_size) == 0, 0.0, _NEG)[None].repeat(
       batch_size, 0)
@@ -384,10 +410,13 @@ class Translator:
     alpha = self.alpha if alpha is None else alpha
     if beam_size < 1:
       raise ValueError(f'beam size must be at least 1, got {beam_size}')
+    decoder_only = self.config.kind == 'decoder_only'
     for index, seq in enumerate(inputs):
-      if len(seq) > self.config.max_len:
+      if len(seq) > self.config.max_len - decoder_only:
         raise ValueError(f'input {index} has {len(seq)} tokens, more than the model\'s '
-                         f'max_len={self.config.max_len}: truncate it first')
+                         f'max_len={self.config.max_len}' + (
+                             ' less one position to write an output at' if decoder_only
+                             else '') + ': truncate it first')
     lengths = [len(seq) for seq in inputs]
     outputs = [np.zeros((0,), np.int32)] * len(inputs)
     for length, rows, members in self._batches(lengths, beam_size):
@@ -396,7 +425,7 @@ class Translator:
       for row, index in enumerate(members):
         batch[row, :lengths[index]] = inputs[index]
         max_lengths[row] = max_decode_length(lengths[index], self.max_extra_len,
-                                             self.config.max_len)
+                                             self.config.max_len, decoder_only)
       with sharding.mesh_context(self.mesh, self.axis_rules):
         placed = sharding.global_batch({'inputs': batch, 'max_lengths': max_lengths},
                                        self.mesh, whole=True)

@@ -132,6 +132,8 @@ def translate_lines(run: Run, lines, name: str = '<stdin>', progress: bool = Fal
                     ) -> tuple[list[str], list[np.ndarray], list[np.ndarray]]:
   """Translations of `lines` in order, with the source and output ids behind them."""
   max_tokens = min(run.config.data.max_len, run.model_config.max_len)
+  if run.model_config.kind == 'decoder_only':  # Its outputs' positions follow the source's.
+    max_tokens = min(max_tokens, run.model_config.max_len - 1)
   start = time.perf_counter()
   inputs = encode_lines(run.vocab, lines, max_tokens, name)
   text_seconds = time.perf_counter() - start
