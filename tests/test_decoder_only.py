@@ -1,0 +1,326 @@
+"""The decoder-only model (Transformer-D): prefix masking, the loss on the target, decoding
+through the prefill cache, language modelling, and its configs end to end."""
+
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import ROOT, scalar_events, write_lines
+from t2t_jax import ConfigError
+from t2t_jax import config_check
+from t2t_jax import data
+from t2t_jax import decode
+from t2t_jax import model as model_lib
+from t2t_jax import sharding
+from t2t_jax import train
+from t2t_jax import translate
+from t2t_jax.token_cache import Ragged
+
+VOCAB = 13
+CONFIG = model_lib.TransformerConfig(
+    vocab_size=VOCAB, d_model=16, d_ff=32, num_heads=2, num_decoder_layers=2, max_len=32,
+    deterministic=True, kind='decoder_only')
+# Right-padded sources (ending in EOS = 1) and targets of different lengths.
+INPUTS = jnp.array([[3, 4, 5, 6, 1], [7, 8, 1, 0, 0]], jnp.int32)
+TARGETS = jnp.array([[9, 10, 11, 1], [12, 1, 0, 0]], jnp.int32)
+
+
+def _params(config=CONFIG):
+  return nn.meta.unbox(model_lib.make_model(config).init(
+      jax.random.PRNGKey(0), INPUTS, TARGETS)['params'])
+
+
+def _tiny_decoder_only(tiny_config):
+  tiny_config.model.kind = 'decoder_only'
+  tiny_config.model.num_decoder_layers = 2
+  tiny_config.data.max_len = 32  # Source + target, within the position table (model.max_len).
+  return tiny_config
+
+
+def _embedding_gradients(config, params, output_fn):
+  """|d output_fn / d embedded input| per position of the joined sequence [B, S + L]."""
+  model = model_lib.make_model(config)
+  perturbations = model.init(jax.random.PRNGKey(0), INPUTS, TARGETS)['perturbations']
+
+  def output(perturbations):
+    outputs, state = model.apply({'params': params, 'perturbations': perturbations}, INPUTS,
+                                 TARGETS, capture_intermediates=True, mutable=['intermediates'])
+    # The last layer's states over the whole joined sequence: source positions included.
+    last = state['intermediates'][f'decoder_{config.num_decoder_layers - 1}']['__call__'][0]
+    return output_fn(outputs, last)
+
+  grads = jax.grad(output)(perturbations)
+  per_position = [np.abs(np.asarray(grads[name]['embedded'])).sum(-1)
+                  for name in ('source_embedder', 'target_embedder')]
+  return np.concatenate(per_position, axis=1)
+
+
+@pytest.mark.parametrize('prefix_attention', ['causal', 'full'])
+def test_no_target_sees_a_later_one_and_the_source_sees_itself_as_configured(prefix_attention):
+  config = dataclasses.replace(CONFIG, prefix_attention=prefix_attention)
+  params = _params(config)
+  source_length = INPUTS.shape[1]
+  for t in range(TARGETS.shape[1]):
+    seen = _embedding_gradients(config, params, lambda logits, _: logits[0, t].sum())[0]
+    # Target output t reads the decoder inputs 0..t (start token, targets 0..t-1) and the
+    # whole source, never a later target.
+    assert np.all(seen[source_length + t + 1:] == 0.0)
+    assert np.all(seen[:source_length + t + 1] > 0.0)
+  for i in range(source_length):
+    seen = _embedding_gradients(config, params, lambda _, states: states[0, i].sum())[0]
+    assert np.all(seen[source_length:] == 0.0)  # No source position reads the target.
+    assert np.all(seen[:i + 1] > 0.0)
+    later_source = seen[i + 1:source_length]
+    if prefix_attention == 'full':
+      assert np.all(later_source > 0.0)
+    else:
+      assert np.all(later_source == 0.0)
+  # Row 1's source padding is read by nobody.
+  seen = _embedding_gradients(config, params, lambda logits, _: logits[1, 1].sum())[1]
+  assert np.all(seen[3:source_length] == 0.0) and np.all(seen[:3] > 0.0)
+
+
+def test_packed_row_equals_its_examples_alone():
+  params = _params(dataclasses.replace(CONFIG, prefix_attention='full'))
+  model = model_lib.make_model(dataclasses.replace(CONFIG, prefix_attention='full'))
+  sources, targets = [[3, 4, 5, 1], [7, 8, 1]], [[9, 10, 1], [12, 11, 6, 1]]
+  packed = {key: np.zeros((1, 8), np.int32) for key in (
+      'inputs', 'targets', 'inputs_positions', 'targets_positions', 'inputs_segments',
+      'targets_segments')}
+  for side, sequences in (('inputs', sources), ('targets', targets)):
+    column = 0
+    for segment, sequence in enumerate(sequences, start=1):
+      span = slice(column, column + len(sequence))
+      packed[side][0, span] = sequence
+      packed[f'{side}_positions'][0, span] = np.arange(len(sequence))
+      packed[f'{side}_segments'][0, span] = segment
+      column += len(sequence)
+  together = train.apply_model(model, params, {k: jnp.asarray(v) for k, v in packed.items()})
+  column = 0
+  for source, target in zip(sources, targets):
+    alone = model.apply({'params': params}, jnp.asarray([source + [0, 0]]),
+                        jnp.asarray([target + [0]]))
+    np.testing.assert_allclose(together[0, column:column + len(target)],
+                               alone[0, :len(target)], atol=1e-5)
+    column += len(target)
+
+
+def _forced_decoding_logits(config, params, inputs_BS, targets_BL):
+  """Logits [B, L, V] from the prefill cache fed the gold targets one step at a time."""
+  model = model_lib.make_model(decode.decode_config(config))
+  batch_size, length = targets_BL.shape
+  cache = decode.init_cache(config, batch_size, length, inputs_BS.shape[1])
+  _, variables = model.apply({'params': params, 'cache': cache}, inputs_BS, mutable=['cache'],
+                             method='prefill')
+  cache, previous_B1, logits = variables['cache'], jnp.zeros((batch_size, 1), jnp.int32), []
+  for t in range(length):
+    logits_B1V, variables = model.apply({'params': params, 'cache': cache}, None, inputs_BS,
+                                        previous_B1, mutable=['cache'], method='decode')
+    cache, previous_B1 = variables['cache'], targets_BL[:, t:t + 1]
+    logits.append(logits_B1V[:, 0])
+  return jnp.stack(logits, axis=1)
+
+
+@pytest.mark.parametrize('prefix_attention', ['causal', 'full'])
+def test_the_loss_is_the_cross_entropy_of_the_target_tokens_only(prefix_attention):
+  config = dataclasses.replace(CONFIG, prefix_attention=prefix_attention)
+  params = _params(config)
+  batch = {'inputs': INPUTS, 'targets': TARGETS}
+  metrics = train.model_metrics(model_lib.make_model(config), params, batch, 0.0)
+  # By hand, from logits computed another way (the decoding cache): real target tokens only.
+  logits_BLV = _forced_decoding_logits(config, params, INPUTS, TARGETS)
+  log_probs_BLV = jax.nn.log_softmax(logits_BLV)
+  expected = -sum(float(log_probs_BLV[b, t, TARGETS[b, t]])
+                  for b in range(2) for t in range(4) if TARGETS[b, t])
+  assert float(metrics['weight']) == 6  # 4 + 2 target tokens; none of the 8 source tokens.
+  assert float(metrics['loss']) == pytest.approx(expected, rel=1e-5)
+  # The source is read (the loss is conditioned on it), and padding it changes nothing.
+  other_source = dict(batch, inputs=INPUTS.at[0, 1].set(12))
+  assert float(train.model_metrics(model_lib.make_model(config), params, other_source,
+                                   0.0)['loss']) != pytest.approx(expected, rel=1e-5)
+  padded = dict(batch, inputs=jnp.pad(INPUTS, ((0, 0), (0, 3))))
+  assert float(train.model_metrics(model_lib.make_model(config), params, padded,
+                                   0.0)['loss']) == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.parametrize('scan_layers', [False, True])
+def test_cached_greedy_decoding_is_the_argmax_of_teacher_forcing(scan_layers):
+  config = dataclasses.replace(CONFIG, prefix_attention='full', scan_layers=scan_layers)
+  params = _params(config)
+  tokens = np.asarray(decode.greedy_search(params, INPUTS, config, max_len=6))
+  logits = model_lib.make_model(config).apply({'params': params}, INPUTS, jnp.asarray(tokens))
+  argmax = np.asarray(logits.at[..., 0].set(-1e9).argmax(-1))  # PAD is never generated.
+  for row in range(2):
+    ended = np.flatnonzero(tokens[row] == 1)
+    length = ended[0] + 1 if len(ended) else 6
+    np.testing.assert_array_equal(tokens[row, :length], argmax[row, :length])
+  beam_one = decode.beam_search(params, INPUTS, config, 6, beam_size=1, alpha=0.6)[0][:, 0]
+  np.testing.assert_array_equal(np.asarray(beam_one), tokens)
+
+
+def test_beam_search_scores_are_the_length_normalised_log_probs_of_its_outputs():
+  params = _params()
+  tokens_BKL, scores_BK = decode.beam_search(params, INPUTS, CONFIG, 5, beam_size=3,
+                                             alpha=0.6)
+  model = model_lib.make_model(CONFIG)
+  for k in range(3):
+    hypotheses = tokens_BKL[:, k]
+    log_probs_BLV = jax.nn.log_softmax(model.apply({'params': params}, INPUTS, hypotheses))
+    for row in range(2):
+      ids = [int(i) for i in hypotheses[row] if i]
+      total = sum(float(log_probs_BLV[row, t, token]) for t, token in enumerate(ids))
+      assert float(scores_BK[row, k]) == pytest.approx(
+          total / float(decode.length_penalty(len(ids), 0.6)), rel=1e-4)
+
+
+def test_translator_outputs_fit_the_table_after_the_source_whatever_the_batch(tiny_config):
+  assert decode.max_decode_length(20, 50, 64, decoder_only=True) == 44
+  assert decode.max_decode_length(10, 5, 64, decoder_only=True) == 15
+  config = dataclasses.replace(CONFIG, max_len=12)
+  params = _params(config)
+  mesh = sharding.make_mesh(tiny_config.mesh)
+  translator = decode.Translator(config, mesh, sharding.rules(tiny_config.mesh), batch_tokens=64,
+                                 min_bucket=4, max_extra_len=50, beam_size=2)
+  rng = np.random.default_rng(3)
+  inputs = [np.append(rng.integers(2, VOCAB, n), 1).astype(np.int32) for n in (2, 6, 0, 4, 8)]
+  outputs = translator.translate(params, inputs)
+  for source, output in zip(inputs, outputs):
+    assert 1 <= len(output) <= 12 - len(source)
+    # Alone, its source is padded to another length: per-row positions and masks agree.
+    np.testing.assert_array_equal(output, translator.translate(params, [source])[0])
+  with pytest.raises(ValueError, match='less one position'):
+    translator.translate(params, [np.full(12, 3, np.int32)])
+
+
+def test_the_filter_counts_source_plus_target_for_the_decoder_only_model(tiny_config):
+  split = data.Split([[2, 1]] * 3, [[3, 3, 1], [3, 3, 3, 3, 1], [3] * 6 + [1]], [], [])
+  tiny_config.data.max_len = 6
+  assert len(data._filter(split, tiny_config, 'test')) == 2  # Longer side <= 6: 7 is out.
+  tiny_config.model.kind = 'decoder_only'
+  assert len(data._filter(split, tiny_config, 'test')) == 1  # 2 + 3 <= 6 only.
+
+
+def test_config_check_names_what_the_decoder_only_model_and_lm_need(tiny_config):
+  config = _tiny_decoder_only(tiny_config)
+  config_check.check(config, mesh=False)
+  for key, value, message in (
+      ('model.kind', 'encoder_only', r"config.model.kind='encoder_only' must be one of"),
+      ('model.prefix_attention', 'bidirectional', 'config.model.prefix_attention'),
+      ('data.max_len', 64, r'config.data.max_len=64 exceeds config.model.max_len=32')):
+    broken = config.copy_and_resolve_references()
+    section, name = key.split('.')
+    broken[section][name] = value
+    with pytest.raises(ConfigError, match=message):
+      config_check.check(broken, mesh=False)
+  lm = config.copy_and_resolve_references()
+  lm.data.source, lm.model.kind = 'lm', 'encoder_decoder'
+  with pytest.raises(ConfigError, match=r"source='lm' needs config.model.kind='decoder_only'"):
+    config_check.check(lm, mesh=False)
+  lm.model.kind = 'decoder_only'
+  with pytest.raises(ConfigError, match=r'config.eval.bleu_sentences=16 must be 0'):
+    config_check.check(lm, mesh=False)
+
+
+def test_language_model_batches_have_no_source_columns():
+  split = data.Split(Ragged.from_sequences([[]] * 6), [[3, 4, 1], [5, 1], [6, 7, 8, 1]] * 2,
+                     [], [])
+  buckets = data.TokenBudgetBatches(split, 64, [8], 2, shuffle=False, seed=0)
+  packed = data.PackedBatches(split, 32, 8, 2, shuffle=False, seed=0)
+  for batch in (buckets[0], packed.get(0, 0)):
+    assert all(batch[key].shape[1] == 0 for key in batch if key.startswith('inputs'))
+    assert batch['targets'].shape[1] == 8 and (batch['targets'] == 1).sum() == 6
+
+
+@pytest.fixture(scope='module')
+def trained(tmp_path_factory):
+  """A decoder-only run of the tiny copy task: 120 steps at a constant rate."""
+  from configs import tiny  # pylint: disable=g-import-not-at-top
+  config = _tiny_decoder_only(tiny.get_config())
+  config.opt.schedule = 'constant'
+  config.opt.lr_scale = 3e-3
+  config.model.dropout = 0.0
+  config.train.num_steps = 120
+  config.train.eval_every = 60
+  config.ckpt.every = 60
+  workdir = str(tmp_path_factory.mktemp('decoder_only_run'))
+  return workdir, train.train_and_evaluate(config, workdir)
+
+
+def test_prepend_form_learns_the_synthetic_task(trained):
+  workdir, results = trained
+  losses = scalar_events(workdir)['train/loss']
+  assert losses[120] < 0.6 * losses[5], losses
+  # Blind to the source, the best guess of each copied symbol is uniform over the 8, a loss
+  # above ln 8 = 2.08: far lower, the targets are read off the source through attention.
+  assert results['eval_loss'] < 0.6 * math.log(8)
+  assert 0 <= results['bleu'] <= 100 and results['step'] == 120
+
+
+def _run(module, *args, stdin=None):
+  env = dict(os.environ, PYTHONPATH=ROOT)
+  return subprocess.run([sys.executable, '-m', module, *args], cwd=ROOT, env=env, input=stdin,
+                        capture_output=True, text=True, timeout=300)
+
+
+def test_translate_cli_decodes_a_decoder_only_checkpoint(trained, tmp_path):
+  workdir, _ = trained
+  lines = ['3 1 4 1 5', '', '2 7']
+  source = write_lines(tmp_path / 'in.txt', lines)
+  output = tmp_path / 'out.txt'
+  result = _run('t2t_jax.translate', f'--workdir={workdir}', f'--input={source}',
+                f'--output={output}', '--beam_size=2')
+  assert result.returncode == 0, result.stderr
+  translations = output.read_text().split('\n')[:-1]
+  assert len(translations) == 3 and translations[1] == ''
+  run = translate.load(workdir, beam_size=2)
+  assert run.model_config.kind == 'decoder_only'
+  assert translate.translate_lines(run, lines)[0] == translations
+  pictures = _run('t2t_jax.translate', f'--workdir={workdir}', f'--input={source}',
+                  f'--attention_png={tmp_path}')
+  assert pictures.returncode != 0 and 'has none' in pictures.stderr
+
+
+def test_lm_config_trains_on_a_text_file_and_reports_perplexity(tmp_path):
+  from configs import lm  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(0)
+  words = ['the', 'cat', 'sat', 'on', 'a', 'mat', 'and', 'dog', 'ran']
+  lines = [' '.join(rng.choice(words, rng.integers(3, 9))) for _ in range(200)]
+  config = lm.get_config('tiny')
+  config.data.data_dir = str(tmp_path)
+  config.data.train_text = os.path.basename(write_lines(tmp_path / 'train.txt', lines))
+  config.data.eval_text = os.path.basename(write_lines(tmp_path / 'eval.txt', lines[:20]))
+  config.data.vocab_size = 40
+  config.train.num_steps = 10
+  config.train.eval_every = 5
+  config.ckpt.every = 0
+  results = train.train_and_evaluate(config, str(tmp_path / 'run'))
+  assert results['step'] == 10 and 'bleu' not in results
+  assert config.opt.label_smoothing == 0.0  # So the loss is the nll that perplexity uses.
+  assert results['eval_perplexity'] == pytest.approx(math.exp(results['eval_loss']), rel=1e-6)
+  events = scalar_events(tmp_path / 'run')
+  assert events['eval/loss'][5] > results['eval_loss']  # It learns.
+  with pytest.raises(ConfigError, match='language model'):
+    translate.load(str(tmp_path / 'run'))
+
+
+def test_multi30k_decoder_only_variant_runs_end_to_end(tmp_path):
+  from configs import multi30k  # pylint: disable=g-import-not-at-top
+  from test_multi30k import _fake_multi30k, _shrunk  # pylint: disable=g-import-not-at-top
+  data_dir = _fake_multi30k(tmp_path / 'multi30k')
+  config = _shrunk('raw_decoder_only', data_dir)
+  assert config.model.kind == 'decoder_only' and config.name == 'multi30k_raw_decoder_only'
+  assert multi30k.get_config('decoder_only').model.num_decoder_layers == 10
+  config.data.max_len = config.model.max_len = 64
+  config.data.pack_length = 32
+  results = train.train_and_evaluate(config, str(tmp_path / 'run'))
+  assert results['step'] == 6 and 0 <= results['bleu'] <= 100
+  assert json.load(open(tmp_path / 'run' / 'config.json'))['model']['kind'] == 'decoder_only'
