@@ -2,6 +2,7 @@
 through the prefill cache, language modelling, and its configs end to end."""
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -19,6 +20,7 @@ from t2t_jax import ConfigError
 from t2t_jax import config_check
 from t2t_jax import data
 from t2t_jax import decode
+from t2t_jax import flops
 from t2t_jax import model as model_lib
 from t2t_jax import sharding
 from t2t_jax import train
@@ -324,3 +326,17 @@ def test_multi30k_decoder_only_variant_runs_end_to_end(tmp_path):
   results = train.train_and_evaluate(config, str(tmp_path / 'run'))
   assert results['step'] == 6 and 0 <= results['bleu'] <= 100
   assert json.load(open(tmp_path / 'run' / 'config.json'))['model']['kind'] == 'decoder_only'
+
+
+def test_analytic_flops_equal_the_matmuls_of_the_train_step(tiny_config):
+  from test_flops import _dot_flops  # pylint: disable=g-import-not-at-top
+  config = _tiny_decoder_only(tiny_config)
+  config.model.d_model, config.model.d_ff = 64, 256
+  setup = train.build(config, 256)
+  step = functools.partial(train.train_step, model=model_lib.make_model(setup.model_config),
+                           optimizer=setup.optimizer, label_smoothing=0.1)
+  batch = {'inputs': jax.ShapeDtypeStruct((8, 16), jnp.int32),
+           'targets': jax.ShapeDtypeStruct((8, 12), jnp.int32)}
+  with sharding.mesh_context(setup.mesh, setup.axis_rules):
+    jaxpr = jax.make_jaxpr(step)(setup.abstract_state, batch, jax.random.PRNGKey(0))
+  assert _dot_flops(jaxpr.jaxpr) == flops.train_step_flops(setup.model_config, 8, 16, 12)
