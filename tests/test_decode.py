@@ -205,3 +205,110 @@ def test_scanned_layers_decode_like_unrolled_ones(remat):
                                                  beam_size=3, alpha=0.6)
   np.testing.assert_array_equal(tokens, expected_tokens)
   np.testing.assert_allclose(scores, expected_scores, atol=1e-5)
+
+
+@jax.jit(static_argnames='config')
+def _next_log_probs(params, source_S, prefixes_BL, lengths_B, config):
+  """log p(next token | source, prefix) [B, V] over the whole vocabulary, uncached.
+
+  Each prefix fills the start of a fixed-length row; the rest holds a non-PAD filler, which
+  causal attention keeps from the position read (the prefix's length).
+  """
+  logits_BLV = model_lib.Transformer(config).apply(
+      {'params': params}, jnp.broadcast_to(source_S, (len(prefixes_BL), len(source_S))),
+      prefixes_BL)
+  return jax.nn.log_softmax(logits_BLV[jnp.arange(len(prefixes_BL)), lengths_B])
+
+
+def _plain_beam_search(log_probs_of, limit: int, beam: int, alpha: float, vocab: int):
+  """Beam search as written down, one sentence, no cache, no early stop, no arrays of beams.
+
+  Each step extends every live hypothesis by every token but PAD, ranks the extensions
+  (log-probability, then lower beam, then lower token) and keeps the best 2 * beam: an EOS
+  among the best `beam` of them finishes (score log p / ((5 + length) / 6) ** alpha), other
+  EOS are dropped, the best `beam` others live on. At `limit` tokens every kept extension
+  finishes. Returns [(score, hypothesis)], best first.
+  """
+  live, finished = [((), 0.0)], []
+  for step in range(limit):
+    log_probs = log_probs_of([hypothesis for hypothesis, _ in live])
+    extensions = sorted(((total + float(log_probs[b, token]), b, token)
+                         for b, (_, total) in enumerate(live)
+                         for token in range(vocab) if token != PAD_ID),
+                        key=lambda e: (-e[0], e[1], e[2]))[:2 * beam]
+    penalty = ((5.0 + step + 1) / 6.0) ** alpha
+    next_live = []
+    for rank, (total, b, token) in enumerate(extensions):
+      hypothesis = live[b][0] + (token,)
+      if step + 1 == limit or (token == EOS_ID and rank < beam):
+        finished.append((total / penalty, hypothesis))
+      elif token != EOS_ID:
+        next_live.append((hypothesis, total))
+    finished = sorted(finished, key=lambda f: -f[0])[:beam]  # Stable: earlier ones first.
+    live = next_live[:beam]
+  return finished
+
+
+def test_beam_search_equals_a_plain_beam_search_over_many_seeds():
+  vocab, beam, alpha, max_len = 7, 3, 0.6, 6
+  config = dataclasses.replace(CONFIG, vocab_size=vocab)
+  limits = np.array([6, 4, 1, 6, 3, 5])  # Per-row output limits; row 2 may emit one token.
+  seen = {'finished_at_step_1': False, 'finished_early': False, 'cut_by_limit': False}
+  for seed in range(12):
+    params = _random_params(config, seed=seed, std=1.5)
+    inputs = _sources(vocab, rows=len(limits), seed=100 + seed)
+    tokens, scores = beam_search(params, inputs, config=config, max_len=max_len,
+                                 beam_size=beam, alpha=alpha, max_lengths_B=limits)
+    tokens, scores = np.asarray(tokens), np.asarray(scores)
+    for row, limit in enumerate(limits):
+      def log_probs_of(prefixes, row=row):
+        rows = np.full((len(prefixes), max_len + 1), 2, np.int32)
+        for r, prefix in enumerate(prefixes):
+          rows[r, :len(prefix)] = prefix
+        return np.asarray(_next_log_probs(params, inputs[row], jnp.asarray(rows),
+                                          jnp.asarray([len(p) for p in prefixes]),
+                                          config=config))
+      expected = _plain_beam_search(log_probs_of, int(limit), beam, alpha, vocab)
+      got = [_trim(t[t != PAD_ID]) for t in tokens[row]]
+      assert got == [hypothesis for _, hypothesis in expected], (seed, row)
+      np.testing.assert_allclose(scores[row], [s for s, _ in expected], rtol=2e-5, atol=2e-5)
+      best = expected[0][1]
+      seen['finished_at_step_1'] |= any(h == (EOS_ID,) for _, h in expected)
+      seen['finished_early'] |= best[-1] == EOS_ID and len(best) < limit
+      seen['cut_by_limit'] |= best[-1] != EOS_ID
+  assert all(seen.values()), seen  # The seeds cover every way a hypothesis ends.
+
+
+def test_bfloat16_decoding_gives_the_float32_outputs_where_scores_are_not_tied():
+  params, inputs = _random_params(seed=7), _sources(rows=8)
+  bfloat16 = decode.decoding_config(CONFIG, 'bfloat16', 'cpu')
+  assert bfloat16.dtype == jnp.bfloat16
+  assert decode.decoding_config(CONFIG, 'auto', 'cpu').dtype == jnp.float32
+  assert decode.decoding_config(CONFIG, 'auto', 'gpu').dtype == jnp.bfloat16
+  expected = np.asarray(greedy_search(params, inputs, config=CONFIG, max_len=8))
+  got = np.asarray(greedy_search(params, inputs, config=bfloat16, max_len=8))
+  # Clear choices only: at every step the best token's logit (PAD aside, never chosen) leads
+  # the runner-up's by more than twice the largest bfloat16 deviation of these logits.
+  logits = np.asarray(model_lib.Transformer(CONFIG).apply({'params': params}, inputs,
+                                                          jnp.asarray(expected)))
+  deviation = np.abs(logits - np.asarray(model_lib.Transformer(bfloat16).apply(
+      {'params': params}, inputs, jnp.asarray(expected)), np.float32)).max()
+  assert 0 < deviation < 0.5
+  top2 = np.sort(np.delete(logits, PAD_ID, axis=-1), axis=-1)[..., -2:]
+  compared = 0
+  for row in range(len(inputs)):
+    steps = len(_trim(expected[row]))
+    if (top2[row, :steps, 1] - top2[row, :steps, 0]).min() > 2 * deviation:
+      assert _trim(got[row]) == _trim(expected[row]), row
+      compared += 1
+  assert compared >= 4
+  tokens, scores = beam_search(params, inputs, config=CONFIG, max_len=8, beam_size=3, alpha=0.6)
+  tokens16, scores16 = beam_search(params, inputs, config=bfloat16, max_len=8, beam_size=3,
+                                   alpha=0.6)
+  gaps = np.diff(-np.asarray(scores), axis=1).min(axis=1)  # Between ranked hypotheses.
+  clear = gaps > 2 * deviation
+  assert clear.sum() >= 4
+  np.testing.assert_array_equal(np.asarray(tokens16)[clear], np.asarray(tokens)[clear])
+  # A score sums at most 8 log-probabilities, each off by at most twice the logits' deviation.
+  np.testing.assert_allclose(np.asarray(scores16)[clear], np.asarray(scores)[clear],
+                             atol=8 * 2 * deviation)

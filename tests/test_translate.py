@@ -135,3 +135,11 @@ def test_evaluate_cli_needs_files_for_a_run_without_text_files(workdir, tmp_path
       result.stderr)
   result = _run('t2t_jax.evaluate', f'--workdir={workdir}', f'--src={tmp_path}/src')
   assert result.returncode != 0 and 'pass both --src and --ref, or neither' in result.stderr
+
+
+
+def test_decoding_dtype_comes_from_the_flag_or_the_config(workdir):
+  assert translate.load(workdir, dtype='bfloat16').translator.config.dtype == jnp.bfloat16
+  assert translate.load(workdir, dtype='model').translator.config.dtype == jnp.float32
+  # config.eval.dtype 'auto': float32 on CPU, where bfloat16 arithmetic is slower.
+  assert translate.load(workdir).translator.config.dtype == jnp.float32
