@@ -4,6 +4,10 @@ Variants, chosen after the file name:
   configs/multi30k.py:tok  lowercased, Moses-tokenised `*.lc.norm.tok.*` files; BLEU with
                            tokenize='none', the form published Multi30k figures use (default).
   configs/multi30k.py:raw  the cased raw text; sacreBLEU with its 13a tokenizer.
+  configs/multi30k.py:relative, :predictive, :local_compressed, :moe (and :raw_relative, ...)
+                           the same recipe with one member of the model family changed: relative
+                           or predictive positions, local + memory-compressed self-attention,
+                           or mixture-of-experts feed-forward layers (see MEMBERS below).
   configs/multi30k.py:decoder_only, :tok_decoder_only, :raw_decoder_only
                            the same data for Transformer-D (Liu et al. 2018): one stack of 10
                            layers reads "source, target" as one sequence, the loss on the
@@ -25,15 +29,47 @@ FILES = {
 DECODER_ONLY = 'decoder_only'  # Variant suffix: the decoder-only model on the same data.
 
 
+def _relative(config) -> None:
+  """Shaw et al. (2018): learned relative positions in self-attention instead of sinusoids."""
+  config.model.positions = 'relative'
+  config.model.max_relative_distance = 16  # Multi30k sentences are about 13 tokens long.
+
+
+def _predictive(config) -> None:
+  """The lecture's predictive-information sinusoids, p = 0.883."""
+  config.model.positions = 'predictive'
+
+
+def _local_compressed(config) -> None:
+  """Local (window 8) and memory-compressed (stride 3) self-attention, layer by layer."""
+  config.model.attention_pattern = 'local,compressed'
+  config.model.local_window = 8
+
+
+def _moe(config) -> None:
+  """Four experts, top-2, in every other layer of each stack (GShard's placement)."""
+  config.model.moe_experts = 4
+  config.model.moe_top_k = 2
+
+
+# Model-family variants: a suffix after the data variant, e.g. :relative or :raw_moe.
+MEMBERS = {'relative': _relative, 'predictive': _predictive,
+           'local_compressed': _local_compressed, 'moe': _moe}
+
+
 def get_config(variant: str = 'tok'):
-  files, decoder_only = variant, variant.endswith(DECODER_ONLY)
-  if decoder_only:
-    files = variant[:-len(DECODER_ONLY)].rstrip('_') or 'tok'
+  files, member = variant, ''
+  for name in (DECODER_ONLY, *MEMBERS):
+    if variant.endswith(name):
+      files, member = variant[:-len(name)].rstrip('_') or 'tok', name
+      break
+  decoder_only = member == DECODER_ONLY
   if files not in FILES:
     raise ValueError(f'configs/multi30k.py:{variant}: the variant must be one of '
-                     f'{sorted(FILES)}, optionally followed by _{DECODER_ONLY}')
+                     f'{sorted(FILES)}, optionally followed by _ and one of '
+                     f'{[DECODER_ONLY, *MEMBERS]}')
   config = base.get_config()
-  config.name = f'multi30k_{files}' + (f'_{DECODER_ONLY}' if decoder_only else '')
+  config.name = f'multi30k_{files}' + (f'_{member}' if member else '')
   variant = files
 
   data = config.data
@@ -84,6 +120,8 @@ def get_config(variant: str = 'tok'):
   config.ckpt.keep = 10  # The recipe averages the last 10 checkpoints (1,000 updates).
   if decoder_only:
     _decoder_only(config)
+  elif member:
+    MEMBERS[member](config)
   return config
 
 

@@ -185,3 +185,16 @@ def test_read_scalars_stops_at_a_torn_record_and_the_cli_explains_an_empty_workd
                               f'--workdir={tmp_path / "nothing"}'], cwd=ROOT,
                              capture_output=True, text=True, timeout=120)
   assert completed.returncode == 2 and 'error: no TensorBoard event files' in completed.stderr
+
+
+@pytest.mark.parametrize('variant, key, value', [
+    ('relative', 'positions', 'relative'), ('predictive', 'positions', 'predictive'),
+    ('local_compressed', 'attention_pattern', 'local,compressed'), ('raw_moe', 'moe_experts', 4)])
+def test_each_model_family_variant_trains_and_evaluates(tmp_path, variant, key, value):
+  data_dir = _fake_multi30k(tmp_path / 'multi30k')
+  config = _shrunk(variant, data_dir)
+  config.model.num_encoder_layers = config.model.num_decoder_layers = 2  # Both kinds per stack.
+  assert config.name == 'multi30k_' + (variant if variant.startswith('raw_') else f'tok_{variant}')
+  results = train.train_and_evaluate(config, str(tmp_path / 'run'))
+  assert results['step'] == 6 and 0 <= results['bleu'] <= 100
+  assert json.load(open(tmp_path / 'run' / 'config.json'))['model'][key] == value
