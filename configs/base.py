@@ -69,6 +69,15 @@ def get_config():
   # Attention: 'einsum' (explicit softmax, attention dropout), 'xla' or 'cudnn' (fused, through
   # jax.nn.dot_product_attention; no attention dropout), 'auto' (cuDNN where it applies).
   model.attention_impl = 'auto'
+  # Positions: 'sinusoidal' (paper), 'predictive' (the lecture's sinusoids, p=0.883), 'learned',
+  # 'relative' (Shaw et al. 2018, in self-attention; needs einsum attention) or 'none'.
+  model.positions = 'sinusoidal'
+  model.max_relative_distance = 16  # Relative positions: distances clipped to +-this (k).
+  # Self-attention kind per layer, comma-separated, repeated over each stack's layers: 'full',
+  # 'local' (restricted to a window) or 'compressed' (Liu et al. 2018), e.g. 'local,compressed'.
+  model.attention_pattern = 'full'
+  model.local_window = 256  # Local attention: keys at most this many tokens away are seen.
+  model.compression_stride = 3  # Compressed attention: kernel = stride of the key/value conv.
 
   opt = config.opt = ml_collections.ConfigDict()
   opt.schedule = 'rsqrt'  # 'rsqrt' (paper), 't2t' (linear warmup x rsqrt decay), 'constant'.

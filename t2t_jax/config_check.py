@@ -1,7 +1,8 @@
 """Checks a whole config before any work: every violation names the key and what is allowed.
 
-Choices whose check lives next to the code that uses them (the model's norm, remat, dtype and
-attention, the dropout PRNG, the schedule, the mesh) are checked by calling that code.
+Choices whose check lives next to the code that uses them (the model's norm, remat, dtype,
+attention implementation and pattern, the dropout PRNG, the schedule, the mesh) are checked by
+calling that code.
 """
 
 import math
@@ -10,6 +11,7 @@ from t2t_jax import ConfigError
 from t2t_jax import batching
 from t2t_jax import data
 from t2t_jax import optim
+from t2t_jax import positions
 from t2t_jax import prng
 from t2t_jax import sharding
 from t2t_jax import sources
@@ -40,6 +42,9 @@ RANGES = {
     'model.attention_dropout': (0.0, 1.0, True),
     'model.relu_dropout': (0.0, 1.0, True),
     'model.max_len': (1, _INF, True),
+    'model.max_relative_distance': (1, _INF, True),
+    'model.local_window': (1, _INF, True),
+    'model.compression_stride': (1, _INF, True),
     'opt.lr_scale': (0.0, _INF, True),  # 0 freezes the weights.
     'opt.warmup_steps': (0, _INF, True),
     'opt.b1': (0.0, 1.0, True),
@@ -77,6 +82,7 @@ CHOICES = {
     'data.bad_lines': sources.BAD_LINE_POLICIES,
     'data.vocab_type': tokenizer.MODEL_TYPES,
     'data.batching': batching.BATCHING_MODES,
+    'model.positions': positions.POSITION_KINDS,
 }
 
 

@@ -16,9 +16,9 @@ import jax.numpy as jnp
 
 from t2t_jax import ConfigError
 from t2t_jax import PAD_ID
-from t2t_jax.attention import MultiHeadAttention, attention_mask, dense_init
-from t2t_jax.attention import resolve_attention_impl
-from t2t_jax.positions import Embedder
+from t2t_jax.attention import MultiHeadAttention, attention_kinds, attention_mask, check_family
+from t2t_jax.attention import SelfMask, dense_init, resolve_attention_impl, self_attention_mask
+from t2t_jax.positions import Embedder, check_positions
 
 Array = jax.Array
 
@@ -54,6 +54,11 @@ class TransformerConfig:
   dtype: Any = jnp.float32
   param_dtype: Any = jnp.float32
   attention_impl: str = 'einsum'  # Resolved: 'einsum', 'xla' or 'cudnn' (never 'auto').
+  positions: str = 'sinusoidal'
+  max_relative_distance: int = 16
+  attention_pattern: str = 'full'
+  local_window: int = 256
+  compression_stride: int = 3
   deterministic: bool = False
   decode: bool = False
 
@@ -78,6 +83,8 @@ class TransformerConfig:
     if config.remat not in REMAT_POLICIES:
       raise ConfigError(f'config.model.remat must be one of {", ".join(map(repr, REMAT_POLICIES))}'
                         f', got {config.remat!r}')
+    check_positions(config.positions)
+    check_family(config)
     return config
 
 
@@ -142,12 +149,14 @@ class Sublayer(nn.Module):
 
 class EncoderLayer(nn.Module):
   config: TransformerConfig
+  attention_kind: str = 'full'  # Of the self-attention: 'full', 'local' or 'compressed'.
 
   @nn.compact
-  def __call__(self, x_BLE: Array, mask_B1LL: Array) -> Array:
+  def __call__(self, x_BLE: Array, mask: SelfMask) -> Array:
     cfg = self.config
-    attention = MultiHeadAttention(cfg, name='self_attention')
-    x_BLE = Sublayer(cfg, name='attention_block')(lambda x: attention(x, x, mask_B1LL), x_BLE)
+    attention = MultiHeadAttention(cfg, kind=self.attention_kind,
+                                   relative=cfg.positions == 'relative', name='self_attention')
+    x_BLE = Sublayer(cfg, name='attention_block')(lambda x: attention(x, x, mask), x_BLE)
     x_BLE = Sublayer(cfg, name='ffn_block')(FeedForward(cfg, name='ffn'), x_BLE)
     x_BLE = nn.with_logical_constraint(x_BLE, ('batch', 'length', 'embed'))
     return (x_BLE, None) if cfg.scan_layers else x_BLE  # nn.scan wants (carry, output).
@@ -155,14 +164,17 @@ class EncoderLayer(nn.Module):
 
 class DecoderLayer(nn.Module):
   config: TransformerConfig
+  attention_kind: str = 'full'  # Of the self-attention: 'full', 'local' or 'compressed'.
 
   @nn.compact
-  def __call__(self, y_BLE, encoded_BKE, self_mask_B1LL, cross_mask_B1LK):
+  def __call__(self, y_BLE, encoded_BKE, self_mask: SelfMask | None, cross_mask_B1LK):
     cfg = self.config
-    self_attention = MultiHeadAttention(cfg, self_attention_cache=True, name='self_attention')
+    self_attention = MultiHeadAttention(
+        cfg, self_attention_cache=True, kind=self.attention_kind, causal=True,
+        relative=cfg.positions == 'relative', name='self_attention')
     cross_attention = MultiHeadAttention(cfg, memory_cache=True, name='cross_attention')
     y_BLE = Sublayer(cfg, name='self_attention_block')(
-        lambda y: self_attention(y, y, self_mask_B1LL), y_BLE)
+        lambda y: self_attention(y, y, self_mask), y_BLE)
     y_BLE = Sublayer(cfg, name='cross_attention_block')(
         lambda y: cross_attention(y, encoded_BKE, cross_mask_B1LK), y_BLE)
     y_BLE = Sublayer(cfg, name='ffn_block')(FeedForward(cfg, name='ffn'), y_BLE)
@@ -233,16 +245,17 @@ class Transformer(nn.Module):
                              else _embed(cfg, 'source_embedding'))
     self.source_embedder = Embedder(cfg, self.source_embedding)
     self.target_embedder = Embedder(cfg, self.target_embedding, decode_step=True)
-    if cfg.scan_layers:
+    kinds = attention_kinds(cfg.attention_pattern)  # Repeated over each stack's layers.
+    if cfg.scan_layers:  # TransformerConfig.from_config allows one kind only.
       self.encoder_layers = _stack(EncoderLayer, cfg, cfg.num_encoder_layers, broadcast=1)(
-          cfg, name='encoder_layers')
+          cfg, kinds[0], name='encoder_layers')
       self.decoder_layers = _stack(DecoderLayer, cfg, cfg.num_decoder_layers, broadcast=3)(
-          cfg, name='decoder_layers')
+          cfg, kinds[0], name='decoder_layers')
     else:
       encoder_layer, decoder_layer = _remat(EncoderLayer, cfg), _remat(DecoderLayer, cfg)
-      self.encoder_layers = [encoder_layer(cfg, name=f'encoder_{i}')
+      self.encoder_layers = [encoder_layer(cfg, kinds[i % len(kinds)], name=f'encoder_{i}')
                              for i in range(cfg.num_encoder_layers)]
-      self.decoder_layers = [decoder_layer(cfg, name=f'decoder_{i}')
+      self.decoder_layers = [decoder_layer(cfg, kinds[i % len(kinds)], name=f'decoder_{i}')
                              for i in range(cfg.num_decoder_layers)]
     if cfg.norm == 'pre':
       self.encoder_norm = LayerNorm(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
@@ -257,7 +270,8 @@ class Transformer(nn.Module):
     """Encoder output [B, L, E]; padding (id 0) is masked out of attention."""
     cfg = self.config
     valid_BL = inputs_BL != PAD_ID
-    mask = attention_mask(valid_BL, inputs_segments_BL, inputs_segments_BL)
+    mask = self_attention_mask(valid_BL, inputs_segments_BL, inputs_positions_BL, causal=False,
+                               kinds=attention_kinds(cfg.attention_pattern))
     x_BLE = self.source_embedder(inputs_BL, inputs_positions_BL)
     if cfg.scan_layers:
       x_BLE, _ = self.encoder_layers(x_BLE, mask)
@@ -285,8 +299,9 @@ class Transformer(nn.Module):
       self_mask = None  # The self-attention cache builds its own.
     else:
       decoder_inputs_BL = shift_right(targets_BL, targets_segments_BL)
-      self_mask = attention_mask(targets_BL != PAD_ID, targets_segments_BL, targets_segments_BL,
-                                 causal=True)
+      self_mask = self_attention_mask(targets_BL != PAD_ID, targets_segments_BL,
+                                      targets_positions_BL, causal=True,
+                                      kinds=attention_kinds(cfg.attention_pattern))
     cross_mask = attention_mask(inputs_valid_BK, targets_segments_BL, inputs_segments_BK)
     y_BLE = self.target_embedder(decoder_inputs_BL, targets_positions_BL)
     if cfg.scan_layers:
