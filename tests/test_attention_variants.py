@@ -74,7 +74,7 @@ def _loss_and_grads(config, params, batch):
   def loss(params):
     logits = model_lib.Transformer(config).apply({'params': params}, *batch)
     return (jax.nn.log_softmax(logits).max(-1) * (batch[1] != 0)).sum(), logits
-  (value, logits), grads = jax.value_and_grad(loss, has_aux=True)(params)
+  (value, logits), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
   return value, logits, grads
 
 
@@ -151,11 +151,11 @@ def test_compressed_attention_is_causal_through_gradients(pattern):
 def test_compressed_attention_hides_padding():
   config = dataclasses.replace(CONFIG, attention_pattern='compressed', compression_stride=3)
   params = _init(config)
-  model = model_lib.Transformer(config)
+  apply = jax.jit(model_lib.Transformer(config).apply)
   inputs, targets = _tokens(4, (2, 5)), _tokens(5, (2, 4))
-  logits = model.apply({'params': params}, inputs, targets)
-  padded = model.apply({'params': params}, jnp.pad(inputs, ((0, 0), (0, 7))),
-                       jnp.pad(targets, ((0, 0), (0, 5))))
+  logits = apply({'params': params}, inputs, targets)
+  padded = apply({'params': params}, jnp.pad(inputs, ((0, 0), (0, 7))),
+                 jnp.pad(targets, ((0, 0), (0, 5))))
   np.testing.assert_allclose(padded[:, :4], logits, atol=1e-5)
 
 
@@ -184,15 +184,15 @@ def test_packed_segments_do_not_see_each_other(pattern):
 def test_a_packed_row_of_local_attention_equals_its_segments_one_by_one():
   config = dataclasses.replace(CONFIG, attention_pattern='local', local_window=2)
   params = _init(config)
-  model = model_lib.Transformer(config)
+  apply = jax.jit(model_lib.Transformer(config).apply)
   inputs, targets, in_positions, out_positions, in_segments, out_segments = (
       jnp.asarray(x) for x in _batches()['packed'])
-  packed = model.apply({'params': params}, inputs, targets, in_positions, out_positions,
-                       in_segments, out_segments)
+  packed = apply({'params': params}, inputs, targets, in_positions, out_positions,
+                 in_segments, out_segments)
   for segment in (1, 2):
     source = inputs[:, np.asarray(in_segments[0]) == segment]
     where = np.asarray(out_segments[0]) == segment
-    alone = model.apply({'params': params}, source, targets[:, where])
+    alone = apply({'params': params}, source, targets[:, where])
     np.testing.assert_allclose(packed[:, where], alone, atol=1e-5)
 
 
