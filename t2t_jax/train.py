@@ -242,6 +242,8 @@ def dry_run(config) -> dict:
       'grad_accum_steps': config.opt.grad_accum_steps,
       'scan_layers': config.model.scan_layers,
       'remat': config.model.remat,
+      'attention_pattern': config.model.attention_pattern,
+      'positions': config.model.positions,
       'dtype': jnp.dtype(setup.model_config.dtype).name,
       'mesh': dict(setup.mesh.shape),
       'device_count': setup.mesh.size,

@@ -222,3 +222,19 @@ def test_cached_decoding_matches_teacher_forcing(pattern, positions, scan_layers
                                atol=2e-3 if jax.devices()[0].platform == 'gpu' else 1e-5)
   greedy = decode.greedy_search(params, inputs, config, 10)  # The search runs on it too.
   assert greedy.shape == (2, 10)
+
+
+@pytest.mark.parametrize('pattern, positions', [('local,compressed', 'learned'),
+                                                ('full,local', 'relative')])
+def test_family_configs_train_evaluate_and_dry_run(tiny_config, tmp_path, pattern, positions):
+  from t2t_jax import train  # pylint: disable=g-import-not-at-top
+  config = tiny_config
+  config.model.attention_pattern, config.model.positions = pattern, positions
+  config.model.local_window, config.model.num_decoder_layers = 4, 2
+  config.train.num_steps, config.train.eval_every, config.ckpt.every = 4, 4, 0
+  config.eval.bleu_sentences = 4
+  results = train.train_and_evaluate(config, str(tmp_path))
+  assert results['step'] == 4 and np.isfinite(results['eval_loss'])
+  dry = train.dry_run(config)
+  assert (dry['attention_pattern'], dry['positions']) == (pattern, positions)
+  assert dry['memory_per_device_bytes']['total'] > 0
