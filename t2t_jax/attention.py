@@ -85,36 +85,6 @@ def attention_mask(key_valid_BK: Array, query_segments_BQ: Array | None = None,
   return mask_B1QK
 
 
-def check_family(config) -> None:
-  """Raises ConfigError when the attention keys of a model.TransformerConfig cannot run together."""
-  kinds = attention_kinds(config.attention_pattern)
-  for key in ('local_window', 'compression_stride', 'max_relative_distance'):
-    if getattr(config, key) < 1:
-      raise ConfigError(f'config.model.{key}={getattr(config, key)!r} must be at least 1')
-  pattern = f'config.model.attention_pattern={config.attention_pattern!r}'
-  if config.positions == 'relative' and 'compressed' in kinds:
-    raise ConfigError(f"config.model.positions='relative' cannot be used with {pattern}: a "
-                      "compressed key summarises several positions. Use 'full' or 'local' "
-                      'layers, or other positions.')
-  fused = f'config.model.attention_impl={config.attention_impl!r}'
-  if config.attention_impl != 'einsum' and config.positions == 'relative':
-    raise ConfigError(f"{fused} (fused) cannot add relative positions "
-                      "(config.model.positions='relative'): set attention_impl to 'einsum' or "
-                      "'auto'.")
-  if config.attention_impl != 'einsum' and set(kinds) != {'full'}:
-    raise ConfigError(f"{fused} (fused) runs 'full' attention only, and {pattern} asks for "
-                      "others, which compute their own: set attention_impl to 'einsum' or "
-                      "'auto'.")
-  if config.scan_layers and len(set(kinds)) > 1:
-    raise ConfigError(f'config.model.scan_layers=True compiles one layer for a whole stack, so '
-                      f'every layer needs the same kind, but {pattern} mixes them: set '
-                      'scan_layers=False or use one kind.')
-
-
-def dense_init(names):
-  return nn.with_logical_partitioning(nn.initializers.xavier_uniform(), names)
-
-
 class SelfMask(NamedTuple):
   """What self-attention masks by, built once per batch: the whole mask of 'full' layers
   (None when no layer is full) and the per-token facts the other kinds build theirs from."""
@@ -189,7 +159,8 @@ class MultiHeadAttention(nn.Module):
   relative: bool = False  # Self-attention with config.model.positions='relative'.
 
   @nn.compact
-  def __call__(self, x_BQE: Array, memory_BKE: Array | None, mask) -> Array:
+  def __call__(self, x_BQE: Array, memory_BKE: Array | None,
+               mask: SelfMask | Array | None) -> Array:
     cfg = self.config
     head_dim = cfg.d_model // cfg.num_heads
     def kernel(name, shape, names, in_axis, out_axis, batch_axis=()):
@@ -250,8 +221,8 @@ class MultiHeadAttention(nn.Module):
       buckets_BQKR = None
       if relative:
         positions_BL = mask.positions_BL
-        if positions_BL is None:
-          positions_BL = jnp.broadcast_to(jnp.arange(q_BQHD.shape[1]), q_BQHD.shape[:2])
+        if positions_BL is None:  # Every row alike: one row of buckets, broadcast.
+          positions_BL = jnp.arange(q_BQHD.shape[1])[None]
         buckets_BQKR = attention_variants.relative_buckets(
             positions_BL, positions_BL, relative.max_distance, cfg.dtype)
       out_BQHD, weights_BHQK = attention_variants.dense_attention(
@@ -288,9 +259,9 @@ class MultiHeadAttention(nn.Module):
       raw_QK = jnp.concatenate([compressed_QM, raw_QK], axis=1)
     buckets_BQKR = None
     if relative:
-      buckets_QKR = attention_variants.relative_buckets(
-          query_index_Q, jnp.arange(k_BKHD.shape[1]), relative.max_distance, cfg.dtype)
-      buckets_BQKR = jnp.broadcast_to(buckets_QKR, q_BQHD.shape[:1] + buckets_QKR.shape)
+      buckets_BQKR = attention_variants.relative_buckets(
+          query_index_Q[None], jnp.arange(k_BKHD.shape[1])[None], relative.max_distance,
+          cfg.dtype)
     if cfg.attention_impl != 'einsum' and not relative and self.kind == 'full':
       return self._fused_attention(q_BQHD, k_BKHD, v_BKHD, raw_QK[None, None])
     out_BQHD, _ = attention_variants.dense_attention(q_BQHD, k_BKHD, v_BKHD, raw_QK[None, None],

@@ -36,6 +36,8 @@ def dense_attention(q_xQHD: Array, k_xKHD: Array, v_xKHD: Array, mask_x1QK: Arra
                     buckets_xQKR: Array | None = None) -> tuple[Array, Array]:
   """softmax(q k^T + relative) (v + relative): the output [..., Q, H, D] and the weights.
 
+  The batch axes of `buckets_xQKR` may be 1 where every row has the same positions.
+
   The relative terms are computed as a one-hot contraction, so they cost about R/D of the
   query-key product and hold a [..., Q, K, R] one-hot.
   """
@@ -103,8 +105,8 @@ def local_attention(q_BLHD: Array, k_BLHD: Array, v_BLHD: Array, valid_BL: Array
                   | (query_segments_BNQ[..., None] == 0))
   buckets_BNQKR = None
   if relative is not None:
-    if positions_BL is None:
-      positions_BL = jnp.broadcast_to(jnp.arange(length), (batch, length))
+    if positions_BL is None:  # Every row alike: one row of buckets, broadcast.
+      positions_BL = jnp.arange(length)[None]
     query_positions_BNQ = _to_blocks(positions_BL, size)
     buckets_BNQKR = relative_buckets(query_positions_BNQ,
                                      _neighbour_blocks(query_positions_BNQ, causal),
