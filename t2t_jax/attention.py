@@ -324,9 +324,9 @@ class MultiHeadAttention(nn.Module):
     key = self.variable('cache', 'key', jnp.zeros, shape, k_BHQD.dtype)
     value = self.variable('cache', 'value', jnp.zeros, shape, v_BHQD.dtype)
     index = self.variable('cache', 'index', lambda: jnp.array(0, jnp.int32))
-    if self.kind == 'compressed':
-      self._compressed_cache(shape)
     if not initialised:
+      if self.kind == 'compressed':
+        self._compressed_cache(shape)
       return k_BHQD, v_BHQD, None
     i = index.value
     key.value = jax.lax.dynamic_update_slice(key.value, k_BHQD, (0, 0, i, 0))
