@@ -1,7 +1,8 @@
 """Checks a whole config before any work: every violation names the key and what is allowed.
 
 Choices whose check lives next to the code that uses them (the model's norm, remat, dtype,
-attention and experts, the dropout PRNG, the schedule, the mesh) are checked by calling that code.
+attention implementation and pattern, experts, the dropout PRNG, the schedule, the mesh) are
+checked by calling that code.
 """
 
 import math
@@ -11,6 +12,7 @@ from t2t_jax import batching
 from t2t_jax import data
 from t2t_jax import decode
 from t2t_jax import optim
+from t2t_jax import positions
 from t2t_jax import prng
 from t2t_jax import sharding
 from t2t_jax import sources
@@ -45,6 +47,9 @@ RANGES = {
     'model.moe_top_k': (1, _INF, True),
     'model.moe_capacity_factor': (-_INF, _INF, True),  # <= 0: no capacity limit.
     'model.moe_aux_loss_weight': (0.0, _INF, True),
+    'model.max_relative_distance': (1, _INF, True),
+    'model.local_window': (1, _INF, True),
+    'model.compression_stride': (1, _INF, True),
     'opt.lr_scale': (0.0, _INF, True),  # 0 freezes the weights.
     'opt.warmup_steps': (0, _INF, True),
     'opt.b1': (0.0, 1.0, True),
@@ -85,6 +90,7 @@ CHOICES = {
     'model.kind': MODEL_KINDS,
     'model.prefix_attention': PREFIX_ATTENTION,
     'eval.dtype': decode.DECODE_DTYPES,
+    'model.positions': positions.POSITION_KINDS,
 }
 
 
@@ -150,4 +156,15 @@ def _decoder_only_problems(config) -> list[str]:
                     f'{config.model.max_len}: a decoder-only model reads source and target as '
                     'one sequence of up to data.max_len positions, so raise model.max_len or '
                     'lower data.max_len')
+  pattern = config.model.get('attention_pattern', 'full')
+  restricted = {'local', 'compressed'} & {kind.strip() for kind in pattern.split(',')}
+  if (config.model.kind == 'decoder_only' and restricted and config.data.source != 'lm'
+      and config.data.batching == 'packed'):
+    # Windows and blocks count sequence indices, and a packed row joins all its sources
+    # before all its targets, so a target would be far from its own source.
+    problems.append(f"config.model.attention_pattern={pattern!r} "
+                    f"({' and '.join(sorted(restricted))} attention) cannot read packed "
+                    "source + target rows (config.data.batching='packed'), which place each "
+                    "target after every source of its row: use data.batching='buckets', "
+                    "data.source='lm', or 'full' layers")
   return problems

@@ -23,7 +23,8 @@ import numpy as np
 
 from t2t_jax import ConfigError
 from t2t_jax import EOS_ID, PAD_ID
-from t2t_jax.model import TransformerConfig, make_model
+from t2t_jax.decoder_only import make_model
+from t2t_jax.model import TransformerConfig
 
 _NEG = -1.0e9  # Log-probability of an impossible hypothesis; finite, so sums stay ordered.
 

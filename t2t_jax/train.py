@@ -32,7 +32,8 @@ from t2t_jax import preemption
 from t2t_jax import prng
 from t2t_jax import sharding
 from t2t_jax import workdir_lock
-from t2t_jax.model import TransformerConfig, make_model, output_params
+from t2t_jax.decoder_only import make_model
+from t2t_jax.model import TransformerConfig, output_params
 
 FINAL_JSON = 'final.json'  # The final figures of a finished run, one strict JSON line.
 
@@ -268,6 +269,8 @@ def dry_run(config) -> dict:
       'grad_accum_steps': config.opt.grad_accum_steps,
       'scan_layers': config.model.scan_layers,
       'remat': config.model.remat,
+      'attention_pattern': config.model.attention_pattern,
+      'positions': config.model.positions,
       'dtype': jnp.dtype(setup.model_config.dtype).name,
       'mesh': dict(setup.mesh.shape),
       'device_count': setup.mesh.size,

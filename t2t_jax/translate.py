@@ -30,7 +30,8 @@ from t2t_jax import decode
 from t2t_jax import sharding
 from t2t_jax import tokenizer
 from t2t_jax.sources import DataError
-from t2t_jax.model import Transformer, TransformerConfig, make_model
+from t2t_jax.decoder_only import make_model
+from t2t_jax.model import Transformer, TransformerConfig
 
 
 @dataclasses.dataclass

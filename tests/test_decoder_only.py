@@ -20,6 +20,7 @@ from t2t_jax import ConfigError
 from t2t_jax import config_check
 from t2t_jax import data
 from t2t_jax import decode
+from t2t_jax import decoder_only
 from t2t_jax import flops
 from t2t_jax import model as model_lib
 from t2t_jax import sharding
@@ -37,7 +38,7 @@ TARGETS = jnp.array([[9, 10, 11, 1], [12, 1, 0, 0]], jnp.int32)
 
 
 def _params(config=CONFIG):
-  return nn.meta.unbox(model_lib.make_model(config).init(
+  return nn.meta.unbox(decoder_only.make_model(config).init(
       jax.random.PRNGKey(0), INPUTS, TARGETS)['params'])
 
 
@@ -50,7 +51,7 @@ def _tiny_decoder_only(tiny_config):
 
 def _embedding_gradients(config, params, output_fn):
   """|d output_fn / d embedded input| per position of the joined sequence [B, S + L]."""
-  model = model_lib.make_model(config)
+  model = decoder_only.make_model(config)
   perturbations = model.init(jax.random.PRNGKey(0), INPUTS, TARGETS)['perturbations']
 
   def output(perturbations):
@@ -93,7 +94,7 @@ def test_no_target_sees_a_later_one_and_the_source_sees_itself_as_configured(pre
 
 def test_packed_row_equals_its_examples_alone():
   params = _params(dataclasses.replace(CONFIG, prefix_attention='full'))
-  model = model_lib.make_model(dataclasses.replace(CONFIG, prefix_attention='full'))
+  model = decoder_only.make_model(dataclasses.replace(CONFIG, prefix_attention='full'))
   sources, targets = [[3, 4, 5, 1], [7, 8, 1]], [[9, 10, 1], [12, 11, 6, 1]]
   packed = {key: np.zeros((1, 8), np.int32) for key in (
       'inputs', 'targets', 'inputs_positions', 'targets_positions', 'inputs_segments',
@@ -118,7 +119,7 @@ def test_packed_row_equals_its_examples_alone():
 
 def _forced_decoding_logits(config, params, inputs_BS, targets_BL):
   """Logits [B, L, V] from the prefill cache fed the gold targets one step at a time."""
-  model = model_lib.make_model(decode.decode_config(config))
+  model = decoder_only.make_model(decode.decode_config(config))
   batch_size, length = targets_BL.shape
   cache = decode.init_cache(config, batch_size, length, inputs_BS.shape[1])
   _, variables = model.apply({'params': params, 'cache': cache}, inputs_BS, mutable=['cache'],
@@ -137,7 +138,7 @@ def test_the_loss_is_the_cross_entropy_of_the_target_tokens_only(prefix_attentio
   config = dataclasses.replace(CONFIG, prefix_attention=prefix_attention)
   params = _params(config)
   batch = {'inputs': INPUTS, 'targets': TARGETS}
-  metrics = train.model_metrics(model_lib.make_model(config), params, batch, 0.0)
+  metrics = train.model_metrics(decoder_only.make_model(config), params, batch, 0.0)
   # By hand, from logits computed another way (the decoding cache): real target tokens only.
   logits_BLV = _forced_decoding_logits(config, params, INPUTS, TARGETS)
   log_probs_BLV = jax.nn.log_softmax(logits_BLV)
@@ -147,10 +148,10 @@ def test_the_loss_is_the_cross_entropy_of_the_target_tokens_only(prefix_attentio
   assert float(metrics['loss']) == pytest.approx(expected, rel=1e-5)
   # The source is read (the loss is conditioned on it), and padding it changes nothing.
   other_source = dict(batch, inputs=INPUTS.at[0, 1].set(12))
-  assert float(train.model_metrics(model_lib.make_model(config), params, other_source,
+  assert float(train.model_metrics(decoder_only.make_model(config), params, other_source,
                                    0.0)['loss']) != pytest.approx(expected, rel=1e-5)
   padded = dict(batch, inputs=jnp.pad(INPUTS, ((0, 0), (0, 3))))
-  assert float(train.model_metrics(model_lib.make_model(config), params, padded,
+  assert float(train.model_metrics(decoder_only.make_model(config), params, padded,
                                    0.0)['loss']) == pytest.approx(expected, rel=1e-5)
 
 
@@ -159,7 +160,7 @@ def test_cached_greedy_decoding_is_the_argmax_of_teacher_forcing(scan_layers):
   config = dataclasses.replace(CONFIG, prefix_attention='full', scan_layers=scan_layers)
   params = _params(config)
   tokens = np.asarray(decode.greedy_search(params, INPUTS, config, max_len=6))
-  logits = model_lib.make_model(config).apply({'params': params}, INPUTS, jnp.asarray(tokens))
+  logits = decoder_only.make_model(config).apply({'params': params}, INPUTS, jnp.asarray(tokens))
   argmax = np.asarray(logits.at[..., 0].set(-1e9).argmax(-1))  # PAD is never generated.
   for row in range(2):
     ended = np.flatnonzero(tokens[row] == 1)
@@ -173,7 +174,7 @@ def test_beam_search_scores_are_the_length_normalised_log_probs_of_its_outputs()
   params = _params()
   tokens_BKL, scores_BK = decode.beam_search(params, INPUTS, CONFIG, 5, beam_size=3,
                                              alpha=0.6)
-  model = model_lib.make_model(CONFIG)
+  model = decoder_only.make_model(CONFIG)
   for k in range(3):
     hypotheses = tokens_BKL[:, k]
     log_probs_BLV = jax.nn.log_softmax(model.apply({'params': params}, INPUTS, hypotheses))
@@ -333,10 +334,83 @@ def test_analytic_flops_equal_the_matmuls_of_the_train_step(tiny_config):
   config = _tiny_decoder_only(tiny_config)
   config.model.d_model, config.model.d_ff = 64, 256
   setup = train.build(config, 256)
-  step = functools.partial(train.train_step, model=model_lib.make_model(setup.model_config),
+  step = functools.partial(train.train_step, model=decoder_only.make_model(setup.model_config),
                            optimizer=setup.optimizer, label_smoothing=0.1)
   batch = {'inputs': jax.ShapeDtypeStruct((8, 16), jnp.int32),
            'targets': jax.ShapeDtypeStruct((8, 12), jnp.int32)}
   with sharding.mesh_context(setup.mesh, setup.axis_rules):
     jaxpr = jax.make_jaxpr(step)(setup.abstract_state, batch, jax.random.PRNGKey(0))
   assert _dot_flops(jaxpr.jaxpr) == flops.train_step_flops(setup.model_config, 8, 16, 12)
+
+
+# The attention family in the one stack: a window of 2 and blocks of 3 are far shorter than the
+# 5 + 4 joined positions, and row 1's source padding sits inside them.
+@pytest.mark.parametrize('pattern, positions, scan_layers', [
+    ('local,compressed', 'sinusoidal', False),
+    ('compressed', 'learned', True),
+    ('local', 'relative', False),
+    ('full,local', 'relative', False),
+])
+def test_family_patterns_decode_from_the_prefill_cache_as_teacher_forcing(pattern, positions,
+                                                                         scan_layers):
+  config = dataclasses.replace(CONFIG, attention_pattern=pattern, positions=positions,
+                               scan_layers=scan_layers, local_window=2, compression_stride=3,
+                               num_decoder_layers=2 if scan_layers else 4)
+  params = _params(config)
+  forced = decoder_only.make_model(config).apply({'params': params}, INPUTS, TARGETS)
+  cached = _forced_decoding_logits(config, params, INPUTS, TARGETS)
+  real = np.asarray(TARGETS) != 0  # Training hides padded targets' keys; decoding has none.
+  np.testing.assert_allclose(np.asarray(cached)[real], np.asarray(forced)[real], atol=2e-5)
+  tokens = np.asarray(decode.greedy_search(params, INPUTS, config, max_len=6))
+  logits = decoder_only.make_model(config).apply({'params': params}, INPUTS, jnp.asarray(tokens))
+  argmax = np.asarray(logits.at[..., 0].set(-1e9).argmax(-1))  # PAD is never generated.
+  for row in range(2):
+    ended = np.flatnonzero(tokens[row] == 1)
+    length = ended[0] + 1 if len(ended) else 6
+    np.testing.assert_array_equal(tokens[row, :length], argmax[row, :length])
+
+
+def test_local_and_compressed_layers_keep_the_decoder_only_model_causal():
+  config = dataclasses.replace(CONFIG, attention_pattern='local,compressed', local_window=2,
+                               compression_stride=3, num_decoder_layers=4)
+  params = _params(config)
+  for t in range(TARGETS.shape[1]):
+    seen = _embedding_gradients(config, params, lambda logits, _: logits[0, t].sum())[0]
+    assert np.all(seen[INPUTS.shape[1] + t + 1:] == 0.0)  # No later target is read.
+    assert seen[0] > 0.0  # Through 4 layers, the window and the blocks reach the first token.
+  # Row 1's source padding is read by nobody.
+  seen = _embedding_gradients(config, params, lambda logits, _: logits[1].sum())[1]
+  assert np.all(seen[3:INPUTS.shape[1]] == 0.0)
+
+
+@pytest.mark.parametrize('pattern, positions', [('local,compressed', 'sinusoidal'),
+                                                ('local', 'relative')])
+def test_decoder_only_family_configs_train_and_dry_run(tiny_config, tmp_path, pattern,
+                                                       positions):
+  config = _tiny_decoder_only(tiny_config)
+  config.model.attention_pattern, config.model.positions = pattern, positions
+  config.model.local_window, config.model.compression_stride = 4, 3
+  config.train.num_steps, config.train.eval_every, config.ckpt.every = 4, 4, 0
+  config.eval.bleu_sentences = 4
+  results = train.train_and_evaluate(config, str(tmp_path))
+  assert results['step'] == 4 and np.isfinite(results['eval_loss'])
+  assert 0 <= results['bleu'] <= 100  # Greedy decoding through the prefill cache.
+  dry = train.dry_run(config)
+  assert (dry['attention_pattern'], dry['positions']) == (pattern, positions)
+
+
+def test_decoder_only_family_combinations_that_cannot_run_are_config_errors(tiny_config):
+  config = _tiny_decoder_only(tiny_config)
+  config.model.attention_pattern = 'local,compressed'
+  config_check.check(config, mesh=False)
+  full_prefix = config.copy_and_resolve_references()
+  full_prefix.model.prefix_attention = 'full'
+  with pytest.raises(ConfigError, match=r"prefix_attention='full' .* needs 'full' layers"):
+    config_check.check(full_prefix, mesh=False)
+  packed = config.copy_and_resolve_references()
+  packed.data.batching = 'packed'
+  with pytest.raises(ConfigError, match=r"attention_pattern='local,compressed' .* packed"):
+    config_check.check(packed, mesh=False)
+  packed.data.source, packed.eval.bleu_sentences = 'lm', 0  # No sources: packing is fine.
+  problems = config_check._decoder_only_problems(packed)  # pylint: disable=protected-access
+  assert not any('packed' in problem for problem in problems), problems

@@ -12,6 +12,7 @@ import pytest
 
 from t2t_jax import decode
 from t2t_jax import model as model_lib
+from t2t_jax import positions
 from t2t_jax import prng
 
 VOCAB = 13
@@ -30,7 +31,7 @@ def _random_tokens(seed, shape):
 
 
 def test_positions_follow_the_paper_formula():
-  table = model_lib.sinusoidal_positions(50, 16)
+  table = positions.sinusoidal_positions(50, 16)
   for pos in (0, 1, 7, 49):
     for i in range(8):
       angle = pos / 10000 ** (2 * i / 16)

@@ -1,0 +1,96 @@
+"""Position encodings and the embedder that adds them to the token embeddings.
+
+config.model.positions picks one: 'sinusoidal' (the paper), 'predictive' (the lecture's
+"predictive information" sinusoids), 'learned' (a trained table), 'relative' (Shaw et al.
+2018: nothing is added here; attention.py adds learned embeddings of clipped distances) or
+'none'. Shapes in names: B batch, L length, E d_model.
+"""
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from t2t_jax import ConfigError
+
+Array = jax.Array
+POSITION_KINDS = ('sinusoidal', 'predictive', 'learned', 'relative', 'none')
+# p of the predictive-information sinusoids, the value the lecture gives. A constant, not a key:
+# no one has asked to tune it, and the formula is only defined for p < 1.
+PREDICTIVE_P = 0.883
+
+
+def sinusoidal_positions(max_len: int, d_model: int) -> np.ndarray:
+  """PE[pos, 2i] = sin(pos / 10000^(2i/d)), PE[pos, 2i+1] = cos(same), as in the paper."""
+  position = np.arange(max_len)[:, None]
+  div = np.power(10000.0, np.arange(0, d_model, 2) / d_model)[None, :]
+  table = np.zeros((max_len, d_model), np.float32)
+  table[:, 0::2] = np.sin(position / div)
+  table[:, 1::2] = np.cos(position / div)[:, :d_model // 2]
+  return table
+
+
+def predictive_positions(max_len: int, d_model: int, p: float = PREDICTIVE_P) -> np.ndarray:
+  """PE[x, 2i] = sin(x r(i)), PE[x, 2i+1] = cos(x r(i)), r(i) = ((2i+1)/d)^(1/(1-p))."""
+  position = np.arange(max_len)[:, None]
+  rate = np.power((2 * np.arange(0, (d_model + 1) // 2) + 1) / d_model, 1 / (1 - p))[None, :]
+  table = np.zeros((max_len, d_model), np.float32)
+  table[:, 0::2] = np.sin(position * rate)
+  table[:, 1::2] = np.cos(position * rate)[:, :d_model // 2]
+  return table
+
+
+def check_positions(kind: str) -> None:
+  if kind not in POSITION_KINDS:
+    raise ConfigError(f'config.model.positions={kind!r} must be one of {POSITION_KINDS}')
+
+
+class Embedder(nn.Module):
+  """Token embedding times sqrt(d_model) plus absolute positions (if any), then dropout."""
+  config: Any  # model.TransformerConfig
+  embedding: nn.Embed
+  decode_step: bool = False  # Decoder side: in decode mode, one position per call.
+
+  @nn.compact
+  def __call__(self, tokens_BL: Array, positions_BL: Array | None = None) -> Array:
+    cfg = self.config
+    x_BLE = self.embedding(tokens_BL) * jnp.sqrt(cfg.d_model).astype(cfg.dtype)
+    table_LE = self._table()
+    if table_LE is None:
+      pass  # Relative positions live in attention; 'none' has none.
+    elif cfg.decode and self.decode_step:
+      x_BLE = x_BLE + jax.lax.dynamic_slice_in_dim(table_LE, self._decode_position(), 1)[None]
+    elif positions_BL is not None:
+      x_BLE = x_BLE + table_LE[positions_BL]
+    else:
+      x_BLE = x_BLE + table_LE[None, :tokens_BL.shape[1]]
+    # A zero added here when 'perturbations' is mutable exposes d(output)/d(embedding).
+    x_BLE = self.perturb('embedded', x_BLE)
+    x_BLE = nn.Dropout(cfg.dropout)(x_BLE, cfg.deterministic)
+    return nn.with_logical_constraint(x_BLE, ('batch', 'length', 'embed'))
+
+  def _table(self) -> Array | None:
+    """The [max_len, E] table of absolute positions, or None when none are added."""
+    cfg = self.config
+    check_positions(cfg.positions)
+    if cfg.positions == 'learned':
+      # Small, as BERT's and GPT-2's tables start: the scaled token embedding dominates at first.
+      init = nn.with_logical_partitioning(nn.initializers.normal(stddev=0.02),
+                                          ('length', 'embed'))
+      return self.param('position_embedding', init, (cfg.max_len, cfg.d_model),
+                        cfg.param_dtype).astype(cfg.dtype)
+    tables = {'sinusoidal': sinusoidal_positions, 'predictive': predictive_positions}
+    if cfg.positions in tables:
+      return jnp.asarray(tables[cfg.positions](cfg.max_len, cfg.d_model), cfg.dtype)
+    return None
+
+  def _decode_position(self) -> Array:
+    """Index of the step being decoded, counted alongside the attention caches."""
+    initialised = self.has_variable('cache', 'position')
+    position = self.variable('cache', 'position', lambda: jnp.array(0, jnp.int32))
+    current = position.value
+    if initialised:
+      position.value = current + 1
+    return current

@@ -1,0 +1,240 @@
+"""Local and memory-compressed attention: their neighbourhoods against a dense reference,
+causality and windows through gradients, padding and packing, memory, and cached decoding."""
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from t2t_jax import attention_variants
+from t2t_jax import decode
+from t2t_jax import model as model_lib
+
+VOCAB = 13
+CONFIG = model_lib.TransformerConfig(
+    vocab_size=VOCAB, d_model=16, d_ff=32, num_heads=2, num_encoder_layers=2,
+    num_decoder_layers=2, max_len=32, attention_dropout=0.0, deterministic=True)
+NO_DROP = lambda weights: weights
+
+
+def _tokens(seed, shape):
+  return jnp.asarray(np.random.default_rng(seed).integers(2, VOCAB, shape), jnp.int32)
+
+
+def _init(config):
+  tokens = jnp.ones((1, 4), jnp.int32)
+  return nn.meta.unbox(
+      model_lib.Transformer(config).init(jax.random.PRNGKey(0), tokens, tokens)['params'])
+
+
+def _reference_attention(q, k, v, mask_BQK):
+  """softmax over the keys `mask_BQK` allows, written out directly."""
+  logits = np.einsum('bqhd,bkhd->bhqk', q, k)
+  logits = np.where(mask_BQK[:, None], logits, -np.inf)
+  with np.errstate(invalid='ignore'):  # Padding rows that see no key become NaN; unused.
+    weights = np.exp(logits - logits.max(-1, keepdims=True))
+    weights /= weights.sum(-1, keepdims=True)
+  return np.einsum('bhqk,bkhd->bqhd', weights, v)
+
+
+@pytest.mark.parametrize('causal', [False, True])
+@pytest.mark.parametrize('window, length', [(3, 11), (4, 8), (1, 5)])
+def test_local_attention_sees_exactly_its_window(causal, window, length):
+  rng = np.random.default_rng(window)
+  q, k, v = (rng.normal(size=(2, length, 2, 4)).astype(np.float32) for _ in range(3))
+  valid = np.ones((2, length), bool)
+  valid[1, -2:] = False
+  segments = np.ones((2, length), np.int32)
+  segments[0, length // 2:] = 2
+  i, j = np.arange(length)[:, None], np.arange(length)[None, :]
+  near = ((i - j >= 0) & (i - j <= window)) if causal else (np.abs(i - j) <= window)
+  expected_mask = near[None] & valid[:, None, :] & (segments[:, :, None] == segments[:, None, :])
+  actual = attention_variants.local_attention(q, k, v, valid, segments, None, window, causal,
+                                              NO_DROP)
+  expected = _reference_attention(q, k, v, expected_mask)
+  real = valid[:, :, None, None] & np.ones_like(expected, bool)
+  np.testing.assert_allclose(np.asarray(actual)[real], expected[real], atol=1e-5)
+
+
+def test_local_attention_memory_grows_with_the_window_not_the_square():
+  length, window, heads, head_dim = 256, 4, 2, 2
+  q = jnp.zeros((1, length, heads, head_dim))
+  valid = jnp.ones((1, length), bool)
+  jaxpr = jax.make_jaxpr(lambda q: attention_variants.local_attention(
+      q, q, q, valid, valid.astype(jnp.int32), None, window, False, NO_DROP))(q)
+  largest = max(np.prod(var.aval.shape) for eqn in jaxpr.eqns for var in eqn.outvars)
+  # Each block's keys (and logits) span three blocks: 3 * window per query, never length.
+  assert largest <= length * 3 * window * heads * head_dim < length * length
+
+
+def _loss_and_grads(config, params, batch):
+  def loss(params):
+    logits = model_lib.Transformer(config).apply({'params': params}, *batch)
+    return (jax.nn.log_softmax(logits).max(-1) * (batch[1] != 0)).sum(), logits
+  (value, logits), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+  return value, logits, grads
+
+
+def _batches():
+  """A padded batch and a packed one (two segments per row, positions restarting)."""
+  inputs, targets = np.array(_tokens(0, (2, 9))), np.array(_tokens(1, (2, 8)))
+  segments_in = np.array([[1] * 4 + [2] * 4 + [0]] * 2)
+  segments_out = np.array([[1] * 3 + [2] * 5] * 2)
+  positions = lambda segments: np.concatenate(
+      [np.arange((segments[0] == s).sum()) for s in (1, 2, 0)])
+  packed = (np.where(segments_in > 0, inputs, 0), targets.copy(),
+            np.tile(positions(segments_in), (2, 1)), np.tile(positions(segments_out), (2, 1)),
+            segments_in, segments_out)
+  inputs[0, 6:], targets[1, 5:] = 0, 0
+  return {'padded': (inputs, targets), 'packed': packed}
+
+
+@pytest.mark.parametrize('kind', ['padded', 'packed'])
+def test_local_attention_with_a_window_over_the_sequence_equals_full(kind):
+  batch = tuple(jnp.asarray(x) for x in _batches()[kind])
+  params = _init(CONFIG)  # Local attention has no parameters of its own.
+  expected = _loss_and_grads(CONFIG, params, batch)
+  local = dataclasses.replace(CONFIG, attention_pattern='local', local_window=9)
+  actual = _loss_and_grads(local, params, batch)
+  valid = np.asarray(batch[1]) != 0
+  np.testing.assert_allclose(np.asarray(actual[1])[valid], np.asarray(expected[1])[valid],
+                             atol=1e-5)
+  for x, y in zip(jax.tree.leaves(actual[2]), jax.tree.leaves(expected[2])):
+    np.testing.assert_allclose(x, y, atol=1e-5)
+
+
+def _embedding_gradients(config, side: str, position: int):
+  """|d output[position] / d embedded input[j]| summed over features, for every j."""
+  model = model_lib.Transformer(config)
+  inputs, targets = _tokens(2, (1, 12)), _tokens(3, (1, 12))
+  variables = model.init(jax.random.PRNGKey(0), inputs, targets)
+  params, perturbations = nn.meta.unbox(variables['params']), variables['perturbations']
+
+  def output(perturbations):
+    state = {'params': params, 'perturbations': perturbations}
+    if side == 'source_embedder':
+      return model.apply(state, inputs, method=model_lib.Transformer.encode)[0, position].sum()
+    return model.apply(state, inputs, targets)[0, position].sum()
+
+  grads = jax.grad(output)(perturbations)[side]['embedded'][0]
+  return np.abs(np.asarray(grads)).sum(-1)
+
+
+@pytest.mark.parametrize('side', ['source_embedder', 'target_embedder'])
+def test_a_position_sees_nothing_outside_its_window(side):
+  window, t = 2, 7
+  config = dataclasses.replace(CONFIG, attention_pattern='local', local_window=window,
+                               num_encoder_layers=1, num_decoder_layers=1)
+  per_position = _embedding_gradients(config, side, t)
+  j = np.arange(12)
+  if side == 'source_embedder':  # Non-causal: |t - j| <= window.
+    inside = np.abs(t - j) <= window
+  else:  # Causal: decoder input j is target j - 1; output t sees inputs t - window .. t.
+    inside = (t - j >= 0) & (t - j <= window)
+  assert np.all(per_position[~inside] == 0.0)
+  assert np.all(per_position[inside] > 0.0)
+
+
+@pytest.mark.parametrize('pattern', ['compressed', 'local,compressed'])
+def test_compressed_attention_is_causal_through_gradients(pattern):
+  config = dataclasses.replace(CONFIG, attention_pattern=pattern, compression_stride=3,
+                               local_window=2)
+  for t in (0, 4, 8):
+    per_position = _embedding_gradients(config, 'target_embedder', t)
+    assert np.all(per_position[t + 1:] == 0.0), t
+    assert np.all(per_position[:t + 1] > 0.0), t
+
+
+def test_compressed_attention_hides_padding():
+  config = dataclasses.replace(CONFIG, attention_pattern='compressed', compression_stride=3)
+  params = _init(config)
+  apply = jax.jit(model_lib.Transformer(config).apply)
+  inputs, targets = _tokens(4, (2, 5)), _tokens(5, (2, 4))
+  logits = apply({'params': params}, inputs, targets)
+  padded = apply({'params': params}, jnp.pad(inputs, ((0, 0), (0, 7))),
+                 jnp.pad(targets, ((0, 0), (0, 5))))
+  np.testing.assert_allclose(padded[:, :4], logits, atol=1e-5)
+
+
+@pytest.mark.parametrize('pattern', ['local', 'compressed'])
+def test_packed_segments_do_not_see_each_other(pattern):
+  config = dataclasses.replace(CONFIG, attention_pattern=pattern, local_window=3,
+                               compression_stride=2)
+  model = model_lib.Transformer(config)
+  inputs, targets, in_positions, out_positions, in_segments, out_segments = (
+      jnp.asarray(x) for x in _batches()['packed'])
+  variables = model.init(jax.random.PRNGKey(0), inputs, targets)
+  params, perturbations = nn.meta.unbox(variables['params']), variables['perturbations']
+
+  def second_segment(perturbations):
+    logits = model.apply({'params': params, 'perturbations': perturbations}, inputs, targets,
+                         in_positions, out_positions, in_segments, out_segments)
+    return (logits[0] * (out_segments[0] == 2)[:, None]).sum()
+
+  grads = jax.grad(second_segment)(perturbations)
+  for side, segments in (('source_embedder', in_segments), ('target_embedder', out_segments)):
+    per_position = np.abs(np.asarray(grads[side]['embedded'][0])).sum(-1)
+    assert np.all(per_position[segments[0] == 1] == 0.0), side
+    assert np.all(per_position[segments[0] == 2] > 0.0), side
+
+
+def test_a_packed_row_of_local_attention_equals_its_segments_one_by_one():
+  config = dataclasses.replace(CONFIG, attention_pattern='local', local_window=2)
+  params = _init(config)
+  apply = jax.jit(model_lib.Transformer(config).apply)
+  inputs, targets, in_positions, out_positions, in_segments, out_segments = (
+      jnp.asarray(x) for x in _batches()['packed'])
+  packed = apply({'params': params}, inputs, targets, in_positions, out_positions,
+                 in_segments, out_segments)
+  for segment in (1, 2):
+    source = inputs[:, np.asarray(in_segments[0]) == segment]
+    where = np.asarray(out_segments[0]) == segment
+    alone = apply({'params': params}, source, targets[:, where])
+    np.testing.assert_allclose(packed[:, where], alone, atol=1e-5)
+
+
+@pytest.mark.parametrize('pattern, positions, scan_layers', [
+    ('local', 'sinusoidal', False),
+    ('compressed', 'sinusoidal', True),
+    ('local,compressed', 'learned', False),
+    ('local', 'relative', False),
+])
+def test_cached_decoding_matches_teacher_forcing(pattern, positions, scan_layers):
+  config = dataclasses.replace(CONFIG, attention_pattern=pattern, positions=positions,
+                               scan_layers=scan_layers, local_window=2, compression_stride=3,
+                               norm='pre')
+  params = _init(config)
+  inputs, targets = _tokens(6, (2, 5)), _tokens(7, (2, 10))
+  full = model_lib.Transformer(config).apply({'params': params}, inputs, targets)
+  step_model = model_lib.Transformer(decode.decode_config(config))
+  encoded = step_model.apply({'params': params}, inputs, method=model_lib.Transformer.encode)
+  cache = decode.init_cache(config, 2, 10)
+  previous = model_lib.shift_right(targets)
+  for t in range(10):
+    logits, variables = step_model.apply(
+        {'params': params, 'cache': cache}, encoded, inputs, previous[:, t:t + 1],
+        mutable=['cache'], method=model_lib.Transformer.decode)
+    cache = variables['cache']
+    np.testing.assert_allclose(logits[:, 0], full[:, t],
+                               atol=2e-3 if jax.devices()[0].platform == 'gpu' else 1e-5)
+  greedy = decode.greedy_search(params, inputs, config, 10)  # The search runs on it too.
+  assert greedy.shape == (2, 10)
+
+
+@pytest.mark.parametrize('pattern, positions', [('local,compressed', 'learned'),
+                                                ('full,local', 'relative')])
+def test_family_configs_train_evaluate_and_dry_run(tiny_config, tmp_path, pattern, positions):
+  from t2t_jax import train  # pylint: disable=g-import-not-at-top
+  config = tiny_config
+  config.model.attention_pattern, config.model.positions = pattern, positions
+  config.model.local_window, config.model.num_decoder_layers = 4, 2
+  config.train.num_steps, config.train.eval_every, config.ckpt.every = 4, 4, 0
+  config.eval.bleu_sentences = 4
+  results = train.train_and_evaluate(config, str(tmp_path))
+  assert results['step'] == 4 and np.isfinite(results['eval_loss'])
+  dry = train.dry_run(config)
+  assert (dry['attention_pattern'], dry['positions']) == (pattern, positions)
+  assert dry['memory_per_device_bytes']['total'] > 0

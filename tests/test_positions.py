@@ -1,0 +1,207 @@
+"""Position encodings: the predictive formula, learned and absent positions, relative attention
+(shift invariance, clipping, cached decoding), and the checks of their keys."""
+
+import dataclasses
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+
+from t2t_jax import ConfigError
+from t2t_jax import attention_variants
+from t2t_jax import decode
+from t2t_jax import model as model_lib
+from t2t_jax import positions
+
+VOCAB = 13
+CONFIG = model_lib.TransformerConfig(
+    vocab_size=VOCAB, d_model=16, d_ff=32, num_heads=2, num_encoder_layers=2,
+    num_decoder_layers=2, max_len=32, deterministic=True)
+
+
+def _tokens(seed, shape):
+  return jnp.asarray(np.random.default_rng(seed).integers(2, VOCAB, shape), jnp.int32)
+
+
+def _init(config):
+  tokens = jnp.ones((1, 4), jnp.int32)
+  return nn.meta.unbox(
+      model_lib.Transformer(config).init(jax.random.PRNGKey(0), tokens, tokens)['params'])
+
+
+def test_predictive_positions_follow_the_lecture_formula():
+  table = positions.predictive_positions(40, 10)
+  for x in (0, 1, 5, 39):
+    for i in range(5):
+      rate = ((2 * i + 1) / 10) ** (1 / (1 - 0.883))
+      assert table[x, 2 * i] == pytest.approx(math.sin(x * rate), abs=1e-6)
+      assert table[x, 2 * i + 1] == pytest.approx(math.cos(x * rate), abs=1e-6)
+
+
+def test_odd_width_tables_have_the_width_asked_for():
+  assert positions.predictive_positions(7, 5).shape == (7, 5)
+  assert positions.sinusoidal_positions(7, 5).shape == (7, 5)
+
+
+def test_learned_positions_are_a_trained_table_with_logical_axes():
+  config = dataclasses.replace(CONFIG, positions='learned')
+  tokens = jnp.ones((1, 4), jnp.int32)
+  boxed = model_lib.Transformer(config).init(jax.random.PRNGKey(0), tokens, tokens)['params']
+  table = boxed['target_embedder']['position_embedding']
+  assert table.names == ('length', 'embed') and table.value.shape == (32, 16)
+  params = nn.meta.unbox(boxed)
+  inputs, targets = _tokens(0, (1, 5)), _tokens(1, (1, 6))
+
+  def loss(params):
+    return model_lib.Transformer(config).apply({'params': params}, inputs, targets).sum()
+
+  grads = jax.grad(loss)(params)
+  # Rows of the positions used get gradients; the rows beyond them get none.
+  rows = np.abs(np.asarray(grads['target_embedder']['position_embedding'])).sum(-1)
+  assert np.all(rows[:6] > 0) and np.all(rows[6:] == 0)
+
+
+def test_without_positions_the_source_order_does_not_matter():
+  # No positions and full attention: the encoder is permutation-equivariant and the
+  # cross-attention sums over its keys, so a shuffled source gives the same logits.
+  config = dataclasses.replace(CONFIG, positions='none')
+  params = _init(config)
+  model = model_lib.Transformer(config)
+  inputs, targets = _tokens(2, (2, 7)), _tokens(3, (2, 5))
+  permuted = inputs[:, np.random.default_rng(0).permutation(7)]
+  np.testing.assert_allclose(model.apply({'params': params}, permuted, targets),
+                             model.apply({'params': params}, inputs, targets), atol=1e-5)
+  sinusoidal = model_lib.Transformer(CONFIG)
+  assert not np.allclose(sinusoidal.apply({'params': params}, permuted, targets),
+                         sinusoidal.apply({'params': params}, inputs, targets), atol=1e-3)
+
+
+def _packed_apply(config, params, offset):
+  """Logits and sown attention weights of a packed batch whose positions start at `offset`."""
+  inputs, targets = _tokens(4, (2, 8)), _tokens(5, (2, 7))
+  segments_in = jnp.asarray([[1] * 3 + [2] * 5] * 2)
+  segments_out = jnp.asarray([[1] * 4 + [2] * 3] * 2)
+  positions_in = jnp.asarray([list(range(3)) + list(range(5))] * 2) + offset
+  positions_out = jnp.asarray([list(range(4)) + list(range(3))] * 2) + offset
+  return model_lib.Transformer(config).apply(
+      {'params': params}, inputs, targets, positions_in, positions_out, segments_in,
+      segments_out, mutable=['intermediates'])
+
+
+@pytest.mark.parametrize('pattern', ['full', 'local'])
+def test_relative_attention_ignores_a_shift_of_every_position(pattern):
+  config = dataclasses.replace(CONFIG, positions='relative', attention_pattern=pattern,
+                               local_window=3, max_relative_distance=2)
+  params = _init(config)
+  logits, state = _packed_apply(config, params, 0)
+  shifted_logits, shifted_state = _packed_apply(config, params, 9)
+  np.testing.assert_allclose(shifted_logits, logits, atol=1e-5)
+  if pattern == 'full':  # The self-attention weights themselves are unchanged.
+    for layer in ('encoder_0', 'decoder_1'):
+      weights = state['intermediates'][layer]['self_attention']['attention_weights'][0]
+      shifted = shifted_state['intermediates'][layer]['self_attention']['attention_weights'][0]
+      np.testing.assert_allclose(shifted, weights, atol=1e-6)
+  # Absolute positions do see the shift, so the test can tell.
+  absolute = dataclasses.replace(CONFIG, positions='sinusoidal')
+  absolute_params = _init(absolute)
+  assert not np.allclose(_packed_apply(absolute, absolute_params, 9)[0],
+                         _packed_apply(absolute, absolute_params, 0)[0], atol=1e-3)
+
+
+def test_relative_embeddings_are_clipped_at_the_maximum_distance():
+  config = dataclasses.replace(CONFIG, positions='relative', max_relative_distance=2,
+                               num_encoder_layers=1, num_decoder_layers=1)
+  params = _init(config)
+  attention = params['encoder_0']['self_attention']
+  assert attention['relative_key'].shape == (5, 8)
+  inputs, targets = _tokens(6, (1, 9)), _tokens(7, (1, 3))
+
+  def loss(attention):
+    variables = {'params': {**params, 'encoder_0': {**params['encoder_0'],
+                                                    'self_attention': attention}}}
+    return model_lib.Transformer(config).apply(variables, inputs, targets).sum()
+
+  grads = jax.grad(loss)(attention)
+  # Distances of 3..8 all land on the end rows (+-2); every row is used.
+  for name in ('relative_key', 'relative_value'):
+    assert np.all(np.abs(np.asarray(grads[name])).sum(-1) > 0)
+  buckets = np.asarray(attention_variants.relative_buckets(jnp.arange(9), jnp.arange(9), 2,
+                                                          jnp.float32))
+  expected = np.clip(np.arange(9)[None, :] - np.arange(9)[:, None], -2, 2) + 2  # key - query
+  np.testing.assert_array_equal(buckets.argmax(-1), expected)
+  assert np.all(buckets.sum(-1) == 1)
+
+
+@pytest.mark.parametrize('scan_layers', [False, True])
+def test_relative_cached_decoding_matches_teacher_forcing(scan_layers):
+  config = dataclasses.replace(CONFIG, positions='relative', max_relative_distance=3,
+                               scan_layers=scan_layers, norm='pre')
+  params = _init(config)
+  inputs, targets = _tokens(8, (2, 5)), _tokens(9, (2, 7))
+  full = model_lib.Transformer(config).apply({'params': params}, inputs, targets)
+  step_model = model_lib.Transformer(decode.decode_config(config))
+  encoded = step_model.apply({'params': params}, inputs, method=model_lib.Transformer.encode)
+  cache = decode.init_cache(config, 2, 7)
+  previous = model_lib.shift_right(targets)
+  for t in range(7):
+    logits, variables = step_model.apply(
+        {'params': params, 'cache': cache}, encoded, inputs, previous[:, t:t + 1],
+        mutable=['cache'], method=model_lib.Transformer.decode)
+    cache = variables['cache']
+    np.testing.assert_allclose(logits[:, 0], full[:, t],
+                               atol=2e-3 if jax.devices()[0].platform == 'gpu' else 1e-5)
+
+
+def _model_config(**changes):
+  from configs import tiny  # pylint: disable=g-import-not-at-top
+  config = tiny.get_config().model
+  config.attention_dropout = 0.0
+  for key, value in changes.items():
+    config[key] = value
+  return config
+
+
+@pytest.mark.parametrize('changes, message', [
+    ({'positions': 'rotary'}, "config.model.positions='rotary' must be one of"),
+    ({'attention_pattern': 'full,sparse'}, "config.model.attention_pattern='full,sparse' "
+                                           r"names \['sparse'\]"),
+    ({'local_window': 0}, 'config.model.local_window=0 must be at least 1'),
+    ({'compression_stride': 0}, 'config.model.compression_stride=0 must be at least 1'),
+    ({'max_relative_distance': 0}, 'config.model.max_relative_distance=0 must be at least 1'),
+    ({'positions': 'relative', 'attention_impl': 'xla'},
+     "attention_impl='xla' .*cannot add relative positions"),
+    ({'attention_pattern': 'local', 'attention_impl': 'xla'}, "runs 'full' attention only"),
+    ({'positions': 'relative', 'attention_pattern': 'local,compressed'},
+     "positions='relative' cannot be used with config.model.attention_pattern"),
+    ({'attention_pattern': 'local,compressed', 'scan_layers': True},
+     'scan_layers=True .* mixes them'),
+    ({'kind': 'decoder_only', 'prefix_attention': 'full', 'attention_pattern': 'full,local'},
+     "prefix_attention='full' .* needs 'full' layers.*attention_pattern='full,local'"),
+])
+def test_family_keys_that_cannot_run_are_config_errors(changes, message):
+  with pytest.raises(ConfigError, match=message):
+    model_lib.TransformerConfig.from_config(_model_config(**changes), VOCAB)
+
+
+def test_config_check_names_an_unknown_position_kind(tiny_config):
+  from t2t_jax import config_check  # pylint: disable=g-import-not-at-top
+  tiny_config.model.positions = 'absolute'
+  tiny_config.model.local_window = 0
+  with pytest.raises(ConfigError) as error:
+    config_check.check(tiny_config, mesh=False)
+  assert "config.model.positions='absolute' must be one of" in str(error.value)
+  assert 'config.model.local_window=0 is outside the allowed range' in str(error.value)
+
+
+def test_a_config_saved_before_the_keys_existed_means_the_paper_model():
+  config = _model_config()
+  legacy = ml_collections.ConfigDict({key: value for key, value in config.items()
+                                      if key not in ('positions', 'max_relative_distance',
+                                                     'attention_pattern', 'local_window',
+                                                     'compression_stride')})
+  built = model_lib.TransformerConfig.from_config(legacy, VOCAB)
+  assert (built.positions, built.attention_pattern) == ('sinusoidal', 'full')
