@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import assert_cached_decoding_matches_teacher_forcing
 from t2t_jax import attention_variants
 from t2t_jax import decode
 from t2t_jax import model as model_lib
@@ -208,18 +209,7 @@ def test_cached_decoding_matches_teacher_forcing(pattern, positions, scan_layers
                                norm='pre')
   params = _init(config)
   inputs, targets = _tokens(6, (2, 5)), _tokens(7, (2, 10))
-  full = model_lib.Transformer(config).apply({'params': params}, inputs, targets)
-  step_model = model_lib.Transformer(decode.decode_config(config))
-  encoded = step_model.apply({'params': params}, inputs, method=model_lib.Transformer.encode)
-  cache = decode.init_cache(config, 2, 10)
-  previous = model_lib.shift_right(targets)
-  for t in range(10):
-    logits, variables = step_model.apply(
-        {'params': params, 'cache': cache}, encoded, inputs, previous[:, t:t + 1],
-        mutable=['cache'], method=model_lib.Transformer.decode)
-    cache = variables['cache']
-    np.testing.assert_allclose(logits[:, 0], full[:, t],
-                               atol=2e-3 if jax.devices()[0].platform == 'gpu' else 1e-5)
+  assert_cached_decoding_matches_teacher_forcing(config, params, inputs, targets)
   greedy = decode.greedy_search(params, inputs, config, 10)  # The search runs on it too.
   assert greedy.shape == (2, 10)
 

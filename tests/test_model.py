@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from t2t_jax import decode
+from conftest import assert_cached_decoding_matches_teacher_forcing
 from t2t_jax import model as model_lib
 from t2t_jax import positions
 from t2t_jax import prng
@@ -98,19 +98,7 @@ def test_cached_decoding_matches_teacher_forcing(scan_layers, attention_impl):
                                attention_impl=attention_impl)
   params = _init(config)
   inputs, targets = _random_tokens(8, (2, 5)), _random_tokens(9, (2, 6))
-  full = model_lib.Transformer(config).apply({'params': params}, inputs, targets)
-  step_model = model_lib.Transformer(decode.decode_config(config))
-  encoded = step_model.apply({'params': params}, inputs, method=model_lib.Transformer.encode)
-  cache = decode.init_cache(config, 2, 6)
-  previous = model_lib.shift_right(targets)
-  for t in range(6):
-    logits, variables = step_model.apply(
-        {'params': params, 'cache': cache}, encoded, inputs, previous[:, t:t + 1],
-        mutable=['cache'], method=model_lib.Transformer.decode)
-    cache = variables['cache']
-    # GPUs multiply float32 matrices in TF32 by default (10-bit mantissa): 1e-3 relative.
-    np.testing.assert_allclose(logits[:, 0], full[:, t],
-                               atol=2e-3 if jax.devices()[0].platform == 'gpu' else 1e-5)
+  assert_cached_decoding_matches_teacher_forcing(config, params, inputs, targets)
 
 
 def test_untied_and_unshared_embeddings_have_their_own_parameters():

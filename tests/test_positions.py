@@ -11,9 +11,9 @@ import ml_collections
 import numpy as np
 import pytest
 
+from conftest import assert_cached_decoding_matches_teacher_forcing
 from t2t_jax import ConfigError
 from t2t_jax import attention_variants
-from t2t_jax import decode
 from t2t_jax import model as model_lib
 from t2t_jax import positions
 
@@ -142,18 +142,7 @@ def test_relative_cached_decoding_matches_teacher_forcing(scan_layers):
                                scan_layers=scan_layers, norm='pre')
   params = _init(config)
   inputs, targets = _tokens(8, (2, 5)), _tokens(9, (2, 7))
-  full = model_lib.Transformer(config).apply({'params': params}, inputs, targets)
-  step_model = model_lib.Transformer(decode.decode_config(config))
-  encoded = step_model.apply({'params': params}, inputs, method=model_lib.Transformer.encode)
-  cache = decode.init_cache(config, 2, 7)
-  previous = model_lib.shift_right(targets)
-  for t in range(7):
-    logits, variables = step_model.apply(
-        {'params': params, 'cache': cache}, encoded, inputs, previous[:, t:t + 1],
-        mutable=['cache'], method=model_lib.Transformer.decode)
-    cache = variables['cache']
-    np.testing.assert_allclose(logits[:, 0], full[:, t],
-                               atol=2e-3 if jax.devices()[0].platform == 'gpu' else 1e-5)
+  assert_cached_decoding_matches_teacher_forcing(config, params, inputs, targets)
 
 
 def _model_config(**changes):
