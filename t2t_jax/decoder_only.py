@@ -15,7 +15,7 @@ from t2t_jax import PAD_ID
 from t2t_jax import moe
 from t2t_jax.attention import SelfMask, attention_kinds, attention_mask, dense_init
 from t2t_jax.model import DecoderLayer, LayerNorm, Transformer, TransformerConfig
-from t2t_jax.model import make_embedding, remat_layer, scanned_stack, shift_right
+from t2t_jax.model import make_embeddings, remat_layer, scanned_stack, shift_right
 from t2t_jax.positions import Embedder
 
 Array = jax.Array
@@ -79,9 +79,7 @@ class DecoderOnly(nn.Module):
 
   def setup(self):
     cfg = self.config
-    self.target_embedding = make_embedding(cfg, 'embedding')
-    self.source_embedding = (self.target_embedding if cfg.share_embeddings
-                             else make_embedding(cfg, 'source_embedding'))
+    self.target_embedding, self.source_embedding = make_embeddings(cfg)
     self.source_embedder = Embedder(cfg, self.source_embedding)
     self.target_embedder = Embedder(cfg, self.target_embedding)
     kinds = attention_kinds(cfg.attention_pattern)  # Repeated over the layers.

@@ -263,12 +263,19 @@ def unstack_layer_params(params: dict, config: TransformerConfig) -> dict:
   return params
 
 
-def make_embedding(cfg: TransformerConfig, name: str) -> nn.Embed:
+def _embedding(cfg: TransformerConfig, name: str) -> nn.Embed:
   return nn.Embed(
       cfg.vocab_size, cfg.d_model, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
       embedding_init=nn.with_logical_partitioning(
           nn.initializers.normal(stddev=cfg.d_model**-0.5), ('vocab', 'embed')),
       name=name)
+
+
+def make_embeddings(cfg: TransformerConfig) -> tuple[nn.Embed, nn.Embed]:
+  """The target embedding ('embedding', also the tied softmax) and the source one (the same
+  module when share_embeddings); called from a model's setup, which owns them."""
+  target = _embedding(cfg, 'embedding')
+  return target, target if cfg.share_embeddings else _embedding(cfg, 'source_embedding')
 
 
 class Transformer(nn.Module):
@@ -277,9 +284,7 @@ class Transformer(nn.Module):
 
   def setup(self):
     cfg = self.config
-    self.target_embedding = make_embedding(cfg, 'embedding')
-    self.source_embedding = (self.target_embedding if cfg.share_embeddings
-                             else make_embedding(cfg, 'source_embedding'))
+    self.target_embedding, self.source_embedding = make_embeddings(cfg)
     self.source_embedder = Embedder(cfg, self.source_embedding)
     self.target_embedder = Embedder(cfg, self.target_embedding, decode_step=True)
     kinds = attention_kinds(cfg.attention_pattern)  # Repeated over each stack's layers.
