@@ -98,9 +98,13 @@ def get_config():
   model.compression_stride = 3  # Compressed attention: kernel = stride of the key/value conv.
 
   opt = config.opt = ml_collections.ConfigDict()
-  opt.schedule = 'rsqrt'  # 'rsqrt' (paper), 't2t' (linear warmup x rsqrt decay), 'constant'.
+  # 'rsqrt' (paper), 't2t' (linear warmup x rsqrt decay), 'constant', or 'linear' / 'cosine':
+  # warmup to the rsqrt peak, then decay to final_lr_fraction of it at train.num_steps.
+  opt.schedule = 'rsqrt'
   opt.lr_scale = 1.0  # Multiplies the schedule (paper 1.0, tensor2tensor v3 2.0).
   opt.warmup_steps = 4000  # Linear warmup length of the schedule.
+  opt.final_lr_fraction = 0.0  # 'linear' / 'cosine': the rate at the end, over the peak's.
+  opt.cooldown_steps = 0  # Any schedule: linear ramp to 0 over the last N of train.num_steps.
   opt.b1 = 0.9  # Adam beta1.
   opt.b2 = 0.98  # Adam beta2 (tensor2tensor v3: 0.997).
   opt.eps = 1e-9  # Adam epsilon.
@@ -120,6 +124,7 @@ def get_config():
   evaluation.num_batches = 0  # Eval-loss batches per evaluation; 0 uses the whole eval set.
   evaluation.bleu_sentences = -1  # Eval sentences decoded for BLEU: -1 all, N the first N, 0 none.
   evaluation.bleu_every = 0  # Decode when the eval step is a multiple of this (and last); 0: all.
+  evaluation.full_bleu_at_end = False  # At the last step decode every eval sentence regardless.
   evaluation.bleu_tokenize = '13a'  # sacreBLEU tokenizer; 'none' when references are tokenised.
   evaluation.bleu_lowercase = False  # Case-insensitive BLEU (lowercase hypotheses and references).
   evaluation.beam_size = 4  # Beam width for evaluation decoding; 1 is greedy.

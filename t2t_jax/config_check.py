@@ -52,6 +52,8 @@ RANGES = {
     'model.compression_stride': (1, _INF, True),
     'opt.lr_scale': (0.0, _INF, True),  # 0 freezes the weights.
     'opt.warmup_steps': (0, _INF, True),
+    'opt.cooldown_steps': (0, _INF, True),
+    'opt.final_lr_fraction': (0.0, 1.0, True),
     'opt.b1': (0.0, 1.0, True),
     'opt.b2': (0.0, 1.0, True),
     'opt.eps': (0.0, _INF, True),
@@ -130,7 +132,8 @@ def check(config, mesh: bool = True) -> None:
     raise ConfigError('; '.join(problems))
   for call in (lambda: TransformerConfig.from_config(config.model, data.vocab_size(config)),
                lambda: prng.impl(config.model.dropout_prng),
-               lambda: optim.learning_rate_schedule(config.opt, config.model.d_model),
+               lambda: optim.learning_rate_schedule(config.opt, config.model.d_model,
+                                                    config.train.num_steps),
                lambda: mesh and sharding.make_mesh(config.mesh)):
     try:
       call()

@@ -99,16 +99,21 @@ def exact_match(hypotheses, references) -> float:
 
 def bleu_due(step: int, num_steps: int, eval_config) -> bool:
   """Whether the evaluation at `step` also decodes for BLEU (always at the last step)."""
+  if step == num_steps and eval_config.get('full_bleu_at_end'):
+    return True
   if eval_config.bleu_sentences == 0:
     return False
   return step == num_steps or eval_config.bleu_every <= 0 or step % eval_config.bleu_every == 0
 
 
-def validation_bleu(translator, params, split, vocab, eval_config,
-                    examples_to_print: int = 0) -> tuple[dict[str, float], Bleu]:
-  """sacreBLEU and exact match on the validation set (its first `bleu_sentences` if > 0)."""
-  count = len(split) if eval_config.bleu_sentences < 0 else min(eval_config.bleu_sentences,
-                                                                 len(split))
+def validation_bleu(translator, params, split, vocab, eval_config, examples_to_print: int = 0,
+                    sentences: int | None = None) -> tuple[dict[str, float], Bleu]:
+  """sacreBLEU and exact match on the validation set: its first `sentences` if > 0, all if < 0.
+
+  `sentences` defaults to `eval_config.bleu_sentences`.
+  """
+  sentences = eval_config.bleu_sentences if sentences is None else sentences
+  count = len(split) if sentences < 0 else min(sentences, len(split))
   references = split.references[:count]
   hypotheses = [vocab.decode(ids) for ids in translator.translate(params, split.inputs[:count])]
   bleu = sacrebleu_score(hypotheses, references, eval_config.bleu_tokenize,

@@ -170,34 +170,69 @@ def summarize(metric_sums: dict[str, float]) -> dict[str, float]:
   return figures
 
 
-def learning_rate_schedule(opt_config, d_model: int) -> optax.Schedule:
+SCHEDULES = ('rsqrt', 't2t', 'constant', 'linear', 'cosine')
+
+
+def learning_rate_schedule(opt_config, d_model: int,
+                           num_steps: int | None = None) -> optax.Schedule:
   """Maps the optimiser step (0-based, as optax counts) to a learning rate.
 
-  'rsqrt' is the paper's scale * d^-0.5 * min(s^-0.5, s * warmup^-1.5) at s = step + 1;
-  't2t' is tensor2tensor's constant * linear_warmup * rsqrt_decay * rsqrt_hidden_size, that is
-  scale * d^-0.5 * min(1, s / warmup) / sqrt(max(s, warmup)); 'constant' is just scale.
+  With s = step + 1 (the update's number) and W = warmup: 'rsqrt' is the paper's
+  scale * d^-0.5 * min(s^-0.5, s * W^-1.5); 't2t' is tensor2tensor's constant * linear_warmup *
+  rsqrt_decay * rsqrt_hidden_size, that is scale * d^-0.5 * min(1, s / W) / sqrt(max(s, W));
+  'constant' is just scale. 'linear' and 'cosine' warm up linearly to the rsqrt schedule's
+  peak, scale * d^-0.5 * W^-0.5 (so lr_scale means the same in all three), then fall over
+  the remaining updates to `final_lr_fraction` of it, reached at update num_steps + 1 (the
+  first one not run, so the last update still moves the weights).
+
+  `cooldown_steps` C > 0 multiplies any of them by min(1, (num_steps + 1 - s) / C): a linear
+  cooldown to 0 over the last C updates, which lets the rsqrt schedule end at a budget.
   """
   scale, warmup = opt_config.lr_scale, float(opt_config.warmup_steps)
-  if opt_config.schedule == 'rsqrt':
-    def schedule(step):
-      s = jnp.asarray(step, jnp.float32) + 1.0
+  name, cooldown = opt_config.schedule, opt_config.get('cooldown_steps', 0)  # Older configs.
+  if name not in SCHEDULES:
+    raise ConfigError(f'config.opt.schedule must be one of {SCHEDULES}, got {name!r}')
+  if (name in ('linear', 'cosine') or cooldown) and num_steps is None:
+    raise ValueError(f'the {name!r} schedule with cooldown_steps={cooldown} needs num_steps')
+  if name in ('linear', 'cosine') and warmup >= num_steps:
+    raise ConfigError(f'config.opt.schedule={name!r} decays after the warmup: '
+                      f'config.opt.warmup_steps={opt_config.warmup_steps} must be below '
+                      f'config.train.num_steps={num_steps}')
+  if cooldown > (num_steps or 0):
+    raise ConfigError(f'config.opt.cooldown_steps={cooldown} must not exceed '
+                      f'config.train.num_steps={num_steps}')
+  final = opt_config.get('final_lr_fraction', 0.0)
+
+  def base(s):
+    if name == 'rsqrt':
       return scale * d_model**-0.5 * jnp.minimum(s**-0.5, s * warmup**-1.5)
-  elif opt_config.schedule == 't2t':
-    def schedule(step):
-      s = jnp.asarray(step, jnp.float32) + 1.0
+    if name == 't2t':
       return (scale * d_model**-0.5 * jnp.minimum(1.0, s / warmup)
               * jax.lax.rsqrt(jnp.maximum(s, warmup)))
-  elif opt_config.schedule == 'constant':
-    schedule = optax.constant_schedule(scale)
-  else:
-    raise ConfigError(f"config.opt.schedule must be 'rsqrt', 't2t' or 'constant', "
-                      f'got {opt_config.schedule!r}')
+    if name == 'constant':
+      return jnp.full_like(s, scale)
+    peak = scale * d_model**-0.5 * warmup**-0.5
+    progress = jnp.clip((s - warmup) / (num_steps + 1 - warmup), 0.0, 1.0)
+    if name == 'linear':
+      decay = 1.0 - progress
+    else:
+      decay = 0.5 * (1.0 + jnp.cos(jnp.pi * progress))
+    return peak * jnp.where(s < warmup, s / warmup, final + (1.0 - final) * decay)
+
+  def schedule(step):
+    s = jnp.asarray(step, jnp.float32) + 1.0
+    rate = base(s)
+    if cooldown:
+      rate = rate * jnp.clip((num_steps + 1 - s) / cooldown, 0.0, 1.0)
+    return rate
+
   return schedule
 
 
-def make_optimizer(opt_config, d_model: int) -> optax.GradientTransformation:
+def make_optimizer(opt_config, d_model: int,
+                   num_steps: int | None = None) -> optax.GradientTransformation:
   """Adam (or AdamW with weight decay) under the schedule, optionally clipped first."""
-  schedule = learning_rate_schedule(opt_config, d_model)
+  schedule = learning_rate_schedule(opt_config, d_model, num_steps)
   adam = optax.adamw(schedule, b1=opt_config.b1, b2=opt_config.b2, eps=opt_config.eps,
                      weight_decay=opt_config.weight_decay)
   if opt_config.grad_clip > 0:

@@ -25,7 +25,11 @@ from t2t_jax import config_check
     ('model.dtype', 'int8', "config.model.dtype='int8' must be"),
     ('model.attention_impl', 'flash', "config.model.attention_impl='flash' must be one of"),
     ('model.dropout_prng', 'mt', "config.model.dropout_prng='mt' must be one of"),
-    ('opt.schedule', 'cosine', 'config.opt.schedule must be'),
+    ('opt.schedule', 'noam', 'config.opt.schedule must be'),
+    ('opt.cooldown_steps', 10**9, 'config.opt.cooldown_steps=1000000000 must not exceed '
+     'config.train.num_steps'),
+    ('opt.cooldown_steps', -1, 'config.opt.cooldown_steps=-1 is outside'),
+    ('opt.final_lr_fraction', 1.5, 'config.opt.final_lr_fraction=1.5 is outside'),
     ('model.num_heads', 3, 'config.model.d_model=32 is not divisible by config.model.num_heads=3'),
     ('mesh.shape', (3, -1, 1), 'config.mesh.shape=(3, -1, 1) needs a multiple of 3 devices, but '
      'there are 8'),

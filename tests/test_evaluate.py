@@ -1,6 +1,7 @@
 """BLEU modes against sacreBLEU called directly, compound splitting, best-step bookkeeping."""
 
 import json
+import types
 
 import ml_collections
 import pytest
@@ -82,6 +83,40 @@ def test_bleu_schedule_and_sentence_count_semantics():
   assert evaluate.bleu_due(1000, 6500, config)
   config.bleu_sentences = 0
   assert not evaluate.bleu_due(6500, 6500, config)
+  config.full_bleu_at_end = True  # The last step decodes all, even with none while training.
+  assert evaluate.bleu_due(6500, 6500, config)
+  assert not evaluate.bleu_due(6000, 6500, config)
+
+
+class _CountingTranslator:
+  """Echoes each source as its translation and records how many it was given."""
+  beam_size, alpha = 1, 0.6
+
+  def __init__(self):
+    self.counts = []
+
+  def translate(self, params, inputs):
+    del params
+    self.counts.append(len(inputs))
+    return list(inputs)
+
+
+def test_validation_bleu_decodes_the_subset_or_the_override():
+  vocab = types.SimpleNamespace(decode=lambda ids: ' '.join(map(str, ids)))
+  class Split(types.SimpleNamespace):
+    def __len__(self):
+      return len(self.inputs)
+
+  split = Split(inputs=[[i, i + 1] for i in range(10)], sources=[''] * 10,
+                references=[f'{i} {i + 1}' for i in range(10)])
+  config = ml_collections.ConfigDict({'bleu_sentences': 3, 'bleu_tokenize': 'none',
+                                      'bleu_lowercase': False})
+  translator = _CountingTranslator()
+  scores, _ = evaluate.validation_bleu(translator, None, split, vocab, config)
+  assert translator.counts == [3] and scores['exact_match'] == 100.0
+  evaluate.validation_bleu(translator, None, split, vocab, config, sentences=-1)
+  evaluate.validation_bleu(translator, None, split, vocab, config, sentences=20)
+  assert translator.counts == [3, 10, 10]
 
 
 def test_best_bleu_file_keeps_the_best_step(tmp_path):

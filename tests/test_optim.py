@@ -13,7 +13,8 @@ from t2t_jax import optim
 def _opt_config(**overrides):
   config = ml_collections.ConfigDict(dict(
       schedule='rsqrt', lr_scale=1.0, warmup_steps=4000, b1=0.9, b2=0.98, eps=1e-9,
-      grad_clip=0.0, weight_decay=0.0, label_smoothing=0.1))
+      grad_clip=0.0, weight_decay=0.0, label_smoothing=0.1, cooldown_steps=0,
+      final_lr_fraction=0.0))
   config.update(overrides)
   return config
 
@@ -35,7 +36,68 @@ def test_tensor2tensor_schedule(step):
 
 def test_unknown_schedule_is_refused():
   with pytest.raises(ValueError, match="config.opt.schedule must be"):
-    optim.learning_rate_schedule(_opt_config(schedule='cosine'), 512)
+    optim.learning_rate_schedule(_opt_config(schedule='noam'), 512)
+
+
+def _budget_rates(step, num_steps, warmup, final, shape, peak):
+  """The rate of update `step` (1-based), written out case by case from the definitions."""
+  if step < warmup:
+    return peak * step / warmup
+  fraction_done = (step - warmup) / (num_steps + 1 - warmup)
+  if shape == 'linear':
+    remaining = 1 - fraction_done
+  else:
+    remaining = (1 + math.cos(math.pi * fraction_done)) / 2
+  return peak * (final + (1 - final) * remaining)
+
+
+@pytest.mark.parametrize('shape', ['linear', 'cosine'])
+@pytest.mark.parametrize('final', [0.0, 0.1])
+def test_budget_schedules_against_formula(shape, final):
+  num_steps, warmup, scale, d_model = 1000, 100, 2.0, 128
+  schedule = optim.learning_rate_schedule(
+      _opt_config(schedule=shape, lr_scale=scale, warmup_steps=warmup, final_lr_fraction=final),
+      d_model, num_steps)
+  peak = scale / math.sqrt(d_model * warmup)
+  for step in [1, 50, 99, 100, 101, 400, 550, 999, 1000]:
+    assert float(schedule(step - 1)) == pytest.approx(
+        _budget_rates(step, num_steps, warmup, final, shape, peak), rel=1e-4,
+        abs=1e-6 * peak), step  # float32 rounding near the end of the decay
+  # The peak equals the paper schedule's at the end of the warmup, so lr_scale means the same.
+  rsqrt = optim.learning_rate_schedule(_opt_config(lr_scale=scale, warmup_steps=warmup), d_model)
+  assert float(schedule(warmup - 1)) == pytest.approx(float(rsqrt(warmup - 1)), rel=1e-6)
+  # Every update moves the weights, and the rate never rises after the warmup.
+  rates = np.asarray([float(schedule(t)) for t in range(num_steps)])
+  assert rates[-1] > 0
+  assert np.all(np.diff(rates[warmup - 1:]) <= 1e-12)
+  if shape == 'cosine':  # Half-way through the decay the cosine is at the middle of its range.
+    middle = warmup + (num_steps + 1 - warmup) / 2
+    assert float(schedule(middle - 1)) == pytest.approx(peak * (1 + final) / 2, rel=1e-5)
+
+
+@pytest.mark.parametrize('name', ['rsqrt', 't2t', 'constant', 'linear'])
+def test_cooldown_ramps_the_last_updates_to_zero(name):
+  num_steps, cooldown = 600, 200
+  plain = optim.learning_rate_schedule(_opt_config(schedule=name, warmup_steps=100), 256,
+                                       num_steps)
+  cooled = optim.learning_rate_schedule(
+      _opt_config(schedule=name, warmup_steps=100, cooldown_steps=cooldown), 256, num_steps)
+  for step in [1, 100, 400, 401, 500, 599, 600]:  # 1-based updates; cooldown from 401 on.
+    factor = min(1.0, (num_steps + 1 - step) / cooldown)
+    assert float(cooled(step - 1)) == pytest.approx(float(plain(step - 1)) * factor,
+                                                    rel=1e-5), step
+  assert float(cooled(num_steps - 1)) == pytest.approx(float(plain(num_steps - 1)) / cooldown,
+                                                       rel=1e-5)
+
+
+@pytest.mark.parametrize('overrides, num_steps, message', [
+    (dict(schedule='linear', warmup_steps=1000), 1000, 'warmup_steps=1000 must be below'),
+    (dict(schedule='cosine', warmup_steps=2000), 1000, 'warmup_steps=2000 must be below'),
+    (dict(cooldown_steps=1001), 1000, 'cooldown_steps=1001 must not exceed'),
+])
+def test_budget_schedule_errors_name_the_keys(overrides, num_steps, message):
+  with pytest.raises(ValueError, match=message):
+    optim.learning_rate_schedule(_opt_config(**overrides), 512, num_steps)
 
 
 def _numpy_smoothed_loss(logits, targets, smoothing):
