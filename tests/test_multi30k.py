@@ -13,6 +13,8 @@ import tensorboardX
 
 from conftest import ROOT, scalar_events, write_lines
 from configs import multi30k
+from t2t_jax import decode
+from t2t_jax import optim
 from t2t_jax import plot
 from t2t_jax import sources
 from t2t_jax import train
@@ -198,3 +200,38 @@ def test_each_model_family_variant_trains_and_evaluates(tmp_path, variant, key, 
   results = train.train_and_evaluate(config, str(tmp_path / 'run'))
   assert results['step'] == 6 and 0 <= results['bleu'] <= 100
   assert json.load(open(tmp_path / 'run' / 'config.json'))['model'][key] == value
+
+
+def test_speedrun_is_the_reference_model_with_a_schedule_that_ends_at_its_budget():
+  tok, speedrun = multi30k.get_config('tok'), multi30k.get_config('speedrun')
+  assert speedrun.model.to_dict() == tok.model.to_dict()
+  assert speedrun.data.to_dict() == tok.data.to_dict()
+  raw = multi30k.get_config('raw_speedrun')
+  assert raw.data.train_src == 'train.en' and raw.eval.bleu_tokenize == '13a'
+  assert raw.opt.to_dict() == speedrun.opt.to_dict()
+  num_steps = speedrun.train.num_steps
+  schedule = optim.learning_rate_schedule(speedrun.opt, speedrun.model.d_model, num_steps)
+  paper = optim.learning_rate_schedule(tok.opt, tok.model.d_model)
+  # The paper's rate until the cooldown, then a ramp whose last update still moves the weights.
+  start = num_steps - speedrun.opt.cooldown_steps
+  assert float(schedule(start - 1)) == pytest.approx(float(paper(start - 1)), rel=1e-6)
+  assert 0 < float(schedule(num_steps - 1)) < 1e-3 * float(paper(num_steps - 1))
+  assert speedrun.eval.full_bleu_at_end and 0 < speedrun.eval.bleu_sentences < 1014
+
+
+def test_speedrun_decodes_a_subset_while_training_and_every_sentence_at_the_end(
+    tmp_path, monkeypatch):
+  data_dir = _fake_multi30k(tmp_path / 'multi30k')
+  config = _shrunk('speedrun', data_dir)
+  config.opt.cooldown_steps, config.eval.bleu_sentences = 3, 5
+  decoded = []
+  translate = decode.Translator.translate
+
+  def counting(self, params, inputs, *args, **kwargs):
+    decoded.append(len(inputs))
+    return translate(self, params, inputs, *args, **kwargs)
+
+  monkeypatch.setattr(decode.Translator, 'translate', counting)
+  results = train.train_and_evaluate(config, str(tmp_path / 'run'))
+  assert results['step'] == 6
+  assert decoded == [5, 16]  # Step 3: the first 5 valid sentences; the last step: all 16.
