@@ -6,6 +6,7 @@
       python -m t2t_jax.main --config=configs/wmt14_ende.py:big --workdir=/shared/sweep
   python launch/sweep.py --dry_run FILE -- <base command>     # print the commands only
   python launch/sweep.py --summarize /tmp/sweep                # table of final metrics
+  python launch/sweep.py --summarize /tmp/sweep --sort=bleu --markdown  # best first, markdown
 
 A sweep file defines `get_sweep()` returning {'product': {key: [values]}, 'zip': {key:
 [values]}} (either or both), keys being config keys such as 'opt.lr_scale'. The points are
@@ -25,7 +26,9 @@ import shlex
 import subprocess
 import sys
 
-SUMMARY_COLUMNS = ('step', 'bleu', 'eval_loss', 'train_loss', 'steps_per_second')
+SUMMARY_COLUMNS = ('step', 'bleu', 'eval_loss', 'train_loss', 'steps_per_second',
+                   'train_seconds')
+DESCENDING = ('bleu', 'steps_per_second')  # --sort puts the highest first; others ascend.
 
 
 class SweepError(ValueError):
@@ -163,48 +166,107 @@ def _format(value) -> str:
   return str(value)
 
 
-def summarize(root: str) -> str:
-  """A table of the final figures (final.json) of every run under `root`."""
+def _short_names(keys: list[str]) -> dict[str, str]:
+  """{config key: column name}: the last part of each key, as point_name shortens it."""
+  short = [key.rsplit('.', 1)[-1] for key in keys]
+  clash = len(set(short)) < len(short) or set(short) & {'run', *SUMMARY_COLUMNS}
+  return dict(zip(keys, keys if clash else short))
+
+
+def _read_runs(root: str) -> tuple[list[str], list[dict], set[str]]:
+  """The swept columns, one {column: value} per run under `root`, and the runs unfinished."""
   if not os.path.isdir(root):
     raise SweepError(f'{root}: no such sweep directory')
-  rows = []
+  runs = []
   for name in sorted(os.listdir(root)):
     workdir = os.path.join(root, name)
-    if not os.path.isdir(workdir):
-      continue
+    point_path = os.path.join(workdir, 'sweep_point.json')
     final_path = os.path.join(workdir, 'final.json')
+    if not (os.path.exists(point_path) or os.path.exists(final_path)):
+      continue
+    overrides, final = {}, None
+    if os.path.exists(point_path):
+      with open(point_path) as f:
+        overrides = json.load(f)['overrides']
     if os.path.exists(final_path):
       with open(final_path) as f:
         final = json.loads(f.read().strip().splitlines()[-1])
-      rows.append([name] + [_format(final.get(column)) for column in SUMMARY_COLUMNS])
-    elif os.path.exists(os.path.join(workdir, 'sweep_point.json')):
-      rows.append([name] + ['(no final.json: running or failed)'] + [''] * 4)
-  if not rows:
+    runs.append({'name': name, 'overrides': overrides, 'final': final})
+  if not runs:
     raise SweepError(f'{root}: no runs found (no subdirectory holds final.json or '
                      'sweep_point.json)')
-  header = ['run'] + list(SUMMARY_COLUMNS)
-  widths = [max(len(row[i]) for row in rows + [header]) for i in range(len(header))]
+  keys = list(dict.fromkeys(key for run in runs for key in run['overrides']))
+  names = _short_names(keys)
+  rows = []
+  for run in runs:
+    row = {'run': run['name']}
+    row.update({names[key]: run['overrides'].get(key) for key in keys})
+    row.update({column: (run['final'] or {}).get(column) for column in SUMMARY_COLUMNS})
+    rows.append(row)
+  unfinished = {run['name'] for run in runs if run['final'] is None}
+  return list(names.values()), rows, unfinished
+
+
+def _sorted(rows: list[dict], column: str, columns: list[str]) -> list[dict]:
+  """Rows by `column`: best first for DESCENDING columns, else ascending; blanks last."""
+  if column not in columns:
+    raise SweepError(f'--sort={column}: no such column; the table has {", ".join(columns)}')
+  present = [row for row in rows if row[column] is not None]
+  numbers = all(isinstance(row[column], (int, float)) for row in present)
+  present.sort(key=lambda row: row[column] if numbers else str(row[column]),
+               reverse=column in DESCENDING)
+  return present + [row for row in rows if row[column] is None]
+
+
+def summarize(root: str, sort: str | None = None, markdown: bool = False) -> str:
+  """A table of every run under `root`: its swept values, then its final figures (final.json)."""
+  swept, rows, unfinished = _read_runs(root)
+  columns = ['run'] + swept + list(SUMMARY_COLUMNS)
+  if sort:
+    rows = _sorted(rows, sort, columns)
+  cells = []
+  for row in rows:
+    # Swept values as the run names write them (1.0, not 1).
+    cells.append([row['run']] + ['-' if row[column] is None else str(row[column])
+                                 for column in swept])
+    if row['run'] in unfinished:
+      cells[-1] += ['(no final.json: running or failed)'] + [''] * (len(SUMMARY_COLUMNS) - 1)
+    else:
+      cells[-1] += [_format(row[column]) for column in SUMMARY_COLUMNS]
+  if markdown:
+    return '\n'.join('| ' + ' | '.join(cell.replace('|', '\\|') for cell in row) + ' |'
+                     for row in [columns, ['---'] * len(columns)] + cells)
+  widths = [max(len(row[i]) for row in cells + [columns]) for i in range(len(columns))]
   lines = ['  '.join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip()
-           for row in [header] + rows]
+           for row in [columns] + cells]
   return '\n'.join(lines)
 
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0],
                                    usage='%(prog)s [options] SWEEP_FILE -- command ... | '
-                                         '%(prog)s --summarize DIR')
+                                         '%(prog)s --summarize DIR [--sort=COLUMN] '
+                                         '[--markdown]')
   parser.add_argument('--mode', choices=('local', 'slurm'), default='local',
                       help='Run the points here one after another, or as a SLURM array.')
   parser.add_argument('--dry_run', action='store_true', help='Print the commands (or the '
                       'SLURM script) and write nothing.')
   parser.add_argument('--sbatch', action='append', default=[],
                       help='Extra #SBATCH option for --mode=slurm, e.g. --sbatch=--gpus=8.')
-  parser.add_argument('--summarize', metavar='DIR', help='Print final metrics of all runs.')
+  parser.add_argument('--summarize', metavar='DIR', help='Print a table of all runs: swept '
+                      'values, then final metrics.')
+  parser.add_argument('--sort', metavar='COLUMN', help='With --summarize: order the runs by '
+                      f'this column, highest first for {" and ".join(DESCENDING)}, lowest '
+                      'first for any other (eval_loss, a swept key, ...); runs without it last.')
+  parser.add_argument('--markdown', action='store_true', help='With --summarize: print a '
+                      'GitHub markdown table.')
   parser.add_argument('rest', nargs=argparse.REMAINDER, help='SWEEP_FILE -- base command')
   args = parser.parse_args()
+  if (args.sort or args.markdown) and not args.summarize:
+    parser.error('--sort and --markdown go with --summarize DIR')
   try:
     if args.summarize:
-      print(summarize(args.summarize))
+      print(summarize(args.summarize, args.sort, args.markdown))
       return
     if '--' not in args.rest or args.rest.index('--') != 1:
       parser.error('give the sweep file, then -- and the base command')

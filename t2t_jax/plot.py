@@ -6,6 +6,9 @@ Left column against steps, right column against training wall time: training and
 loss on top, validation BLEU (and the averaged-checkpoint BLEU when the run logged it) below.
 A resumed run writes one event file per launch; the wall-time axis joins them end to start, so
 the time a run spent stopped is not counted.
+
+It then prints, for each BLEU series, the last and best values and, with --bleu_target, when the
+run first reached the target; the last line is the same as one JSON record, to compare runs by.
 """
 
 import dataclasses
@@ -78,6 +81,68 @@ def read_scalars(workdir: str) -> dict[str, Series]:
   return scalars
 
 
+def time_to_target(series: Series, target: float) -> dict[str, float] | None:
+  """The first logged point with value >= target ({step, seconds, minutes, value}); None if none.
+
+  The seconds are training wall time when the value was logged, so they include the
+  evaluations (and the BLEU decoding) that ran before it.
+  """
+  for step, value, seconds in zip(series.steps, series.values, series.seconds):
+    if value >= target:
+      return {'step': step, 'seconds': seconds, 'minutes': seconds / 60, 'value': value}
+  return None
+
+
+def _best(series: Series) -> int:
+  """Index of the highest value; the earliest one on ties."""
+  return max(range(len(series.values)), key=series.values.__getitem__)
+
+
+def summary(scalars: dict[str, Series], workdir: str,
+            bleu_target: float = 0.0) -> tuple[list[str], dict]:
+  """The lines to print about each BLEU series, and the same figures as one JSON record.
+
+  The record holds {tag: {last, last_step, best, best_step, best_minutes, minutes_to_target,
+  step_to_target}} for each BLEU tag the run logged, with a reason in null_reasons for each
+  null, and the run's total training minutes.
+  """
+  lines = []
+  reasons = {}
+  record = {'workdir': workdir, 'bleu_target': bleu_target or None,
+            'training_minutes': round(max((series.seconds[-1] for series in scalars.values()
+                                           if series.seconds), default=0.0) / 60, 2)}
+  if not bleu_target:
+    reasons['bleu_target'] = 'no --bleu_target given'
+  for tag, _ in BLEUS:
+    if not (series := scalars.get(tag)):
+      continue
+    best = _best(series)
+    best_text = (f'best {series.values[best]:.2f} at step {series.steps[best]}, '
+                 f'{series.seconds[best] / 60:.1f} training minutes')
+    lines.append(f'{tag}: last {series.values[-1]:.2f} at step {series.steps[-1]}; '
+                 f'{best_text}')
+    figures = record[tag] = {
+        # Event files hold float32: 41.2 reads back as 41.20000076.
+        'last': round(series.values[-1], 4), 'last_step': series.steps[-1],
+        'best': round(series.values[best], 4), 'best_step': series.steps[best],
+        'best_minutes': round(series.seconds[best] / 60, 2),
+        'minutes_to_target': None, 'step_to_target': None}
+    reached = time_to_target(series, bleu_target) if bleu_target else None
+    if reached:
+      figures['minutes_to_target'] = round(reached['minutes'], 2)
+      figures['step_to_target'] = reached['step']
+      lines.append(f'{tag}: first reached {bleu_target:g} at step {reached["step"]} after '
+                   f'{reached["minutes"]:.1f} training minutes ({reached["value"]:.2f})')
+    else:
+      why = f'never reached {bleu_target:g} ({best_text})' if bleu_target else (
+          'no --bleu_target given')
+      if bleu_target:
+        lines.append(f'{tag}: {why}')
+      reasons[f'{tag}.minutes_to_target'] = reasons[f'{tag}.step_to_target'] = why
+  record['null_reasons'] = reasons
+  return lines, record
+
+
 def draw(scalars: dict[str, Series], output: str, title: str = '',
          bleu_target: float = 0.0) -> None:
   """Writes the 2x2 figure (loss and BLEU against steps and hours) to `output`."""
@@ -123,6 +188,9 @@ def main(argv):
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
   if not FLAGS.workdir:
     raise app.UsageError('--workdir is required')
+  if FLAGS.bleu_target < 0:
+    raise app.UsageError(f'--bleu_target={FLAGS.bleu_target:g}: give a BLEU above 0, or 0 for '
+                         'no target')
   try:
     scalars = read_scalars(FLAGS.workdir)
   except FileNotFoundError as e:
@@ -134,12 +202,10 @@ def main(argv):
   draw(scalars, output, FLAGS.title or os.path.basename(os.path.normpath(FLAGS.workdir)),
        FLAGS.bleu_target)
   print(f'wrote {output}')
-  for tag, _ in BLEUS:
-    if series := scalars.get(tag):
-      best = max(range(len(series.values)), key=series.values.__getitem__)
-      print(f'{tag}: last {series.values[-1]:.2f} at step {series.steps[-1]}; best '
-            f'{series.values[best]:.2f} at step {series.steps[best]} '
-            f'({series.seconds[best] / 60:.1f} training minutes)')
+  lines, record = summary(scalars, FLAGS.workdir, FLAGS.bleu_target)
+  for line in lines:
+    print(line)
+  print(cli.json_line(record))
 
 
 def _define_flags():
@@ -147,7 +213,8 @@ def _define_flags():
   flags.DEFINE_string('workdir', None, 'Training run directory (holds the event files).')
   flags.DEFINE_string('output', '', 'PNG to write; default: <workdir>/curves.png.')
   flags.DEFINE_string('title', '', 'Figure title; default: the workdir name.')
-  flags.DEFINE_float('bleu_target', 0.0, 'Draw a dashed line at this BLEU; 0: none.')
+  flags.DEFINE_float('bleu_target', 0.0, 'Draw a dashed line at this BLEU and report when the '
+                     'run first reached it; 0: none.')
 
 
 def run():

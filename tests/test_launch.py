@@ -54,6 +54,70 @@ def test_sweep_dry_run_prints_commands_and_slurm_array(tmp_path):
   assert os.listdir(tmp_path) == []  # A dry run writes nothing.
 
 
+def _finished_sweep(root):
+  """Four hand-written runs of an lr_scale x dropout grid; one of them has no final.json yet."""
+  figures = {  # (lr_scale, dropout): (bleu, eval_loss)
+      (1.0, 0.1): (30.5, 2.25), (1.0, 0.3): (33.0, 2.5), (2.0, 0.1): (31.25, 2.0),
+      (2.0, 0.3): None}
+  for (lr_scale, dropout), result in figures.items():
+    point = {'opt.lr_scale': lr_scale, 'model.dropout': dropout}
+    workdir = root / sweep.point_name(point)
+    os.makedirs(workdir)
+    (workdir / 'sweep_point.json').write_text(json.dumps({'overrides': point, 'command': 'x'}))
+    if result:
+      bleu, eval_loss = result
+      (workdir / 'final.json').write_text(json.dumps(
+          {'config': 'tiny', 'step': 100, 'bleu': bleu, 'eval_loss': eval_loss,
+           'train_loss': 3.0, 'steps_per_second': 5.0, 'train_seconds': 20.5}) + '\n')
+  (root / 'notes.txt').write_text('not a run')
+  os.makedirs(root / 'unrelated')  # Neither file: not a run of the sweep.
+
+
+def test_summary_shows_swept_values_then_metrics_and_lists_unfinished_runs(tmp_path):
+  _finished_sweep(tmp_path)
+  table = sweep.summarize(str(tmp_path)).splitlines()
+  assert table[0].split() == ['run', 'lr_scale', 'dropout', 'step', 'bleu', 'eval_loss',
+                              'train_loss', 'steps_per_second', 'train_seconds']
+  assert len(table) == 5
+  assert table[1].split() == ['lr_scale=1.0,dropout=0.1', '1.0', '0.1', '100', '30.5', '2.25',
+                              '3', '5', '20.5']
+  assert table[4].split()[:3] == ['lr_scale=2.0,dropout=0.3', '2.0', '0.3']
+  assert '(no final.json: running or failed)' in table[4]
+
+
+@pytest.mark.parametrize('column, order', [
+    ('bleu', [(1.0, 0.3), (2.0, 0.1), (1.0, 0.1), (2.0, 0.3)]),  # Highest first; no BLEU last.
+    ('eval_loss', [(2.0, 0.1), (1.0, 0.1), (1.0, 0.3), (2.0, 0.3)]),  # Lowest first.
+    ('dropout', [(1.0, 0.1), (2.0, 0.1), (1.0, 0.3), (2.0, 0.3)])])  # Ties keep name order.
+def test_summary_sorts_by_a_column(tmp_path, column, order):
+  _finished_sweep(tmp_path)
+  rows = sweep.summarize(str(tmp_path), sort=column).splitlines()[1:]
+  assert [row.split()[0] for row in rows] == [f'lr_scale={lr},dropout={dropout}'
+                                              for lr, dropout in order]
+  with pytest.raises(sweep.SweepError, match=r'--sort=blue: no such column.*bleu'):
+    sweep.summarize(str(tmp_path), sort='blue')
+
+
+def test_summary_as_a_markdown_table_from_the_command_line(tmp_path):
+  _finished_sweep(tmp_path)
+  run = _run([sys.executable, 'launch/sweep.py', '--summarize', str(tmp_path), '--sort=bleu',
+              '--markdown'], timeout=60)
+  assert run.returncode == 0, run.stderr
+  lines = run.stdout.strip().splitlines()
+  assert len(lines) == 2 + 4  # Header, separator, one row per run.
+  cells = [[cell.strip() for cell in line.strip().split('|')[1:-1]] for line in lines]
+  assert all(line.startswith('| ') and line.endswith(' |') for line in lines)
+  assert cells[0] == ['run', 'lr_scale', 'dropout', 'step', 'bleu', 'eval_loss', 'train_loss',
+                      'steps_per_second', 'train_seconds']
+  assert cells[1] == ['---'] * 9
+  assert all(len(row) == 9 for row in cells)
+  assert [row[4] for row in cells[2:]] == ['33', '31.25', '30.5', '']
+  assert cells[5][3] == '(no final.json: running or failed)'
+  misuse = _run([sys.executable, 'launch/sweep.py', '--markdown', 'configs/sweeps/tiny_grid.py',
+                 '--', 'python'], timeout=60)
+  assert misuse.returncode == 2 and '--sort and --markdown go with --summarize' in misuse.stderr
+
+
 @pytest.mark.slow
 def test_sweep_runs_a_two_by_two_grid_and_summarizes_it(tmp_path):
   sweep_file = tmp_path / 'grid.py'
@@ -76,11 +140,12 @@ def test_sweep_runs_a_two_by_two_grid_and_summarizes_it(tmp_path):
     assert config['data']['num_train'] == point['overrides']['data.num_train']
   table = _run([sys.executable, 'launch/sweep.py', '--summarize', str(root)],
                check=True).stdout.splitlines()
-  assert table[0].split() == ['run', 'step', 'bleu', 'eval_loss', 'train_loss',
-                              'steps_per_second']
+  assert table[0].split() == ['run', 'seed', 'num_train', 'step', 'bleu', 'eval_loss',
+                              'train_loss', 'steps_per_second', 'train_seconds']
   assert len(table) == 5
   for line in table[1:]:
-    name, step, bleu, eval_loss, train_loss, _ = line.split()
+    name, seed, num_train, step, bleu, eval_loss, train_loss, _, _ = line.split()
+    assert name == f'seed={seed},num_train={num_train}'
     final = json.load(open(root / name / 'final.json'))
     assert step == '3' and float(bleu) == pytest.approx(final['bleu'], rel=1e-3)
     assert float(eval_loss) == pytest.approx(final['eval_loss'], rel=1e-3)

@@ -6,6 +6,7 @@ import re
 import subprocess
 import sys
 import time
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -161,6 +162,101 @@ def test_read_scalars_joins_launches_and_keeps_the_last_value_of_a_repeated_step
   np.testing.assert_allclose(series.seconds[2:], [first_span + start + 10_150 - second_open,
                                                   first_span + start + 10_200 - second_open],
                              atol=1e-3)
+
+
+def _writer_opened_at(directory, suffix, wall_time):
+  """A SummaryWriter whose opening (file_version) event carries `wall_time`."""
+  with mock.patch('time.time', return_value=wall_time):
+    return tensorboardX.SummaryWriter(str(directory), filename_suffix=suffix)
+
+
+def _resumed_bleu_run(directory):
+  """Event files of a run stopped after step 3000 for a day and resumed from it.
+
+  Returns {step: training seconds} of the BLEU points, counted by hand from the written wall
+  times (2,000 s in the first launch, then the second launch's time since it opened), and the
+  run's total training seconds.
+  """
+  start = 1.7e9
+  first = _writer_opened_at(directory, '.first', start)
+  for step, value in ((1000, 30.0), (2000, 38.0), (3000, 40.0)):
+    first.add_scalar('bleu', value, step, walltime=start + 0.6 * step)
+    first.add_scalar('averaged_bleu', value - 5, step, walltime=start + 0.6 * step + 1)
+  first.add_scalar('train/loss', 2.0, 3100, walltime=start + 2000)  # The launch's last event.
+  first.close()
+  resumed = start + 90_000  # Stopped for 88,000 s, which are not training time.
+  second = _writer_opened_at(directory, '.second', resumed)
+  # The resume repeats step 3000, now scoring 40.5; 41 is first reached at step 4000.
+  for step, value in ((3000, 40.5), (4000, 41.0), (5000, 42.0)):
+    second.add_scalar('bleu', value, step, walltime=resumed + 0.5 * step - 1000)
+    second.add_scalar('averaged_bleu', value - 5, step, walltime=resumed + 0.5 * step - 999)
+  second.close()
+  seconds = {1000: 600.0, 2000: 1200.0, 3000: 2500.0, 4000: 3000.0, 5000: 3500.0}
+  return seconds, 3501.0
+
+
+@pytest.mark.parametrize('target, step, value', [
+    (30.0, 1000, 30.0),  # Exactly equal counts as reached, in the first launch.
+    (35.0, 2000, 38.0),
+    (40.5, 3000, 40.5),  # The repeated step keeps the resumed launch's value and time.
+    (41.0, 4000, 41.0),  # Reached only in the second launch.
+    (41.5, 5000, 42.0)])
+def test_time_to_target_is_the_first_point_at_or_above_it_in_joined_training_time(
+    tmp_path, target, step, value):
+  seconds, _ = _resumed_bleu_run(tmp_path)
+  reached = plot.time_to_target(plot.read_scalars(str(tmp_path))['bleu'], target)
+  assert (reached['step'], reached['value']) == (step, value)
+  assert reached['seconds'] == pytest.approx(seconds[step], abs=1e-3)
+  assert reached['minutes'] == pytest.approx(seconds[step] / 60, abs=1e-4)
+
+
+def test_summary_reports_the_target_or_why_not_and_every_null_has_a_reason(tmp_path):
+  seconds, total = _resumed_bleu_run(tmp_path)
+  scalars = plot.read_scalars(str(tmp_path))
+  lines, record = plot.summary(scalars, str(tmp_path), 41)
+  assert record['bleu_target'] == 41
+  assert record['training_minutes'] == pytest.approx(total / 60, abs=0.006)
+  assert record['bleu'] == {'last': 42.0, 'last_step': 5000, 'best': 42.0, 'best_step': 5000,
+                            'best_minutes': pytest.approx(seconds[5000] / 60, abs=0.006),
+                            'minutes_to_target': pytest.approx(seconds[4000] / 60, abs=0.006),
+                            'step_to_target': 4000}
+  averaged = record['averaged_bleu']  # At most 37: never reached.
+  assert (averaged['best'], averaged['best_step']) == (37.0, 5000)
+  assert averaged['minutes_to_target'] is None and averaged['step_to_target'] is None
+  assert set(record['null_reasons']) == {'averaged_bleu.minutes_to_target',
+                                         'averaged_bleu.step_to_target'}
+  assert record['null_reasons']['averaged_bleu.step_to_target'].startswith(
+      'never reached 41 (best 37.00 at step 5000')
+  assert f'bleu: first reached 41 at step 4000 after {seconds[4000] / 60:.1f} training ' \
+         'minutes (41.00)' in lines
+  assert any(line.startswith('averaged_bleu: never reached 41 (best 37.00') for line in lines)
+  assert plot.time_to_target(scalars['averaged_bleu'], 41) is None
+
+  _, record = plot.summary(scalars, str(tmp_path))  # No target: nulls, each with its reason.
+  assert record['bleu_target'] is None and record['bleu']['minutes_to_target'] is None
+  assert set(record['null_reasons']) == {'bleu_target'} | {
+      f'{tag}.{key}' for tag in ('bleu', 'averaged_bleu')
+      for key in ('minutes_to_target', 'step_to_target')}
+
+
+def test_plot_command_prints_the_time_to_target_and_ends_with_a_json_line(tmp_path):
+  seconds, _ = _resumed_bleu_run(tmp_path / 'run')
+  completed = subprocess.run(
+      [sys.executable, '-m', 't2t_jax.plot', f'--workdir={tmp_path / "run"}',
+       f'--output={tmp_path / "curves.png"}', '--bleu_target=41'],
+      cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert completed.returncode == 0, completed.stderr
+  printed = completed.stdout.strip().splitlines()
+  assert (f'bleu: first reached 41 at step 4000 after {seconds[4000] / 60:.1f} training '
+          'minutes (41.00)') in printed
+  assert any(line.startswith('averaged_bleu: never reached 41') for line in printed)
+  record = json.loads(printed[-1])
+  assert record['workdir'] == str(tmp_path / 'run') and record['bleu_target'] == 41
+  assert record['bleu']['step_to_target'] == 4000
+  assert record['bleu']['minutes_to_target'] == pytest.approx(seconds[4000] / 60, abs=0.006)
+  assert record['averaged_bleu']['step_to_target'] is None
+  assert 'averaged_bleu.step_to_target' in record['null_reasons']
+  assert os.path.getsize(tmp_path / 'curves.png') > 20_000
 
 
 def _opened_at(directory, suffix):
