@@ -307,8 +307,11 @@ def test_speedrun_is_the_reference_model_with_a_schedule_that_ends_at_its_budget
   assert raw.opt.to_dict() == speedrun.opt.to_dict()
   num_steps = speedrun.train.num_steps
   schedule = optim.learning_rate_schedule(speedrun.opt, speedrun.model.d_model, num_steps)
-  paper = optim.learning_rate_schedule(tok.opt, tok.model.d_model)
-  # The paper's rate until the cooldown, then a ramp whose last update still moves the weights.
+  uncooled = speedrun.opt.copy_and_resolve_references()
+  uncooled.cooldown_steps = 0
+  paper = optim.learning_rate_schedule(uncooled, tok.model.d_model)
+  # The paper's schedule until the cooldown, then a ramp whose last update still moves the
+  # weights.
   start = num_steps - speedrun.opt.cooldown_steps
   assert float(schedule(start - 1)) == pytest.approx(float(paper(start - 1)), rel=1e-6)
   assert 0 < float(schedule(num_steps - 1)) < 1e-3 * float(paper(num_steps - 1))
