@@ -97,13 +97,16 @@ def exact_match(hypotheses, references) -> float:
 
 # BLEU during training.
 
-def bleu_due(step: int, num_steps: int, eval_config) -> bool:
-  """Whether the evaluation at `step` also decodes for BLEU (always at the last step)."""
+def bleu_sentences_due(step: int, num_steps: int, eval_config) -> int:
+  """Eval sentences the evaluation at `step` decodes for BLEU: 0 none, -1 all, N the first N.
+
+  `eval.bleu_sentences` at multiples of `eval.bleu_every` and at the last step, which decodes
+  all of them instead with `eval.full_bleu_at_end`.
+  """
   if step == num_steps and eval_config.get('full_bleu_at_end'):
-    return True
-  if eval_config.bleu_sentences == 0:
-    return False
-  return step == num_steps or eval_config.bleu_every <= 0 or step % eval_config.bleu_every == 0
+    return -1
+  due = step == num_steps or eval_config.bleu_every <= 0 or step % eval_config.bleu_every == 0
+  return eval_config.bleu_sentences if due else 0
 
 
 def validation_bleu(translator, params, split, vocab, eval_config, examples_to_print: int = 0,

@@ -207,8 +207,8 @@ def build(config, vocab_size: int, mesh=None) -> Setup:
     return wrapper
 
   return Setup(mesh, axis_rules, model_config, optimizer,
-               optim.learning_rate_schedule(config.opt, config.model.d_model, config.train.num_steps),
-               abstract_state,
+               optim.learning_rate_schedule(config.opt, config.model.d_model,
+                                            config.train.num_steps), abstract_state,
                traced(jit_init), traced(jit_train), traced(jit_eval))
 
 
@@ -344,13 +344,10 @@ def _write_config(config, workdir: str) -> str:
 
 
 def run_evaluation(setup: Setup, params, task: data.TaskData, eval_batches, config,
-                   translator: decode.Translator, with_bleu: bool = True,
-                   bleu_sentences: int | None = None
+                   translator: decode.Translator, bleu_sentences: int | None = None
                    ) -> tuple[dict[str, float], evaluate.Bleu | None]:
-  """Eval loss/accuracy on the eval set; with `with_bleu`, BLEU and exact match of decodes.
-
-  `bleu_sentences` overrides `config.eval.bleu_sentences` (the last step's full decode).
-  """
+  """Eval loss/accuracy on the eval set, and BLEU and exact match of `bleu_sentences` decodes
+  (0 none, -1 all, N the first N; default `config.eval.bleu_sentences`)."""
   sums = None
   for batch in data.eval_batches(eval_batches, config.eval.num_batches):
     metrics = jax.device_get(setup.eval_step(params, sharding.global_batch(batch, setup.mesh)))
@@ -360,7 +357,9 @@ def run_evaluation(setup: Setup, params, task: data.TaskData, eval_batches, conf
     return {}, None
   results = {f'eval_{k}': v for k, v in optim.summarize(sums).items()}
   bleu = None
-  if with_bleu and config.eval.bleu_sentences and len(task.eval):
+  if bleu_sentences is None:
+    bleu_sentences = config.eval.bleu_sentences
+  if bleu_sentences and len(task.eval):
     scores, bleu = evaluate.validation_bleu(translator, params, task.eval, task.vocab,
                                             config.eval, config.eval.examples_to_print,
                                             bleu_sentences)
@@ -527,18 +526,16 @@ def _train_and_evaluate(config, workdir: str) -> dict[str, Any]:
       if preempted:
         break
       if evaluate_now:
-        bleu_due = evaluate.bleu_due(step, num_steps, config.eval)
-        # Subsets while training keep the pauses short; the last step may score every sentence.
-        sentences = -1 if is_last and config.eval.get('full_bleu_at_end') else None
+        sentences = evaluate.bleu_sentences_due(step, num_steps, config.eval)
         results, bleu = run_evaluation(setup, state.params, task, eval_batches, config,
-                                       translator, bleu_due, sentences)
+                                       translator, sentences)
         if bleu and jax.process_index() == 0:
           evaluate.record_best_bleu(workdir, step, bleu)
         if config.eval.average_last and save_now:
           averaged, steps = checkpointer.average_last(config.eval.average_last,
                                                       setup.abstract_state.params)
           averaged_results, _ = run_evaluation(setup, averaged, task, eval_batches, config,
-                                               translator, bleu_due, sentences)
+                                               translator, sentences)
           results.update({f'averaged_{name}': value for name, value in averaged_results.items()})
           logging.info('Averaged checkpoints %s', steps)
         for name, value in results.items():

@@ -78,14 +78,17 @@ def test_exact_match_ignores_whitespace_only():
 def test_bleu_schedule_and_sentence_count_semantics():
   config = ml_collections.ConfigDict({'bleu_every': 3000, 'bleu_sentences': -1})
   assert [s for s in (1000, 2000, 3000, 4000, 6000, 6500)
-          if evaluate.bleu_due(s, 6500, config)] == [3000, 6000, 6500]
-  config.bleu_every = 0
-  assert evaluate.bleu_due(1000, 6500, config)
+          if evaluate.bleu_sentences_due(s, 6500, config)] == [3000, 6000, 6500]
+  config.bleu_every, config.bleu_sentences = 0, 200
+  assert evaluate.bleu_sentences_due(1000, 6500, config) == 200
   config.bleu_sentences = 0
-  assert not evaluate.bleu_due(6500, 6500, config)
-  config.full_bleu_at_end = True  # The last step decodes all, even with none while training.
-  assert evaluate.bleu_due(6500, 6500, config)
-  assert not evaluate.bleu_due(6000, 6500, config)
+  assert evaluate.bleu_sentences_due(6500, 6500, config) == 0
+  # The last step decodes all, even with none while training; the others as configured.
+  config.full_bleu_at_end = True
+  assert evaluate.bleu_sentences_due(6500, 6500, config) == -1
+  assert evaluate.bleu_sentences_due(6000, 6500, config) == 0
+  config.bleu_sentences = 200
+  assert evaluate.bleu_sentences_due(6000, 6500, config) == 200
 
 
 class _CountingTranslator:

@@ -318,11 +318,12 @@ def test_speedrun_is_the_reference_model_with_a_schedule_that_ends_at_its_budget
   assert speedrun.eval.bleu_sentences == -1  # Every evaluation scores all of valid.
 
 
+@pytest.mark.parametrize('while_training, expected', [(5, [5, 16]), (0, [16])])
 def test_full_bleu_at_end_decodes_a_subset_while_training_and_every_sentence_at_the_end(
-    tmp_path, monkeypatch):
+    tmp_path, monkeypatch, while_training, expected):
   data_dir = _fake_multi30k(tmp_path / 'multi30k')
   config = _shrunk('speedrun', data_dir)
-  config.opt.cooldown_steps, config.eval.bleu_sentences = 3, 5
+  config.opt.cooldown_steps, config.eval.bleu_sentences = 3, while_training
   config.eval.full_bleu_at_end = True
   decoded = []
   translate = decode.Translator.translate
@@ -334,4 +335,4 @@ def test_full_bleu_at_end_decodes_a_subset_while_training_and_every_sentence_at_
   monkeypatch.setattr(decode.Translator, 'translate', counting)
   results = train.train_and_evaluate(config, str(tmp_path / 'run'))
   assert results['step'] == 6
-  assert decoded == [5, 16]  # Step 3: the first 5 valid sentences; the last step: all 16.
+  assert decoded == expected  # Step 3: the first N valid sentences; the last step: all 16.
