@@ -15,7 +15,7 @@ from t2t_jax import PAD_ID
 from t2t_jax import moe
 from t2t_jax.attention import SelfMask, attention_kinds, attention_mask, dense_init
 from t2t_jax.model import DecoderLayer, LayerNorm, Transformer, TransformerConfig
-from t2t_jax.model import make_embeddings, remat_layer, scanned_stack, shift_right
+from t2t_jax.model import make_embeddings, output_logits, remat_layer, scanned_stack, shift_right
 from t2t_jax.positions import Embedder
 
 Array = jax.Array
@@ -180,11 +180,5 @@ class DecoderOnly(nn.Module):
     return current
 
   def output_logits(self, y_BLE: Array) -> Array:
-    """Output softmax logits in float32 for final states [..., E]; see `Transformer`."""
-    if self.config.tie_output:
-      logits_BLV = self.target_embedding.attend(y_BLE)
-    else:
-      logits_BLV = self.output_projection(y_BLE)
-    names = ('batch',) + ('length',) * (y_BLE.ndim - 2) + ('vocab',)
-    logits_BLV = nn.with_logical_constraint(logits_BLV, names)
-    return logits_BLV.astype(jnp.float32)
+    """Output softmax logits in float32 for final states [..., E]; see `model.output_logits`."""
+    return output_logits(self, y_BLE)

@@ -271,6 +271,22 @@ def _embedding(cfg: TransformerConfig, name: str) -> nn.Embed:
       name=name)
 
 
+def output_logits(module: nn.Module, y_BLE: Array) -> Array:
+  """`module`'s float32 output logits for final states [..., E] (any leading axes): the tied
+  target embedding or its `output_projection`, as `module.config.tie_output` says.
+
+  The first axis is split like the batch, so a flat [N, E] chunk of tokens stays spread over
+  the devices; the vocabulary axis may be split over 'tensor'.
+  """
+  if module.config.tie_output:
+    logits_BLV = module.target_embedding.attend(y_BLE)
+  else:
+    logits_BLV = module.output_projection(y_BLE)
+  names = ('batch',) + ('length',) * (y_BLE.ndim - 2) + ('vocab',)
+  logits_BLV = nn.with_logical_constraint(logits_BLV, names)
+  return logits_BLV.astype(jnp.float32)
+
+
 def make_embeddings(cfg: TransformerConfig) -> tuple[nn.Embed, nn.Embed]:
   """The target embedding ('embedding', also the tied softmax) and the source one (the same
   module when share_embeddings); called from a model's setup, which owns them."""
@@ -365,18 +381,8 @@ class Transformer(nn.Module):
     return y_BLE if return_hidden else self.output_logits(y_BLE)
 
   def output_logits(self, y_BLE: Array) -> Array:
-    """Output softmax logits in float32 for final decoder states [..., E] (any leading axes).
-
-    The first axis is split like the batch, so a flat [N, E] chunk of tokens stays spread
-    over the devices; the vocabulary axis may be split over 'tensor'.
-    """
-    if self.config.tie_output:
-      logits_BLV = self.target_embedding.attend(y_BLE)
-    else:
-      logits_BLV = self.output_projection(y_BLE)
-    names = ('batch',) + ('length',) * (y_BLE.ndim - 2) + ('vocab',)
-    logits_BLV = nn.with_logical_constraint(logits_BLV, names)
-    return logits_BLV.astype(jnp.float32)
+    """Output softmax logits in float32 for final decoder states [..., E] (any leading axes)."""
+    return output_logits(self, y_BLE)
 
   def __call__(self, inputs_BK: Array, targets_BL: Array,
                inputs_positions_BK: Array | None = None,
