@@ -70,9 +70,9 @@ def _speedrun(config) -> None:
   in configs/sweeps/multi30k_*.py (README, "41 in 60 minutes").
   """
   config.opt.lr_scale = 2.0
-  config.train.num_steps = 8800
-  config.opt.cooldown_steps = 2900
-  config.train.eval_every = 2200
+  config.train.num_steps = 9200
+  config.opt.cooldown_steps = 3000
+  config.train.eval_every = 2300
   config.ckpt.keep = 20  # Averaging windows of 5, 10 or 20 checkpoints can be compared after.
 
 
