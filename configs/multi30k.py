@@ -61,14 +61,16 @@ MEMBERS = {'relative': _relative, 'predictive': _predictive,
 
 
 def _speedrun(config) -> None:
-  """One hour of training on 2 CPU cores, aiming at 41 valid BLEU (40.73 measured, README).
+  """One hour of training on 2 CPU cores for 41 valid BLEU (41.56 measured in 57.4 minutes).
 
-  The model and data are the reference's; what changes is how the hour is spent: twice the
-  paper's rate (peak 0.008), a linear cooldown to 0 over the last third of a fixed budget of
-  updates that fits the hour at about 2.65 updates/s, and four evaluations (greedy BLEU on all
-  1,014 valid sentences at about 15, 30, 45 and 60 minutes). Chosen on valid with the sweeps
-  in configs/sweeps/multi30k_*.py (README, "41 in 60 minutes").
+  The reference's model and data, with the hour spent differently: twice the paper's rate
+  (peak 0.008), a linear cooldown to 0 over the last third of a fixed budget of updates that
+  fits the hour at about 2.7 updates/s, dropout 0.2 (the run sees a third of the reference's
+  training tokens), and four evaluations (greedy BLEU on all 1,014 valid sentences at about
+  15, 30, 45 and 60 minutes). Chosen on valid with the sweeps in configs/sweeps/multi30k_*.py
+  and full-length runs (README, "The 60-minute recipe").
   """
+  config.model.dropout = 0.2  # 41.56 against 40.65 with 0.3 (averaged, beam 5, README).
   config.opt.lr_scale = 2.0
   config.train.num_steps = 9200
   config.opt.cooldown_steps = 3000
