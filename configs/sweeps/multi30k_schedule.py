@@ -2,7 +2,7 @@
 
   python launch/sweep.py configs/sweeps/multi30k_schedule.py -- \
     python -m t2t_jax.main --config=configs/multi30k.py:speedrun --workdir=/tmp/m30_schedule \
-    --config.train.num_steps=1200 --config.train.eval_every=1200
+    --config.train.num_steps=1200 --config.train.eval_every=1200 --config.model.dropout=0.3
   python launch/sweep.py --summarize /tmp/m30_schedule --sort=bleu
 
 The paper's rsqrt schedule as it is, with a linear cooldown over the last third, at twice the
