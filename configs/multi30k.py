@@ -9,8 +9,9 @@ Variants, chosen after the file name:
                            or predictive positions, local + memory-compressed self-attention,
                            or mixture-of-experts feed-forward layers (see MEMBERS below).
   configs/multi30k.py:speedrun, :raw_speedrun
-                           the same model trained for one hour on 2 CPU cores, aiming at 41
-                           valid BLEU: a budget of updates with a schedule that ends there.
+                           the same architecture trained for under an hour on 2 CPU cores
+                           to 41 valid BLEU: a budget of updates with a schedule that ends
+                           there, and dropout 0.2 (see _speedrun).
   configs/multi30k.py:decoder_only, :tok_decoder_only, :raw_decoder_only
                            the same data for Transformer-D (Liu et al. 2018): one stack of 10
                            layers reads "source, target" as one sequence, the loss on the
