@@ -11,7 +11,8 @@ Variants, chosen after the file name:
   configs/multi30k.py:speedrun, :raw_speedrun
                            the same architecture trained for under an hour on 2 CPU cores
                            to 41 valid BLEU: a budget of updates with a schedule that ends
-                           there, and dropout 0.2 (see _speedrun).
+                           there, and dropout 0.2 (see _speedrun). Measured: 41.56 tokenised
+                           BLEU (:speedrun), sacreBLEU 13a 40.84 (:raw_speedrun).
   configs/multi30k.py:decoder_only, :tok_decoder_only, :raw_decoder_only
                            the same data for Transformer-D (Liu et al. 2018): one stack of 10
                            layers reads "source, target" as one sequence, the loss on the
