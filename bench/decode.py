@@ -11,7 +11,9 @@ default shape is ../shared/anchor/side_by_side.py's decode bench: compare.py's `
 (vocab 8000, d_model 256, FFN 1024, 3+3 layers, 4 heads), pre-LN, 32 random sources of 32
 tokens, random weights. Equal work by construction: both emit --output_length tokens per
 hypothesis (random weights end no hypothesis early; the work check in the output says so).
-Greedy runs against the reference's beam 1.
+Greedy runs against the reference's beam 1. With --profile, each side's line also says where
+one traced call's time goes: seconds in matrix products (XLA's library fusions and dots)
+against other ops, and the costliest op kinds.
 
 --mode=text: the `python -m t2t_jax.translate` path (translate.load, translate_lines) on the
 first --num_sentences lines of --sentences (repeated if short), with a model of --config's
@@ -43,6 +45,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # pylint: disable=g-import-not-at-top
 import compare  # pylint: disable=g-import-not-at-top
+import floor  # pylint: disable=g-import-not-at-top
 import reference as reference_lib  # pylint: disable=g-import-not-at-top
 
 from t2t_jax import checkpoint
@@ -77,6 +80,8 @@ _SOURCES = flags.DEFINE_integer('sources', 32, 'reference: sentences per batch.'
 _SOURCE_LENGTH = flags.DEFINE_integer('source_length', 32, 'reference: tokens per source.')
 _OUTPUT_LENGTH = flags.DEFINE_integer('output_length', 40, 'reference: tokens per output.')
 _ROUNDS = flags.DEFINE_integer('rounds', 5, 'reference: interleaved rounds.')
+_PROFILE = flags.DEFINE_bool('profile', False, 'reference: after the rounds, trace one call '
+                             'of each side and report where its time goes (op kinds, matmuls).')
 _REFERENCE_DIR = flags.DEFINE_string('reference_dir', '../shared/anchor/flax_wmt',
                                      "reference: Flax's examples/wmt, relative to the cwd.")
 
@@ -164,12 +169,20 @@ def _reference_search(reference, shape, sources, beam_size: int, steps: int) -> 
                                        steps + 1).compile())
 
 
+def _matmul_floor(shape, rows: int, source_length: int, steps: int) -> _Search:
+  loop, x = floor.decoder_matmul_loop(shape, rows, source_length, steps)
+  return _Search('matmul_floor', lambda: jax.block_until_ready(loop(x)),
+                 lambda: loop.lower(x).compile())
+
+
 def _reference_line(reference, beam_size: int, matmul: common.Matmul) -> dict:
   shape, steps = compare.SHAPES[_SHAPE.value], _OUTPUT_LENGTH.value
   rng = np.random.default_rng(0)
   sources = rng.integers(3, shape.vocab, (_SOURCES.value, _SOURCE_LENGTH.value)).astype(np.int32)
   sides = [_t2t_search(shape, sources, beam_size, steps),
            _reference_search(reference, shape, sources, beam_size, steps)]
+  if _PROFILE.value:
+    sides.append(_matmul_floor(shape, sources.shape[0] * beam_size, sources.shape[1], steps))
   t2t_tokens = np.asarray(sides[0].output[0] if beam_size > 1 else sides[0].output)
   best_t2t = t2t_tokens[:, 0] if beam_size > 1 else t2t_tokens
   best_reference = np.asarray(sides[1].output)
@@ -192,6 +205,10 @@ def _reference_line(reference, beam_size: int, matmul: common.Matmul) -> dict:
           f'reference {seconds["reference"][-1]:.3f}s, matmul '
           f'{matmul_rates[-1] / 1e9:.1f} GFLOP/s', file=sys.stderr, flush=True)
   ratios = [r / t for t, r in zip(seconds['t2t_jax'], seconds['reference'])]
+  ceiling = {}
+  if _PROFILE.value:  # The fastest any search doing this work could be, against the reference.
+    ceilings = [r / f for f, r in zip(seconds['matmul_floor'], seconds['reference'])]
+    ceiling = {'ratio_ceiling_median': round(statistics.median(ceilings), 3)}
   sentences = sources.shape[0]
   return {
       'benchmark': 'decode', 'mode': 'reference', 'shape': _SHAPE.value,
@@ -201,13 +218,15 @@ def _reference_line(reference, beam_size: int, matmul: common.Matmul) -> dict:
       'source_length': sources.shape[1], 'output_length': steps, 'work_check': work_check,
       'rounds': _ROUNDS.value, 'ratio_per_round': [round(r, 3) for r in ratios],
       'ratio_median': round(statistics.median(ratios), 3),
-      'ratio_min': round(min(ratios), 3), 'ratio_max': round(max(ratios), 3),
+      'ratio_min': round(min(ratios), 3), 'ratio_max': round(max(ratios), 3), **ceiling,
       'matmul_flops_per_second_median': statistics.median(matmul_rates),
       **{side.name: {
           'seconds': [round(s, 4) for s in seconds[side.name]],
           'sentences_per_second': round(sentences / statistics.median(seconds[side.name]), 2),
           'xla_flops': side.xla_flops,  # A while loop's body counts once.
-          'first_call_seconds': round(side.first_call_seconds, 2)} for side in sides},
+          'first_call_seconds': round(side.first_call_seconds, 2),
+          **({'profile': common.op_profile(side)} if _PROFILE.value else {})}
+         for side in sides},
   }
 
 

@@ -5,6 +5,8 @@ import json
 import math
 import os
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 from conftest import ROOT
@@ -12,12 +14,15 @@ from conftest import ROOT
 REFERENCE_DIR = os.path.join(ROOT, '..', 'shared', 'anchor', 'flax_wmt')
 
 
-def _load_compare():
-  spec = importlib.util.spec_from_file_location('compare', os.path.join(ROOT, 'bench',
-                                                                        'compare.py'))
+def _load(name: str):
+  spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, 'bench', f'{name}.py'))
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module
+
+
+def _load_compare():
+  return _load('compare')
 
 
 @pytest.mark.skipif(not os.path.isfile(os.path.join(REFERENCE_DIR, 'models.py')),
@@ -66,3 +71,34 @@ def test_t2t_config_takes_the_recipe_dropout_and_overrides():
   assert (config.model.d_model, config.model.num_encoder_layers) == (128, 4)
   with pytest.raises(ValueError, match='model.no_such_key'):
     compare.apply_override(config, 'model.no_such_key=1')
+
+
+@pytest.mark.parametrize('rows, source_length, steps', [(4, 5, 3), (12, 7, 6)])
+def test_matmul_floor_does_the_matrix_products_it_claims(rows, source_length, steps):
+  """XLA's count of the loop body's FLOPs is the formula's, plus a little elementwise work."""
+  floor, shape = _load('floor'), _load_compare().Shape(96, 32, 80, 2, 4, 0, 0)
+  loop, x = floor.decoder_matmul_loop(shape, rows, source_length, steps)
+  counted = _load('common').xla_flops(loop.lower(x).compile())
+  e, f, layers = 32, 80, 2
+  by_hand = layers * (
+      6 * 2 * rows * e * e + 2 * 2 * rows * e * f  # Projections and the feed-forward pair.
+      + 2 * 2 * rows * e * (steps + source_length)) + 2 * rows * e * 96  # Attention; output.
+  assert floor.flops_per_step(shape, rows, source_length, steps) == by_hand
+  assert 1 <= counted / by_hand < 1.1
+  assert loop(x).shape == (rows, e)
+
+
+def test_op_profile_splits_matrix_products_from_other_ops():
+  common = _load('common')
+  a = jnp.ones((256, 256))
+  matmuls = jax.jit(lambda a: jax.lax.fori_loop(0, 20, lambda _, y: (y @ a) * 1e-3, a))
+  elementwise = jax.jit(lambda a: jnp.tanh(jnp.exp(a * 0.5) + 1.0))
+  for fn in (matmuls, elementwise):
+    fn(a).block_until_ready()  # Compiled before the traced call.
+  heavy = common.op_profile(lambda: matmuls(a).block_until_ready())
+  light = common.op_profile(lambda: elementwise(a).block_until_ready())
+  assert heavy['matmul_op_seconds'] > 0.5 * heavy['op_seconds'] > 0
+  assert light['matmul_op_seconds'] == 0 < light['op_seconds']
+  assert not any(kind.startswith(('dot', 'ynn_fusion')) for kind in light['top_op_kinds'])
+  for profile in (heavy, light):
+    assert profile['wall_seconds'] > 0 and len(profile['top_op_kinds']) <= 5
