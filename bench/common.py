@@ -74,8 +74,8 @@ def op_profile(fn) -> dict:
 
   Op kinds are the op names up to their first '.' (`ynn_fusion.40` is a `ynn_fusion`); the
   runtime's own events (executors, thread pools, Python frames) and control flow (a while
-  loop's event spans its body's ops) are left out. Ops may run
-  concurrently on several threads, so op seconds can exceed wall seconds.
+  loop's event spans its body's ops) are left out. Ops may run concurrently on several
+  threads, so op seconds can exceed wall seconds.
   """
   with tempfile.TemporaryDirectory(prefix='t2t_profile_') as directory:
     start = time.perf_counter()

@@ -11,9 +11,11 @@ default shape is ../shared/anchor/side_by_side.py's decode bench: compare.py's `
 (vocab 8000, d_model 256, FFN 1024, 3+3 layers, 4 heads), pre-LN, 32 random sources of 32
 tokens, random weights. Equal work by construction: both emit --output_length tokens per
 hypothesis (random weights end no hypothesis early; the work check in the output says so).
-Greedy runs against the reference's beam 1. With --profile, each side's line also says where
-one traced call's time goes: seconds in matrix products (XLA's library fusions and dots)
-against other ops, and the costliest op kinds.
+Greedy runs against the reference's beam 1. With --profile, a third side joins the rounds,
+the matmul floor (bench/floor.py: the decoder's matrix products alone; the reference's time
+over its time is `ratio_ceiling_median`), and each side's line also says where one traced
+call's time goes: seconds in matrix products (XLA's library fusions and dots) against other
+ops, and the costliest op kinds.
 
 --mode=text: the `python -m t2t_jax.translate` path (translate.load, translate_lines) on the
 first --num_sentences lines of --sentences (repeated if short), with a model of --config's

@@ -23,14 +23,14 @@ def flops_per_step(shape, rows: int, source_length: int, steps: int) -> int:
 
 def decoder_matmul_loop(shape, rows: int, source_length: int, steps: int):
   """The jitted loop of `steps` steps and its input ([rows, d_model])."""
-  e, f, h, v, layers = shape.d_model, shape.d_ff, shape.heads, shape.vocab, shape.layers
+  e, f, h, layers = shape.d_model, shape.d_ff, shape.heads, shape.layers
   d = e // h
   keys = iter(jax.random.split(jax.random.PRNGKey(0), 8))
   weights = {
       'attention': jax.random.normal(next(keys), (layers, 6, e, e)) * e**-0.5,
       'ffn_in': jax.random.normal(next(keys), (layers, e, f)) * e**-0.5,
       'ffn_out': jax.random.normal(next(keys), (layers, f, e)) * f**-0.5,
-      'embedding': jax.random.normal(next(keys), (v, e)) * e**-0.5,
+      'embedding': jax.random.normal(next(keys), (shape.vocab, e)) * e**-0.5,
       'self_kv': jax.random.normal(next(keys), (layers, 2, rows, h, steps, d)),
       'cross_kv': jax.random.normal(next(keys), (layers, 2, rows, h, source_length, d))}
 
