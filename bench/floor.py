@@ -13,14 +13,6 @@ import jax
 import jax.numpy as jnp
 
 
-def flops_per_step(shape, rows: int, source_length: int, steps: int) -> int:
-  """The loop's matrix-product FLOPs in one step (multiply and add counted as two)."""
-  e, f = shape.d_model, shape.d_ff
-  projections = 6 * e * e + 2 * e * f
-  attention = 2 * e * (steps + source_length)  # Scores and weighted sum, all heads.
-  return 2 * rows * (shape.layers * (projections + attention) + e * shape.vocab)
-
-
 def decoder_matmul_loop(shape, rows: int, source_length: int, steps: int):
   """The jitted loop of `steps` steps and its input ([rows, d_model])."""
   e, f, h, layers = shape.d_model, shape.d_ff, shape.heads, shape.layers
