@@ -60,6 +60,8 @@ from t2t_jax import tokenizer
 from t2t_jax import train
 from t2t_jax import translate
 from t2t_jax.model import Transformer, TransformerConfig
+from t2t_jax import setup as setup_lib
+from t2t_jax import translator as translator_lib
 
 _MODE = flags.DEFINE_enum('mode', 'reference', ['reference', 'text', 'random'],
                           'What to measure (module docstring).')
@@ -75,7 +77,7 @@ _BATCH_TOKENS = flags.DEFINE_list('batch_tokens', ['4096'],
                                   'text: --batch_tokens values of translate to measure.')
 _MAX_EXTRA_LEN = flags.DEFINE_integer('max_extra_len', 50, 'text: output = source + this.')
 _VOCAB_SIZE = flags.DEFINE_integer('vocab_size', 8000, 'text: SentencePiece vocabulary size.')
-_DTYPE = flags.DEFINE_enum('dtype', 'auto', list(decode.DECODE_DTYPES), 'text: eval.dtype.')
+_DTYPE = flags.DEFINE_enum('dtype', 'auto', list(translator_lib.DECODE_DTYPES), 'text: eval.dtype.')
 _REPEATS = flags.DEFINE_integer('repeats', 1, 'text/random: timed passes (median).')
 _SHAPE = flags.DEFINE_enum('shape', 'small', sorted(compare.SHAPES), 'reference: model dims.')
 _SOURCES = flags.DEFINE_integer('sources', 32, 'reference: sentences per batch.')
@@ -98,7 +100,7 @@ def _output_tokens(outputs) -> int:
 
 
 def _random_params(model_config: TransformerConfig, mesh, axis_rules):
-  abstract = translate.abstract_params(model_config, mesh, axis_rules)
+  abstract = setup_lib.abstract_params(model_config, mesh, axis_rules)
   tokens = jnp.ones((1, 1), jnp.int32)
   init = jax.jit(lambda: nn.meta.unbox(Transformer(model_config).init(
       jax.random.PRNGKey(0), tokens, tokens)['params']),
@@ -262,7 +264,7 @@ def _text_lines(run: translate.Run, lines: list[str], beam_size: int,
                 batch_tokens: int) -> dict:
   passes = []
   for _ in range(max(1, _REPEATS.value)):
-    run.translator.stats = decode.TranslateStats()
+    run.translator.stats = translator_lib.TranslateStats()
     start = time.perf_counter()
     _, inputs, outputs = translate.translate_lines(run, lines)
     passes.append((time.perf_counter() - start, run.translator.stats, outputs, inputs))
@@ -314,7 +316,7 @@ def _random_line(config, beam_size: int) -> dict:
   rng = np.random.default_rng(0)
   inputs = [np.append(rng.integers(2, model_config.vocab_size, n - 1), EOS_ID).astype(np.int32)
             for n in lengths]
-  translator = decode.Translator(model_config, mesh, axis_rules, config.data.batch_tokens,
+  translator = translator_lib.Translator(model_config, mesh, axis_rules, config.data.batch_tokens,
                                  config.data.min_bucket, config.eval.max_extra_len,
                                  beam_size=beam_size, alpha=config.eval.alpha,
                                  dtype=config.eval.dtype)

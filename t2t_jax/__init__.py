@@ -1,4 +1,14 @@
-"""t2t_jax: the Transformer of "Attention Is All You Need", trained the tensor2tensor way on JAX."""
+"""t2t_jax: the Transformer of "Attention Is All You Need", trained the tensor2tensor way on JAX.
+
+Shapes in names (`q_BQHD`, `logits_BLV`), one letter per axis, the same in every module:
+  B batch rows          L (target) length      S source length        E d_model
+  Q query positions     K key positions        H heads                D head dim
+  F feed-forward width  V vocabulary           T tokens, flattened    U loss chunks
+  G query blocks (local attention)             M compressed key blocks
+  Z tokens per compressed block (the stride)   R relative distances (2k + 1)
+  X experts             P experts per token    A expert capacity (slots per expert and row)
+  W beam width          N = B * W beam rows    C candidates per search step (2W)
+"""
 
 PAD_ID = 0
 EOS_ID = 1

@@ -1,7 +1,8 @@
-"""Multi-head attention with its parameters and decode caches, the attention masks, and the
-choice of implementation; the arithmetic of each attention kind is in attention_variants.py.
+"""Multi-head self-attention and cross-attention modules, the attention masks, and the choice
+of implementation. The arithmetic of each attention kind is in attention_variants.py, the
+decode cache's bookkeeping in attention_cache.py.
 
-Shapes in names: B batch, Q queries, K keys, H heads, D head dim, E d_model.
+Shapes in names follow the package legend (t2t_jax/__init__.py).
 """
 
 import functools
@@ -13,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from t2t_jax import ConfigError
+from t2t_jax import attention_cache
 from t2t_jax import attention_variants
 from t2t_jax.attention_variants import ATTENTION_KINDS
 
@@ -117,137 +119,49 @@ def attention_kinds(pattern: str) -> tuple[str, ...]:
   return kinds
 
 
-def check_family(config) -> None:
-  """Raises ConfigError when the attention keys of a model.TransformerConfig cannot run together."""
-  kinds = attention_kinds(config.attention_pattern)
-  for key in ('local_window', 'compression_stride', 'max_relative_distance'):
-    if getattr(config, key) < 1:
-      raise ConfigError(f'config.model.{key}={getattr(config, key)!r} must be at least 1')
-  pattern = f'config.model.attention_pattern={config.attention_pattern!r}'
-  if config.positions == 'relative' and 'compressed' in kinds:
-    raise ConfigError(f"config.model.positions='relative' cannot be used with {pattern}: a "
-                      "compressed key summarises several positions. Use 'full' or 'local' "
-                      'layers, or other positions.')
-  fused = f'config.model.attention_impl={config.attention_impl!r}'
-  if config.attention_impl != 'einsum' and config.positions == 'relative':
-    raise ConfigError(f"{fused} (fused) cannot add relative positions "
-                      "(config.model.positions='relative'): set attention_impl to 'einsum' or "
-                      "'auto'.")
-  if config.attention_impl != 'einsum' and set(kinds) != {'full'}:
-    raise ConfigError(f"{fused} (fused) runs 'full' attention only, and {pattern} asks for "
-                      "others, which compute their own: set attention_impl to 'einsum' or "
-                      "'auto'.")
-  if (config.kind == 'decoder_only' and config.prefix_attention == 'full'
-      and set(kinds) != {'full'}):
-    raise ConfigError(f"config.model.prefix_attention='full' (the source sees later source "
-                      f"positions) needs 'full' layers, and {pattern} asks for others, which "
-                      "are causal throughout the decoder-only stack: set prefix_attention to "
-                      "'causal' or attention_pattern to 'full'.")
-  if config.scan_layers and len(set(kinds)) > 1:
-    raise ConfigError(f'config.model.scan_layers=True compiles one layer for a whole stack, so '
-                      f'every layer needs the same kind, but {pattern} mixes them: set '
-                      'scan_layers=False or use one kind.')
+class _Attention(nn.Module):
+  """The parameters and products self- and cross-attention share: query, key, value and output
+  projections ([E, H, D] and [H, D, E] kernels) and the 'full' attention of Q queries over K
+  keys, explicit or fused."""
+  config: Any  # model_config.TransformerConfig
 
-
-def dense_init(names):
-  return nn.with_logical_partitioning(nn.initializers.xavier_uniform(), names)
-
-
-class MultiHeadAttention(nn.Module):
-  """Scaled dot-product attention of one `kind` ('full', 'local', 'compressed', see
-  attention_variants.py), with relative positions if asked, and decode-mode caches.
-
-  In decode mode self-attention keeps a heads-major key/value cache of the tokens so far
-  (and, for 'compressed', the compressed blocks); a call writes one token (a step) or
-  several (a decoder-only model's prompt). Cross-attention projects the encoder output to
-  keys/values on its first call only and reads them from the cache afterwards (`memory_BKE`
-  may then be None). `mask` is a SelfMask for self-attention (in decode mode None, or one
-  over a decoder-only model's prompt) and a [B, 1, Q, K] array for cross-attention.
-  """
-  config: Any  # model.TransformerConfig
-  self_attention_cache: bool = False
-  memory_cache: bool = False  # Decoder cross-attention: cache the projected encoder output.
-  kind: str = 'full'
-  causal: bool = False  # Self-attention of the decoder ('local' and 'compressed' need it).
-  relative: bool = False  # Self-attention with config.model.positions='relative'.
-
-  @nn.compact
-  def __call__(self, x_BQE: Array, memory_BKE: Array | None,
-               mask: SelfMask | Array | None) -> Array:
+  def _kernel(self, name: str, shape, names, in_axis, out_axis, batch_axis=()) -> Array:
     cfg = self.config
-    head_dim = cfg.d_model // cfg.num_heads
-    def kernel(name, shape, names, in_axis, out_axis, batch_axis=()):
-      init = nn.initializers.xavier_uniform(in_axis=in_axis, out_axis=out_axis,
-                                            batch_axis=batch_axis)
-      return self.param(name, nn.with_logical_partitioning(init, names), shape,
-                        cfg.param_dtype).astype(cfg.dtype)
+    init = nn.initializers.xavier_uniform(in_axis=in_axis, out_axis=out_axis,
+                                          batch_axis=batch_axis)
+    return self.param(name, nn.with_logical_partitioning(init, names), shape,
+                      cfg.param_dtype).astype(cfg.dtype)
 
-    qkv_shape, qkv_names = (cfg.d_model, cfg.num_heads, head_dim), ('embed', 'heads', 'kv')
-    def project(name, y_BKE, layout='BKHD'):
-      return jnp.einsum(f'BKE,EHD->{layout}', y_BKE.astype(cfg.dtype),
-                        kernel(name, qkv_shape, qkv_names, 0, (1, 2)))
+  def _project(self, name: str, y_BKE: Array, layout: str = 'BKHD') -> Array:
+    cfg = self.config
+    shape = (cfg.d_model, cfg.num_heads, cfg.d_model // cfg.num_heads)
+    return jnp.einsum(f'BKE,EHD->{layout}', y_BKE.astype(cfg.dtype),
+                      self._kernel(name, shape, ('embed', 'heads', 'kv'), 0, (1, 2)))
 
-    q_BQHD = project('query', x_BQE) * head_dim**-0.5
-    q_BQHD = nn.with_logical_constraint(q_BQHD, ('batch', 'length', 'heads', 'kv'))
-    w_out = lambda: kernel('out', (cfg.num_heads, head_dim, cfg.d_model),
-                           ('heads', 'kv', 'embed'), (0, 1), 2)
-    if cfg.decode and self.memory_cache:
-      # The init function runs only while the cache lacks the entry: once per batch.
-      k_BHKD = self.variable('cache', 'memory_key', project, 'key', memory_BKE, 'BHKD').value
-      v_BHKD = self.variable('cache', 'memory_value', project, 'value', memory_BKE,
-                             'BHKD').value
-      out_BQHD, weights_BHQK = attention_variants.cached_attention(q_BQHD, k_BHKD, v_BHKD, mask)
-      self.sow('intermediates', 'attention_weights', weights_BHQK)
-      return jnp.einsum('BQHD,HDE->BQE', out_BQHD, w_out())
-    cached = cfg.decode and self.self_attention_cache
-    if cached:
-      # Decode caches are heads-major ([B, H, K, D]), the layout the step's products read:
-      # stored [B, K, H, D], every step would transpose every layer's whole cache first.
-      k_BHQD = project('key', memory_BKE, 'BHKD')
-      v_BHQD = project('value', memory_BKE, 'BHKD')
-    else:
-      k_BKHD, v_BKHD = project('key', memory_BKE), project('value', memory_BKE)
+  def _queries(self, x_BQE: Array) -> Array:
+    """The scaled queries [B, Q, H, D]."""
+    q_BQHD = self._project('query', x_BQE) * (self.config.d_model // self.config.num_heads)**-0.5
+    return nn.with_logical_constraint(q_BQHD, ('batch', 'length', 'heads', 'kv'))
 
-    relative = None
-    if self.relative:
-      table_init = nn.with_logical_partitioning(nn.initializers.normal(head_dim**-0.5),
-                                                (None, 'kv'))
-      tables = [self.param(f'relative_{name}', table_init,
-                           (2 * cfg.max_relative_distance + 1, head_dim),
-                           cfg.param_dtype).astype(cfg.dtype) for name in ('key', 'value')]
-      relative = attention_variants.Relative(*tables, cfg.max_relative_distance)
-    compression = None
-    if self.kind == 'compressed':
-      shape = (cfg.compression_stride, cfg.num_heads, head_dim, head_dim)
-      compression = [kernel(f'compress_{name}', shape, (None, 'heads', 'kv', None), (0, 2), 3,
-                            1) for name in ('key', 'value')]
-    drop = lambda w: nn.Dropout(cfg.attention_dropout)(w, cfg.deterministic)
-    mask_B1QK = mask.full_B1LL if isinstance(mask, SelfMask) else mask
+  def _output(self, out_BQHD: Array) -> Array:
+    cfg = self.config
+    w_HDE = self._kernel('out', (cfg.num_heads, cfg.d_model // cfg.num_heads, cfg.d_model),
+                         ('heads', 'kv', 'embed'), (0, 1), 2)
+    return jnp.einsum('BQHD,HDE->BQE', out_BQHD, w_HDE)
 
-    if cached:
-      out_BQHD = self._cached_attention(q_BQHD, k_BHQD, v_BHQD, mask, relative, compression)
-    elif self.kind == 'local':
-      out_BQHD = attention_variants.local_attention(
-          q_BQHD, k_BKHD, v_BKHD, mask.valid_BL, mask.segments_BL, mask.positions_BL,
-          cfg.local_window, self.causal, drop, relative)
-    elif self.kind == 'compressed':
-      out_BQHD = attention_variants.compressed_attention(
-          q_BQHD, k_BKHD, v_BKHD, mask.valid_BL, mask.segments_BL, cfg.compression_stride,
-          self.causal, *compression, drop)
-    elif cfg.attention_impl == 'einsum' or relative:
-      buckets_BQKR = None
-      if relative:
-        positions_BL = mask.positions_BL
-        if positions_BL is None:  # Every row alike: one row of buckets, broadcast.
-          positions_BL = jnp.arange(q_BQHD.shape[1])[None]
-        buckets_BQKR = attention_variants.relative_buckets(
-            positions_BL, positions_BL, relative.max_distance, cfg.dtype)
+  def _drop(self, weights: Array) -> Array:
+    return nn.Dropout(self.config.attention_dropout)(weights, self.config.deterministic)
+
+  def _full_attention(self, q_BQHD, k_BKHD, v_BKHD, mask_B1QK, relative=None,
+                      buckets_BQKR=None) -> Array:
+    """Every query over every unmasked key: the explicit product (with dropout on the weights,
+    and relative positions), or a fused kernel."""
+    if self.config.attention_impl == 'einsum' or relative is not None:
       out_BQHD, weights_BHQK = attention_variants.dense_attention(
-          q_BQHD, k_BKHD, v_BKHD, mask_B1QK, drop, relative, buckets_BQKR)
+          q_BQHD, k_BKHD, v_BKHD, mask_B1QK, self._drop, relative, buckets_BQKR)
       self.sow('intermediates', 'attention_weights', weights_BHQK)
-    else:
-      out_BQHD = self._fused_attention(q_BQHD, k_BKHD, v_BKHD, mask_B1QK)
-    return jnp.einsum('BQHD,HDE->BQE', out_BQHD, w_out())
+      return out_BQHD
+    return self._fused_attention(q_BQHD, k_BKHD, v_BKHD, mask_B1QK)
 
   def _fused_attention(self, q_BQHD, k_BKHD, v_BKHD, mask_B1QK):
     """jax.nn.dot_product_attention: XLA's or cuDNN's, no dropout on the weights."""
@@ -259,53 +173,117 @@ class MultiHeadAttention(nn.Module):
     return jax.nn.dot_product_attention(q_BQHD, k_BKHD, v_BKHD, mask=mask_B1QK, scale=1.0,
                                         implementation=impl)
 
+
+class CrossAttention(_Attention):
+  """The decoder's attention over the encoder output `memory_BKE`, under `mask_B1QK`.
+
+  In decode mode the memory is projected to keys and values on the first call only and read
+  from the cache ('memory_key', 'memory_value') afterwards, where `memory_BKE` may be None.
+  """
+
+  @nn.compact
+  def __call__(self, x_BQE: Array, memory_BKE: Array | None, mask_B1QK: Array | None) -> Array:
+    q_BQHD = self._queries(x_BQE)
+    if self.config.decode:
+      # The init function runs only while the cache lacks the entry: once per batch.
+      k_BHKD = self.variable('cache', 'memory_key', self._project, 'key', memory_BKE,
+                             'BHKD').value
+      v_BHKD = self.variable('cache', 'memory_value', self._project, 'value', memory_BKE,
+                             'BHKD').value
+      out_BQHD, weights_BHQK = attention_variants.cached_attention(q_BQHD, k_BHKD, v_BHKD,
+                                                                   mask_B1QK)
+      self.sow('intermediates', 'attention_weights', weights_BHQK)
+      return self._output(out_BQHD)
+    k_BKHD, v_BKHD = self._project('key', memory_BKE), self._project('value', memory_BKE)
+    return self._output(self._full_attention(q_BQHD, k_BKHD, v_BKHD, mask_B1QK))
+
+
+class SelfAttention(_Attention):
+  """Self-attention of one `kind` ('full', 'local', 'compressed', see attention_variants.py),
+  with relative positions if asked, and (`cached`, in decode mode) a key/value cache.
+
+  `mask` is the batch's SelfMask. In decode mode it is None, or one over a decoder-only
+  model's prompt; each call writes its tokens (one step, or the whole prompt) to the cache
+  and attends to everything cached so far under this kind's neighbourhood mask, which equals
+  what teacher forcing computes.
+  """
+  kind: str = 'full'
+  causal: bool = False  # The decoder's ('local' and 'compressed' need it).
+  relative: bool = False  # config.model.positions='relative'.
+  cached: bool = False  # The decoder's: keep a decode cache.
+
+  @nn.compact
+  def __call__(self, x_BQE: Array, mask: SelfMask | None) -> Array:
+    cfg = self.config
+    q_BQHD = self._queries(x_BQE)
+    cached = cfg.decode and self.cached
+    # Decode caches are heads-major ([B, H, K, D]), the layout the step's products read:
+    # stored [B, K, H, D], every step would transpose every layer's whole cache first.
+    layout = 'BHKD' if cached else 'BKHD'
+    k, v = self._project('key', x_BQE, layout), self._project('value', x_BQE, layout)
+    relative = self._relative_tables() if self.relative else None
+    compression_ZHDD = ([self._kernel(f'compress_{name}', (
+        cfg.compression_stride, cfg.num_heads, cfg.d_model // cfg.num_heads,
+        cfg.d_model // cfg.num_heads), (None, 'heads', 'kv', None), (0, 2), 3, 1)
+                         for name in ('key', 'value')] if self.kind == 'compressed' else None)
+    if cached:
+      out_BQHD = self._cached_attention(q_BQHD, k, v, mask, relative, compression_ZHDD)
+    elif self.kind == 'local':
+      out_BQHD = attention_variants.local_attention(
+          q_BQHD, k, v, mask.valid_BL, mask.segments_BL, mask.positions_BL, cfg.local_window,
+          self.causal, self._drop, relative)
+    elif self.kind == 'compressed':
+      out_BQHD = attention_variants.compressed_attention(
+          q_BQHD, k, v, mask.valid_BL, mask.segments_BL, cfg.compression_stride, self.causal,
+          *compression_ZHDD, self._drop)
+    else:
+      buckets_BQKR = None
+      if relative is not None:
+        positions_BL = mask.positions_BL
+        if positions_BL is None:  # Every row alike: one row of buckets, broadcast.
+          positions_BL = jnp.arange(q_BQHD.shape[1])[None]
+        buckets_BQKR = attention_variants.relative_buckets(
+            positions_BL, positions_BL, relative.max_distance, cfg.dtype)
+      out_BQHD = self._full_attention(q_BQHD, k, v, mask.full_B1LL, relative, buckets_BQKR)
+    return self._output(out_BQHD)
+
+  def _relative_tables(self) -> attention_variants.Relative:
+    cfg = self.config
+    head_dim = cfg.d_model // cfg.num_heads
+    table_init = nn.with_logical_partitioning(nn.initializers.normal(head_dim**-0.5),
+                                              (None, 'kv'))
+    tables = [self.param(f'relative_{name}', table_init,
+                         (2 * cfg.max_relative_distance + 1, head_dim),
+                         cfg.param_dtype).astype(cfg.dtype) for name in ('key', 'value')]
+    return attention_variants.Relative(*tables, cfg.max_relative_distance)
+
   def _cached_attention(self, q_BQHD, k_BHQD, v_BHQD, prompt: SelfMask | None, relative,
-                        compression) -> Array:
-    """Decode mode: this call's Q tokens (one step, or a decoder-only model's whole prompt)
-    go into the cache, then attend to it under this kind's neighbourhood mask, which equals
-    what teacher forcing computes. `prompt` governs the first keys (see SelfMask)."""
+                        compression_ZHDD) -> Array:
+    """Decode mode: this call's Q tokens go into the cache, then attend to it."""
     cfg = self.config
     k_BHKD, v_BHKD, query_index_Q = self._update_cache(k_BHQD, v_BHQD)
     if query_index_Q is None:  # The init call, which only sizes the caches.
       return attention_variants.cached_attention(q_BQHD, k_BHKD, v_BHKD, None)[0]
-    rows, cache_length = k_BHKD.shape[0], k_BHKD.shape[2]
+    length = k_BHKD.shape[2]
     raw_QK, compressed_QM = attention_variants.cached_masks(
-        self.kind, query_index_Q, cache_length, cfg.local_window, cfg.compression_stride)
+        self.kind, query_index_Q, length, cfg.local_window, cfg.compression_stride)
     mask_B1QK, key_valid_BK = raw_QK[None, None], None
     if prompt is not None:
-      prompt_length, queries = prompt.valid_BL.shape[1], query_index_Q.shape[0]
-      rows = max(rows, prompt.valid_BL.shape[0])
-      key_valid_BK = jnp.concatenate([
-          prompt.valid_BL, jnp.ones((prompt.valid_BL.shape[0], cache_length - prompt_length),
-                                    bool)], axis=1)
-      if self.kind == 'full':  # The caller's mask: padding, and a prompt seen in full or not.
-        prompt_B1QP = prompt.full_B1LL
-      else:
-        prompt_B1QP = raw_QK[None, None, :, :prompt_length] & prompt.valid_BL[:, None, None, :]
-      later_B1QK = jnp.broadcast_to(raw_QK[None, None, :, prompt_length:],
-                                    (rows, 1, queries, cache_length - prompt_length))
-      mask_B1QK = jnp.concatenate([
-          jnp.broadcast_to(prompt_B1QP, (rows, 1, queries, prompt_length)), later_B1QK], axis=-1)
+      mask_B1QK, key_valid_BK = attention_cache.prompt_mask(raw_QK, prompt, self.kind,
+                                                            k_BHKD.shape[0])
     if self.kind == 'compressed':
-      compressed_k_BHMD, compressed_v_BHMD = self._update_compressed_cache(
-          k_BHKD, v_BHKD, query_index_Q, compression, key_valid_BK)
-      k_BHKD = jnp.concatenate([compressed_k_BHMD, k_BHKD], axis=2)
-      v_BHKD = jnp.concatenate([compressed_v_BHMD, v_BHKD], axis=2)
-      compressed_B1QM = compressed_QM[None, None]
-      if key_valid_BK is not None:  # Blocks of padding only are hidden, as in training.
-        blocks_BM = key_valid_BK.reshape(rows, -1, cfg.compression_stride).any(-1)
-        compressed_B1QM = compressed_B1QM & blocks_BM[:, None, None, :]
-      mask_B1QK = jnp.concatenate([
-          jnp.broadcast_to(compressed_B1QM, mask_B1QK.shape[:3] + compressed_QM.shape[-1:]),
-          jnp.broadcast_to(mask_B1QK, mask_B1QK.shape[:3] + (cache_length,))], axis=-1)
+      entries = self._compressed_cache(k_BHKD.shape)
+      for entry, raw_BHKD, kernel_ZHDD in zip(entries, (k_BHKD, v_BHKD), compression_ZHDD):
+        entry.value = attention_cache.recompress(entry.value, raw_BHKD, query_index_Q,
+                                                 kernel_ZHDD, key_valid_BK, cfg.compression_stride)
+      k_BHKD = jnp.concatenate([entries[0].value, k_BHKD], axis=2)
+      v_BHKD = jnp.concatenate([entries[1].value, v_BHKD], axis=2)
+      mask_B1QK = attention_cache.with_compressed_keys(mask_B1QK, compressed_QM, key_valid_BK,
+                                                       cfg.compression_stride)
     buckets_BQKR = None
-    if relative:
-      query_positions_BQ, key_positions_BK = query_index_Q[None], jnp.arange(cache_length)[None]
-      if prompt is not None:
-        # Right-padded prompts: the tokens after the prompt follow its last real token.
-        padding_B1 = prompt_length - prompt.valid_BL.sum(-1, keepdims=True)
-        key_positions_BK -= jnp.where(key_positions_BK >= prompt_length, padding_B1, 0)
-        query_positions_BQ -= jnp.where(query_positions_BQ >= prompt_length, padding_B1, 0)
+    if relative is not None:
+      query_positions_BQ, key_positions_BK = attention_cache.relative_positions(
+          query_index_Q, length, prompt)
       buckets_BQKR = attention_variants.relative_buckets(
           query_positions_BQ, key_positions_BK, relative.max_distance, cfg.dtype)
     out_BQHD, weights_BHQK = attention_variants.cached_attention(
@@ -317,9 +295,8 @@ class MultiHeadAttention(nn.Module):
     """Writes this call's Q keys/values from the cache index on; returns the whole cache and
     their indices, or, in the init call that only sizes the caches, the inputs and None."""
     initialised = self.has_variable('cache', 'key')
-    length, stride = k_BHQD.shape[2], self.config.compression_stride
-    if self.kind == 'compressed':  # Whole blocks, so the last one can be compressed.
-      length = -(-length // stride) * stride
+    length = attention_cache.cache_length(k_BHQD.shape[2], self.kind,
+                                          self.config.compression_stride)
     shape = k_BHQD.shape[:2] + (length,) + k_BHQD.shape[3:]
     key = self.variable('cache', 'key', jnp.zeros, shape, k_BHQD.dtype)
     value = self.variable('cache', 'value', jnp.zeros, shape, v_BHQD.dtype)
@@ -329,8 +306,8 @@ class MultiHeadAttention(nn.Module):
         self._compressed_cache(shape)
       return k_BHQD, v_BHQD, None
     i = index.value
-    key.value = jax.lax.dynamic_update_slice(key.value, k_BHQD, (0, 0, i, 0))
-    value.value = jax.lax.dynamic_update_slice(value.value, v_BHQD, (0, 0, i, 0))
+    key.value = attention_cache.write(key.value, k_BHQD, i)
+    value.value = attention_cache.write(value.value, v_BHQD, i)
     index.value = i + k_BHQD.shape[2]
     return key.value, value.value, i + jnp.arange(k_BHQD.shape[2])
 
@@ -340,25 +317,3 @@ class MultiHeadAttention(nn.Module):
     shape_BHMD = shape_BHKD[:2] + (-(-shape_BHKD[2] // stride), shape_BHKD[3])
     return [self.variable('cache', f'compressed_{name}', jnp.zeros, shape_BHMD,
                           self.config.dtype) for name in ('key', 'value')]
-
-  def _update_compressed_cache(self, k_BHKD, v_BHKD, query_index_Q, compression,
-                               key_valid_BK):
-    """Compresses the blocks just written to: one step recompresses only its own block (a
-    partial block stays masked until it is complete); several steps recompress them all.
-    Padded prompt keys (`key_valid_BK` False) are zeroed first, as training zeroes them."""
-    stride = self.config.compression_stride
-    batch, heads, length, head_dim = k_BHKD.shape
-    entries = self._compressed_cache(k_BHKD.shape)
-    for entry, raw_BHKD, kernel_SHDD in zip(entries, (k_BHKD, v_BHKD), compression):
-      if key_valid_BK is not None:
-        raw_BHKD = raw_BHKD * key_valid_BK[:, None, :, None].astype(raw_BHKD.dtype)
-      if query_index_Q.shape[0] > 1:
-        blocks_BHMSD = raw_BHKD.reshape(batch, heads, length // stride, stride, head_dim)
-        entry.value = attention_variants.compress_cached(blocks_BHMSD, kernel_SHDD)
-      else:
-        block = query_index_Q[0] // stride
-        raw_BHSD = jax.lax.dynamic_slice_in_dim(raw_BHKD, block * stride, stride, 2)
-        entry.value = jax.lax.dynamic_update_slice_in_dim(
-            entry.value, attention_variants.compress_cached(raw_BHSD[:, :, None], kernel_SHDD),
-            block, 2)
-    return [entry.value for entry in entries]

@@ -1,9 +1,9 @@
 """The attention arithmetic of the model family: dense, restricted (local), memory-compressed,
 and relative-position terms. Pure functions; attention.py owns the parameters and caches.
 
-Shapes in names: B batch, L length, Q queries, K keys, H heads, D head dim, N blocks of
-queries, M compressed blocks of keys, S stride (tokens per compressed block), R relative
-distances (2k + 1). A leading `...` stands for batch axes (B, or B and N).
+Shapes in names follow the package legend (t2t_jax/__init__.py): here G blocks of queries,
+M compressed blocks of keys, Z tokens per compressed block (the stride), R relative distances
+(2k + 1). A leading `...` stands for batch axes (B, or B and G).
 """
 
 from typing import Callable, NamedTuple
@@ -87,14 +87,14 @@ def _to_blocks(x_BL: Array, size: int) -> Array:
   return jnp.pad(x_BL, padding).reshape((x_BL.shape[0], blocks, size) + x_BL.shape[2:])
 
 
-def _neighbour_blocks(x_BN: Array, causal: bool) -> Array:
+def _neighbour_blocks(x_BG: Array, causal: bool) -> Array:
   """Each block's keys: the previous block, its own and (unless causal) the next, on axis 2."""
-  if x_BN.shape[1] == 1:
-    return x_BN
-  padding = [(0, 0)] * x_BN.ndim
-  before = jnp.pad(x_BN, [(0, 0), (1, 0)] + padding[2:])[:, :-1]
-  after = jnp.pad(x_BN, [(0, 0), (0, 1)] + padding[2:])[:, 1:]
-  return jnp.concatenate([before, x_BN] if causal else [before, x_BN, after], axis=2)
+  if x_BG.shape[1] == 1:
+    return x_BG
+  padding = [(0, 0)] * x_BG.ndim
+  before = jnp.pad(x_BG, [(0, 0), (1, 0)] + padding[2:])[:, :-1]
+  after = jnp.pad(x_BG, [(0, 0), (0, 1)] + padding[2:])[:, 1:]
+  return jnp.concatenate([before, x_BG] if causal else [before, x_BG, after], axis=2)
 
 
 def local_attention(q_BLHD: Array, k_BLHD: Array, v_BLHD: Array, valid_BL: Array,
@@ -111,47 +111,47 @@ def local_attention(q_BLHD: Array, k_BLHD: Array, v_BLHD: Array, valid_BL: Array
   """
   batch, length = q_BLHD.shape[:2]
   size = min(window, length)
-  q_BNQHD = _to_blocks(q_BLHD, size)
-  k_BNKHD = _neighbour_blocks(_to_blocks(k_BLHD, size), causal)
-  v_BNKHD = _neighbour_blocks(_to_blocks(v_BLHD, size), causal)
+  q_BGQHD = _to_blocks(q_BLHD, size)
+  k_BGKHD = _neighbour_blocks(_to_blocks(k_BLHD, size), causal)
+  v_BGKHD = _neighbour_blocks(_to_blocks(v_BLHD, size), causal)
   # Block padding and the blocks before the first and after the last are not valid keys.
-  valid_BNK = _neighbour_blocks(_to_blocks(valid_BL, size), causal)
+  valid_BGK = _neighbour_blocks(_to_blocks(valid_BL, size), causal)
   index_1NQ = _to_blocks(jnp.arange(length)[None], size)
-  distance_NQK = index_1NQ[0, :, :, None] - _neighbour_blocks(index_1NQ, causal)[0, :, None, :]
-  near_NQK = ((distance_NQK >= 0) & (distance_NQK <= window) if causal
-              else jnp.abs(distance_NQK) <= window)
-  mask_BNQK = valid_BNK[:, :, None, :] & near_NQK[None]
+  distance_GQK = index_1NQ[0, :, :, None] - _neighbour_blocks(index_1NQ, causal)[0, :, None, :]
+  near_GQK = ((distance_GQK >= 0) & (distance_GQK <= window) if causal
+              else jnp.abs(distance_GQK) <= window)
+  mask_BGQK = valid_BGK[:, :, None, :] & near_GQK[None]
   if segments_BL is not None:
-    query_segments_BNQ = _to_blocks(segments_BL, size)
-    key_segments_BNK = _neighbour_blocks(query_segments_BNQ, causal)
-    mask_BNQK &= ((query_segments_BNQ[..., None] == key_segments_BNK[:, :, None, :])
-                  | (query_segments_BNQ[..., None] == 0))
-  buckets_BNQKR = None
+    query_segments_BGQ = _to_blocks(segments_BL, size)
+    key_segments_BGK = _neighbour_blocks(query_segments_BGQ, causal)
+    mask_BGQK &= ((query_segments_BGQ[..., None] == key_segments_BGK[:, :, None, :])
+                  | (query_segments_BGQ[..., None] == 0))
+  buckets_BGQKR = None
   if relative is not None:
     if positions_BL is None:  # Every row alike: one row of buckets, broadcast.
       positions_BL = jnp.arange(length)[None]
-    query_positions_BNQ = _to_blocks(positions_BL, size)
-    buckets_BNQKR = relative_buckets(query_positions_BNQ,
-                                     _neighbour_blocks(query_positions_BNQ, causal),
+    query_positions_BGQ = _to_blocks(positions_BL, size)
+    buckets_BGQKR = relative_buckets(query_positions_BGQ,
+                                     _neighbour_blocks(query_positions_BGQ, causal),
                                      relative.max_distance, q_BLHD.dtype)
-  out_BNQHD, _ = dense_attention(q_BNQHD, k_BNKHD, v_BNKHD, mask_BNQK[:, :, None], drop,
-                                 relative, buckets_BNQKR)
-  return out_BNQHD.reshape((batch, -1) + q_BLHD.shape[2:])[:, :length]
+  out_BGQHD, _ = dense_attention(q_BGQHD, k_BGKHD, v_BGKHD, mask_BGQK[:, :, None], drop,
+                                 relative, buckets_BGQKR)
+  return out_BGQHD.reshape((batch, -1) + q_BLHD.shape[2:])[:, :length]
 
 
-def compress(x_BMSHD: Array, kernel_SHDF: Array) -> Array:
-  """Strided convolution, kernel = stride = S, per head: one key (or value) per block of S."""
-  return jnp.einsum('BMSHD,SHDF->BMHF', x_BMSHD, kernel_SHDF)
+def compress(x_BMZHD: Array, kernel_ZHDF: Array) -> Array:
+  """Strided convolution, kernel = stride = Z, per head: one key (or value) per block of Z."""
+  return jnp.einsum('BMSHD,SHDF->BMHF', x_BMZHD, kernel_ZHDF)
 
 
-def compress_cached(x_BHMSD: Array, kernel_SHDF: Array) -> Array:
-  """`compress` on heads-major decode caches: [B, H, M, S, D] -> [B, H, M, F]."""
-  return jnp.einsum('BHMSD,SHDF->BHMF', x_BHMSD, kernel_SHDF)
+def compress_cached(x_BHMZD: Array, kernel_ZHDF: Array) -> Array:
+  """`compress` on heads-major decode caches: [B, H, M, Z, D] -> [B, H, M, D]."""
+  return jnp.einsum('BHMSD,SHDF->BHMF', x_BHMZD, kernel_ZHDF)
 
 
 def compressed_attention(q_BLHD: Array, k_BLHD: Array, v_BLHD: Array, valid_BL: Array,
                          segments_BL: Array | None, stride: int, causal: bool,
-                         key_kernel_SHDD: Array, value_kernel_SHDD: Array,
+                         key_kernel_ZHDD: Array, value_kernel_ZHDD: Array,
                          drop: Callable[[Array], Array]) -> Array:
   """Memory-compressed attention (Liu et al. 2018): keys and values of each block of `stride`
   tokens are merged by a learned strided convolution, so queries attend to L / stride keys.
@@ -164,42 +164,42 @@ def compressed_attention(q_BLHD: Array, k_BLHD: Array, v_BLHD: Array, valid_BL: 
   at each of its ends), so a packed row is not exactly its segments run one by one.
   """
   length = q_BLHD.shape[1]
-  valid_BNS = _to_blocks(valid_BL, stride)
-  keep_BNS11 = valid_BNS[..., None, None].astype(k_BLHD.dtype)
-  k_BNSHD = _to_blocks(k_BLHD, stride) * keep_BNS11
-  v_BNSHD = _to_blocks(v_BLHD, stride) * keep_BNS11
-  compressed_k_BMHD = compress(k_BNSHD, key_kernel_SHDD)
-  compressed_v_BMHD = compress(v_BNSHD, value_kernel_SHDD)
-  blocks = valid_BNS.shape[1]
-  own_NM = jnp.arange(blocks)[:, None] - jnp.arange(blocks)[None, :]
-  other_NM = own_NM > 0 if causal else own_NM != 0
-  compressed_mask_BNQM = (valid_BNS.any(-1)[:, None, None, :] & other_NM[None, :, None, :])
-  raw_mask_BNQS = valid_BNS[:, :, None, :]
+  valid_BGZ = _to_blocks(valid_BL, stride)
+  keep_BGZ11 = valid_BGZ[..., None, None].astype(k_BLHD.dtype)
+  k_BGZHD = _to_blocks(k_BLHD, stride) * keep_BGZ11
+  v_BGZHD = _to_blocks(v_BLHD, stride) * keep_BGZ11
+  compressed_k_BMHD = compress(k_BGZHD, key_kernel_ZHDD)
+  compressed_v_BMHD = compress(v_BGZHD, value_kernel_ZHDD)
+  blocks = valid_BGZ.shape[1]
+  own_GM = jnp.arange(blocks)[:, None] - jnp.arange(blocks)[None, :]
+  other_GM = own_GM > 0 if causal else own_GM != 0
+  compressed_mask_BGQM = (valid_BGZ.any(-1)[:, None, None, :] & other_GM[None, :, None, :])
+  raw_mask_BGQZ = valid_BGZ[:, :, None, :]
   if causal:
-    raw_mask_BNQS &= jnp.tril(jnp.ones((stride, stride), bool))[None, None]
+    raw_mask_BGQZ &= jnp.tril(jnp.ones((stride, stride), bool))[None, None]
   if segments_BL is not None:
-    segments_BNS = _to_blocks(segments_BL, stride)
-    highest_BM = jnp.where(valid_BNS, segments_BNS, -1).max(-1)
-    lowest_BM = jnp.where(valid_BNS, segments_BNS, jnp.iinfo(jnp.int32).max).min(-1)
+    segments_BGZ = _to_blocks(segments_BL, stride)
+    highest_BM = jnp.where(valid_BGZ, segments_BGZ, -1).max(-1)
+    lowest_BM = jnp.where(valid_BGZ, segments_BGZ, jnp.iinfo(jnp.int32).max).min(-1)
     block_segment_BM = jnp.where(highest_BM == lowest_BM, highest_BM, -1)  # -1: mixed.
-    anywhere_BNQ1 = segments_BNS[..., None] == 0
-    compressed_mask_BNQM &= ((segments_BNS[..., None] == block_segment_BM[:, None, None, :])
-                             | anywhere_BNQ1)
-    raw_mask_BNQS &= (segments_BNS[..., None] == segments_BNS[:, :, None, :]) | anywhere_BNQ1
-  q_BNQHD = _to_blocks(q_BLHD, stride)
-  logits_BNHQK = jnp.concatenate([
-      jnp.einsum('BNQHD,BMHD->BNHQM', q_BNQHD, compressed_k_BMHD),
-      jnp.einsum('BNQHD,BNSHD->BNHQS', q_BNQHD, k_BNSHD)], axis=-1).astype(jnp.float32)
-  shape_BNQ = valid_BNS.shape
-  mask_BN1QK = jnp.concatenate([
-      jnp.broadcast_to(compressed_mask_BNQM, shape_BNQ + (blocks,)),
-      jnp.broadcast_to(raw_mask_BNQS, shape_BNQ + (stride,))], axis=-1)[:, :, None]
-  logits_BNHQK = jnp.where(mask_BN1QK, logits_BNHQK, NEG_INF)
-  weights_BNHQK = drop(jax.nn.softmax(logits_BNHQK).astype(q_BLHD.dtype))
-  out_BNQHD = (
-      jnp.einsum('BNHQM,BMHD->BNQHD', weights_BNHQK[..., :blocks], compressed_v_BMHD)
-      + jnp.einsum('BNHQS,BNSHD->BNQHD', weights_BNHQK[..., blocks:], v_BNSHD))
-  return out_BNQHD.reshape((q_BLHD.shape[0], -1) + q_BLHD.shape[2:])[:, :length]
+    anywhere_BGQ1 = segments_BGZ[..., None] == 0
+    compressed_mask_BGQM &= ((segments_BGZ[..., None] == block_segment_BM[:, None, None, :])
+                             | anywhere_BGQ1)
+    raw_mask_BGQZ &= (segments_BGZ[..., None] == segments_BGZ[:, :, None, :]) | anywhere_BGQ1
+  q_BGQHD = _to_blocks(q_BLHD, stride)
+  logits_BGHQK = jnp.concatenate([
+      jnp.einsum('BNQHD,BMHD->BNHQM', q_BGQHD, compressed_k_BMHD),
+      jnp.einsum('BNQHD,BNSHD->BNHQS', q_BGQHD, k_BGZHD)], axis=-1).astype(jnp.float32)
+  shape_BGQ = valid_BGZ.shape
+  mask_BG1QK = jnp.concatenate([
+      jnp.broadcast_to(compressed_mask_BGQM, shape_BGQ + (blocks,)),
+      jnp.broadcast_to(raw_mask_BGQZ, shape_BGQ + (stride,))], axis=-1)[:, :, None]
+  logits_BGHQK = jnp.where(mask_BG1QK, logits_BGHQK, NEG_INF)
+  weights_BGHQK = drop(jax.nn.softmax(logits_BGHQK).astype(q_BLHD.dtype))
+  out_BGQHD = (
+      jnp.einsum('BNHQM,BMHD->BNQHD', weights_BGHQK[..., :blocks], compressed_v_BMHD)
+      + jnp.einsum('BNHQS,BNSHD->BNQHD', weights_BGHQK[..., blocks:], v_BGZHD))
+  return out_BGQHD.reshape((q_BLHD.shape[0], -1) + q_BLHD.shape[2:])[:, :length]
 
 
 def cached_masks(kind: str, query_index_Q: Array, cache_length: int, window: int,

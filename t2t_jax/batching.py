@@ -8,7 +8,6 @@ continues with exactly the batches an uninterrupted one would have produced, wit
 count that divides the rows (the global plan does not depend on it).
 """
 
-import bisect
 import hashlib
 import json
 import math

@@ -10,14 +10,14 @@ import math
 from t2t_jax import ConfigError
 from t2t_jax import batching
 from t2t_jax import data
-from t2t_jax import decode
 from t2t_jax import optim
 from t2t_jax import positions
 from t2t_jax import prng
 from t2t_jax import sharding
 from t2t_jax import sources
 from t2t_jax import tokenizer
-from t2t_jax.model import MODEL_KINDS, PREFIX_ATTENTION, TransformerConfig
+from t2t_jax import translator
+from t2t_jax.model_config import MODEL_KINDS, PREFIX_ATTENTION, TransformerConfig
 
 _INF = math.inf
 # key: (lowest, highest, whether the lowest itself is allowed). Highest is always allowed.
@@ -91,7 +91,7 @@ CHOICES = {
     'data.batching': batching.BATCHING_MODES,
     'model.kind': MODEL_KINDS,
     'model.prefix_attention': PREFIX_ATTENTION,
-    'eval.dtype': decode.DECODE_DTYPES,
+    'eval.dtype': translator.DECODE_DTYPES,
     'model.positions': positions.POSITION_KINDS,
 }
 

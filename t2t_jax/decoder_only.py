@@ -1,7 +1,7 @@
 """The decoder-only Transformer (Transformer-D, Liu et al. 2018), and `make_model`, which picks
 the assembly config.model.kind names.
 
-Shapes in names: B batch, L length (S source, K keys), E d_model, V vocabulary.
+Shapes in names follow the package legend (t2t_jax/__init__.py).
 """
 
 import functools
@@ -13,8 +13,9 @@ import numpy as np
 
 from t2t_jax import PAD_ID
 from t2t_jax import moe
-from t2t_jax.attention import SelfMask, attention_kinds, attention_mask, dense_init
-from t2t_jax.model import DecoderLayer, LayerNorm, Transformer, TransformerConfig
+from t2t_jax.attention import SelfMask, attention_kinds, attention_mask
+from t2t_jax.model import DecoderLayer, LayerNorm, Transformer, dense_init
+from t2t_jax.model_config import TransformerConfig
 from t2t_jax.model import make_embeddings, output_logits, remat_layer, scanned_stack, shift_right
 from t2t_jax.positions import Embedder
 

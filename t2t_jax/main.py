@@ -17,50 +17,27 @@ from ml_collections import config_flags
 
 from t2t_jax import cli
 
-_CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file (path[:variant]).',
-                                          lock_config=True)
-_WORKDIR = flags.DEFINE_string('workdir', None, 'Directory for checkpoints, events and config.')
-_DRY_RUN = flags.DEFINE_bool('dry_run', False, 'Compile the train step, print its size and '
-                             'cost as JSON, and exit without training.')
-_DRY_RUN_DEVICES = flags.DEFINE_integer(
-    'dry_run_devices', 0, 'With --dry_run: simulate this many CPU devices, to check a mesh '
-    'larger than this machine (memory figures then come from the CPU compiler).')
-_COORDINATOR = flags.DEFINE_string(
-    'coordinator_address', '', 'host:port of process 0 for a multi-process run (env '
-    'T2T_COORDINATOR_ADDRESS); not needed on TPU VMs and SLURM, which are detected.')
-_NUM_PROCESSES = flags.DEFINE_integer('num_processes', 0, 'Processes in the run (env '
-                                      'T2T_NUM_PROCESSES), with --coordinator_address.')
-_PROCESS_ID = flags.DEFINE_integer('process_id', -1, 'This process, 0..num_processes-1 (env '
-                                   'T2T_PROCESS_ID), with --coordinator_address.')
-_DISTRIBUTED_TIMEOUT = flags.DEFINE_integer(
-    'distributed_timeout', 300, 'Seconds to wait for every process to join a multi-process run.')
-_FORCE_UNLOCK = flags.DEFINE_bool(
-    'force_unlock', False, 'Take the workdir lock even if the run named in it looks alive '
-    '(e.g. a node that is gone but whose heartbeat is recent). Never with a live run.')
-_CACHE = flags.DEFINE_string('compilation_cache', '~/.cache/t2t_jax/xla',
-                             'Persistent XLA compilation cache directory; empty disables it.')
-flags.mark_flag_as_required('config')
-
+FLAGS = flags.FLAGS
 
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
-  if _DRY_RUN_DEVICES.value:  # Before anything creates the devices.
-    if not _DRY_RUN.value:
+  if FLAGS.dry_run_devices:  # Before anything creates the devices.
+    if not FLAGS.dry_run:
       raise app.UsageError('--dry_run_devices only applies with --dry_run')
     os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') + ' --xla_force_host_platform_'
-                               f'device_count={_DRY_RUN_DEVICES.value}')
+                               f'device_count={FLAGS.dry_run_devices}')
     jax.config.update('jax_platforms', 'cpu')
   else:
     from t2t_jax import sharding  # pylint: disable=g-import-not-at-top
-    sharding.initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
-                                    _DISTRIBUTED_TIMEOUT.value)
-  if _CACHE.value:
-    jax.config.update('jax_compilation_cache_dir', os.path.expanduser(_CACHE.value))
+    sharding.initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
+                                    FLAGS.distributed_timeout)
+  if FLAGS.compilation_cache:
+    jax.config.update('jax_compilation_cache_dir', os.path.expanduser(FLAGS.compilation_cache))
     jax.config.update('jax_persistent_cache_min_compile_time_secs', 1.0)
-  from t2t_jax import train  # After flag parsing, so --help stays fast.
-  if _DRY_RUN.value:
-    result = train.dry_run(_CONFIG.value)
+  from t2t_jax import dry_run, train  # After flag parsing, so --help stays fast.
+  if FLAGS.dry_run:
+    result = dry_run.dry_run(FLAGS.config)
     print(cli.json_line(result), flush=True)
     if not result.get('fits', True):
       raise SystemExit(f'The train step needs {result["memory_per_device_bytes"]["total"]} bytes '
@@ -68,12 +45,12 @@ def main(argv):
                        'more (config.mesh), lower config.data.batch_tokens, raise '
                        'config.opt.grad_accum_steps or use config.model.dtype=bfloat16.')
     return
-  if not _WORKDIR.value:
+  if not FLAGS.workdir:
     raise app.UsageError('--workdir is required to train')
   logging.info('JAX devices: %s', jax.devices())
   from t2t_jax import preemption  # pylint: disable=g-import-not-at-top
   try:
-    results = train.train_and_evaluate(_CONFIG.value, _WORKDIR.value, _FORCE_UNLOCK.value)
+    results = train.train_and_evaluate(FLAGS.config, FLAGS.workdir, FLAGS.force_unlock)
   except preemption.Preempted as e:
     logging.warning('%s', e)
     logging.flush()
@@ -81,7 +58,35 @@ def main(argv):
   print(cli.json_line(results), flush=True)
 
 
+def _define_flags():
+  """Defined only when run as a command, so importing this module defines no flags."""
+  config_flags.DEFINE_config_file('config', None, 'Config file (path[:variant]).',
+                                  lock_config=True)
+  flags.DEFINE_string('workdir', None, 'Directory for checkpoints, events and config.')
+  flags.DEFINE_bool('dry_run', False, 'Compile the train step, print its size and cost as JSON, '
+                    'and exit without training.')
+  flags.DEFINE_integer('dry_run_devices', 0, 'With --dry_run: simulate this many CPU devices, to '
+                       'check a mesh larger than this machine (memory figures then come from '
+                       'the CPU compiler).')
+  flags.DEFINE_string('coordinator_address', '', 'host:port of process 0 for a multi-process run '
+                      '(env T2T_COORDINATOR_ADDRESS); not needed on TPU VMs and SLURM, which are '
+                      'detected.')
+  flags.DEFINE_integer('num_processes', 0, 'Processes in the run (env T2T_NUM_PROCESSES), with '
+                       '--coordinator_address.')
+  flags.DEFINE_integer('process_id', -1, 'This process, 0..num_processes-1 (env T2T_PROCESS_ID), '
+                       'with --coordinator_address.')
+  flags.DEFINE_integer('distributed_timeout', 300, 'Seconds to wait for every process to join a '
+                       'multi-process run.')
+  flags.DEFINE_bool('force_unlock', False, 'Take the workdir lock even if the run named in it '
+                    'looks alive (e.g. a node that is gone but whose heartbeat is recent). Never '
+                    'with a live run.')
+  flags.DEFINE_string('compilation_cache', '~/.cache/t2t_jax/xla', 'Persistent XLA compilation '
+                      'cache directory; empty disables it.')
+  flags.mark_flag_as_required('config')
+
+
 def run():
+  _define_flags()
   cli.run(main)
 
 

@@ -1,121 +1,31 @@
 """The Transformer encoder-decoder of "Attention Is All You Need" in Flax linen.
 
-Attention lives in attention.py, position encodings in positions.py and mixtures of experts
-in moe.py; this module holds the configuration, the layers around them and the
-encoder-decoder assembly (the decoder-only one is in decoder_only.py).
+Attention lives in attention.py, position encodings in positions.py, mixtures of experts in
+moe.py and the configuration in model_config.py; this module holds the layers around them and
+the encoder-decoder assembly (the decoder-only one is in decoder_only.py).
 
-Shapes in names: B batch, L length (Q queries, K keys), H heads, D head dim, E d_model,
-F feed-forward width, V vocabulary.
+Shapes in names follow the package legend (t2t_jax/__init__.py).
 """
 
-import dataclasses
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from t2t_jax import ConfigError
 from t2t_jax import PAD_ID
 from t2t_jax import moe
-from t2t_jax.attention import MultiHeadAttention, attention_kinds, attention_mask, check_family
-from t2t_jax.attention import SelfMask, dense_init, resolve_attention_impl, self_attention_mask
-from t2t_jax.positions import Embedder, check_positions
+from t2t_jax.attention import CrossAttention, SelfAttention, SelfMask, attention_kinds
+from t2t_jax.attention import attention_mask, self_attention_mask
+from t2t_jax.model_config import REMAT_POLICIES, TransformerConfig
+from t2t_jax.positions import Embedder
 
 Array = jax.Array
 
-# config.model.remat -> what the backward pass keeps of each layer (the rest is recomputed).
-# 'dots' keeps the outputs of the weight matmuls (projections, feed-forward), most of a
-# layer's FLOPs, but not the batched query-key and weight-value products: their [B, H, Q, K]
-# operands grow with length squared and they are a few percent of the FLOPs at these widths.
-REMAT_POLICIES = {
-    'none': None,
-    'full': jax.checkpoint_policies.nothing_saveable,
-    'dots': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-}
 
-
-@dataclasses.dataclass(frozen=True)
-class TransformerConfig:
-  """Static hyperparameters; `deterministic` and `decode` select the mode."""
-  vocab_size: int
-  d_model: int = 512
-  d_ff: int = 2048
-  num_heads: int = 8
-  num_encoder_layers: int = 6
-  num_decoder_layers: int = 6
-  dropout: float = 0.1
-  attention_dropout: float = 0.1
-  relu_dropout: float = 0.1
-  share_embeddings: bool = True
-  tie_output: bool = True
-  norm: str = 'post'
-  max_len: int = 512
-  scan_layers: bool = False
-  remat: str = 'none'
-  dtype: Any = jnp.float32
-  param_dtype: Any = jnp.float32
-  attention_impl: str = 'einsum'  # Resolved: 'einsum', 'xla' or 'cudnn' (never 'auto').
-  positions: str = 'sinusoidal'
-  max_relative_distance: int = 16
-  attention_pattern: str = 'full'
-  local_window: int = 256
-  compression_stride: int = 3
-  kind: str = 'encoder_decoder'  # Or 'decoder_only' (`DecoderOnly`); `make_model` picks.
-  prefix_attention: str = 'causal'  # Decoder-only: how the source attends ('causal', 'full').
-  moe_experts: int = 0  # Mixture of experts (moe.py); 0: dense feed-forward layers.
-  moe_top_k: int = 2
-  moe_capacity_factor: float = 1.25
-  moe_layers: str = 'every_other'
-  deterministic: bool = False
-  decode: bool = False
-
-  @classmethod
-  def from_config(cls, model_config, vocab_size: int, **overrides) -> 'TransformerConfig':
-    """Builds from the `model` section of an ml_collections config."""
-    if model_config.d_model % model_config.num_heads:
-      raise ConfigError(f'config.model.d_model={model_config.d_model} is not divisible by '
-                        f'config.model.num_heads={model_config.num_heads}')
-    if model_config.norm not in ('post', 'pre'):
-      raise ConfigError(f"config.model.norm must be 'post' or 'pre', got {model_config.norm!r}")
-    kwargs = {f.name: model_config[f.name] for f in dataclasses.fields(cls)
-              if f.name in model_config}
-    kwargs['dtype'] = compute_dtype(kwargs['dtype'], jax.devices()[0].platform)
-    kwargs['param_dtype'] = jnp.dtype(kwargs['param_dtype'])
-    if kwargs.get('kind', cls.kind) not in MODEL_KINDS:
-      raise ConfigError(f'config.model.kind={kwargs["kind"]!r} must be one of {MODEL_KINDS}')
-    if kwargs.get('prefix_attention', cls.prefix_attention) not in PREFIX_ATTENTION:
-      raise ConfigError(f'config.model.prefix_attention={kwargs["prefix_attention"]!r} must be '
-                        f'one of {PREFIX_ATTENTION}')
-    if kwargs.get('kind') == 'decoder_only':  # One stack: the encoder's depth does not apply.
-      kwargs['num_encoder_layers'] = 0
-    kwargs['attention_impl'] = resolve_attention_impl(
-        model_config.attention_impl, kwargs['dtype'],
-        model_config.d_model // model_config.num_heads, model_config.attention_dropout,
-        jax.devices()[0].platform)
-    config = cls(vocab_size=vocab_size, **{**kwargs, **overrides})
-    # Checked on the result: configs saved before the key existed lack it and mean 'none'.
-    if config.remat not in REMAT_POLICIES:
-      raise ConfigError(f'config.model.remat must be one of {", ".join(map(repr, REMAT_POLICIES))}'
-                        f', got {config.remat!r}')
-    check_positions(config.positions)
-    check_family(config)
-    moe.check(config)
-    return config
-
-
-MODEL_KINDS = ('encoder_decoder', 'decoder_only')  # config.model.kind
-PREFIX_ATTENTION = ('causal', 'full')  # config.model.prefix_attention
-
-
-def compute_dtype(name: str, platform: str):
-  """config.model.dtype as a dtype; 'auto' is bfloat16 on accelerators, float32 on CPU."""
-  if name == 'auto':
-    return jnp.dtype(jnp.float32 if platform == 'cpu' else jnp.bfloat16)
-  if name not in ('float32', 'bfloat16', 'float16'):
-    raise ConfigError(f"config.model.dtype={name!r} must be 'float32', 'bfloat16', 'float16' "
-                      "or 'auto'")
-  return jnp.dtype(name)
+def dense_init(names):
+  """Xavier-uniform kernels of the dense layers (feed-forward, logits), logically named."""
+  return nn.with_logical_partitioning(nn.initializers.xavier_uniform(), names)
 
 
 def shift_right(targets_BL: Array, segment_ids_BL: Array | None = None) -> Array:
@@ -183,9 +93,9 @@ class EncoderLayer(nn.Module):
   @nn.compact
   def __call__(self, x_BLE: Array, mask: SelfMask, valid_BL: Array | None = None) -> Array:
     cfg = self.config
-    attention = MultiHeadAttention(cfg, kind=self.attention_kind,
-                                   relative=cfg.positions == 'relative', name='self_attention')
-    x_BLE = Sublayer(cfg, name='attention_block')(lambda x: attention(x, x, mask), x_BLE)
+    attention = SelfAttention(cfg, kind=self.attention_kind,
+                              relative=cfg.positions == 'relative', name='self_attention')
+    x_BLE = Sublayer(cfg, name='attention_block')(lambda x: attention(x, mask), x_BLE)
     x_BLE = Sublayer(cfg, name='ffn_block')(_feed_forward(cfg, self.use_moe, valid_BL), x_BLE)
     x_BLE = nn.with_logical_constraint(x_BLE, ('batch', 'length', 'embed'))
     return (x_BLE, None) if cfg.scan_layers else x_BLE  # nn.scan wants (carry, output).
@@ -201,13 +111,12 @@ class DecoderLayer(nn.Module):
   def __call__(self, y_BLE, encoded_BKE, self_mask: SelfMask | None, cross_mask_B1LK,
                valid_BL=None):
     cfg = self.config
-    self_attention = MultiHeadAttention(
-        cfg, self_attention_cache=True, kind=self.attention_kind, causal=True,
-        relative=cfg.positions == 'relative', name='self_attention')
+    self_attention = SelfAttention(cfg, cached=True, kind=self.attention_kind, causal=True,
+                                   relative=cfg.positions == 'relative', name='self_attention')
     y_BLE = Sublayer(cfg, name='self_attention_block')(
-        lambda y: self_attention(y, y, self_mask), y_BLE)
+        lambda y: self_attention(y, self_mask), y_BLE)
     if self.with_cross_attention:
-      cross_attention = MultiHeadAttention(cfg, memory_cache=True, name='cross_attention')
+      cross_attention = CrossAttention(cfg, name='cross_attention')
       y_BLE = Sublayer(cfg, name='cross_attention_block')(
           lambda y: cross_attention(y, encoded_BKE, cross_mask_B1LK), y_BLE)
     y_BLE = Sublayer(cfg, name='ffn_block')(_feed_forward(cfg, self.use_moe, valid_BL), y_BLE)

@@ -1,15 +1,15 @@
 """Mixture-of-experts feed-forward layers: top-k gating, expert capacity, load balancing.
 
-A router scores each token against X experts (Shazeer et al. 2017); the token goes to its K
-best (Switch Transformer: K=1, GShard: K=2), each expert a ReLU feed-forward network of
-width d_ff. Routing groups are the batch rows: an expert takes at most C tokens of a row,
-C = ceil(capacity_factor x L x K / X), and a choice past that is dropped (its share of the
+A router scores each token against X experts (Shazeer et al. 2017); the token goes to its P
+best (Switch Transformer: P=1, GShard: P=2), each expert a ReLU feed-forward network of
+width d_ff. Routing groups are the batch rows: an expert takes at most A tokens of a row,
+A = ceil(capacity_factor x L x P / X), and a choice past that is dropped (its share of the
 output is zero, so the residual connection carries the token). Dispatch and combine are
 one-hot einsums as in GShard, so the experts' [X, ...] weights and their inputs split over an
 'expert' mesh axis through the logical-axis rules, like every other weight.
 
-Shapes in names: B batch, L length, E d_model, F feed-forward width, X experts, K choices per
-token (top-k), C capacity (slots per expert and row).
+Shapes in names follow the package legend (t2t_jax/__init__.py): X experts, P experts picked
+per token (top-k), A capacity (slots per expert and row).
 """
 
 import math
@@ -75,7 +75,7 @@ def uses_moe(config, index: int, num_layers: int) -> bool:
 def expert_capacity(length: int, experts: int, top_k: int, capacity_factor: float) -> int:
   """Slots per expert for a row of `length` tokens; capacity_factor <= 0 means no limit.
 
-  No expert can receive more than `length` tokens of a row (a token's K experts differ), so
+  No expert can receive more than `length` tokens of a row (a token's P experts differ), so
   that is both the cap and the 'no limit' value.
   """
   if capacity_factor <= 0:
@@ -84,45 +84,45 @@ def expert_capacity(length: int, experts: int, top_k: int, capacity_factor: floa
 
 
 def route(probs_BLX: Array, valid_BL: Array, top_k: int, capacity: int):
-  """Top-k routing with capacity: (dispatch_BLXC, combine_BLXC, expert_BLK, kept_BLK).
+  """Top-k routing with capacity: (dispatch_BLXA, combine_BLXA, expert_BLP, kept_BLP).
 
-  Combine weights: with K=1 the chosen expert's router probability (Switch: the gradient
-  reaches the router through it); with K>1 the K probabilities renormalised to sum to 1
+  Combine weights: with P=1 the chosen expert's router probability (Switch: the gradient
+  reaches the router through it); with P>1 the P probabilities renormalised to sum to 1
   (GShard), and a dropped choice's weight is not handed to the others. Slots are filled in
   token order, a token's choices in rank order, so whether a token keeps its slot depends
   only on the tokens before it in its row: causal decoders stay causal. Invalid (padding)
   tokens are routed nowhere: they take no slot and get a zero output.
   """
   experts = probs_BLX.shape[-1]
-  gate_BLK, expert_BLK = jax.lax.top_k(probs_BLX, top_k)
+  gate_BLP, expert_BLP = jax.lax.top_k(probs_BLX, top_k)
   if top_k > 1:
-    gate_BLK = gate_BLK / gate_BLK.sum(-1, keepdims=True)
-  choice_BLKX = jax.nn.one_hot(expert_BLK, experts, dtype=jnp.int32) * valid_BL[..., None, None]
+    gate_BLP = gate_BLP / gate_BLP.sum(-1, keepdims=True)
+  choice_BLPX = jax.nn.one_hot(expert_BLP, experts, dtype=jnp.int32) * valid_BL[..., None, None]
   batch, length = valid_BL.shape
   # Slot of each choice in its expert: how many choices of the row went there before it.
-  earlier_BLKX = jnp.cumsum(choice_BLKX.reshape(batch, length * top_k, experts), axis=1)
-  position_BLKX = earlier_BLKX.reshape(choice_BLKX.shape) - 1
+  earlier_BLPX = jnp.cumsum(choice_BLPX.reshape(batch, length * top_k, experts), axis=1)
+  position_BLPX = earlier_BLPX.reshape(choice_BLPX.shape) - 1
   # one_hot gives a zero row for positions >= capacity (dropped) and -1 (not chosen).
-  slot_BLKXC = jax.nn.one_hot(jnp.where(choice_BLKX > 0, position_BLKX, -1), capacity,
+  slot_BLPXA = jax.nn.one_hot(jnp.where(choice_BLPX > 0, position_BLPX, -1), capacity,
                               dtype=jnp.float32)
-  dispatch_BLXC = slot_BLKXC.sum(2)  # A token's K experts differ: still 0 or 1.
-  combine_BLXC = jnp.einsum('BLK,BLKXC->BLXC', gate_BLK, slot_BLKXC)
-  kept_BLK = slot_BLKXC.sum((3, 4))
-  return dispatch_BLXC, combine_BLXC, expert_BLK, kept_BLK
+  dispatch_BLXA = slot_BLPXA.sum(2)  # A token's P experts differ: still 0 or 1.
+  combine_BLXA = jnp.einsum('BLK,BLKXC->BLXC', gate_BLP, slot_BLPXA)
+  kept_BLP = slot_BLPXA.sum((3, 4))
+  return dispatch_BLXA, combine_BLXA, expert_BLP, kept_BLP
 
 
-def load_balancing_loss(probs_BLX: Array, expert_BLK: Array, valid_BL: Array) -> Array:
+def load_balancing_loss(probs_BLX: Array, expert_BLP: Array, valid_BL: Array) -> Array:
   """Switch Transformer's auxiliary loss: X * sum_e (fraction of choices to e) (mean prob of e).
 
-  Both factors are taken over the valid tokens of the whole batch, the fraction over all K
+  Both factors are taken over the valid tokens of the whole batch, the fraction over all P
   choices before any are dropped (so it sums to 1 and the loss is 1 at perfect balance). Only
   the mean probability carries a gradient.
   """
   experts = probs_BLX.shape[-1]
   valid_BL = valid_BL.astype(jnp.float32)
   tokens = jnp.maximum(valid_BL.sum(), 1.0)
-  choices_BLX = jax.nn.one_hot(expert_BLK, experts).sum(2)
-  fraction_X = jnp.einsum('BLX,BL->X', choices_BLX, valid_BL) / (tokens * expert_BLK.shape[-1])
+  choices_BLX = jax.nn.one_hot(expert_BLP, experts).sum(2)
+  fraction_X = jnp.einsum('BLX,BL->X', choices_BLX, valid_BL) / (tokens * expert_BLP.shape[-1])
   mean_prob_X = jnp.einsum('BLX,BL->X', probs_BLX, valid_BL) / tokens
   return experts * jnp.sum(fraction_X * mean_prob_X)
 
@@ -154,15 +154,15 @@ class MoeFeedForward(nn.Module):
                             router_EX.astype(jnp.float32))
     probs_BLX = jax.nn.softmax(logits_BLX)
     capacity = expert_capacity(x_BLE.shape[1], experts, cfg.moe_top_k, cfg.moe_capacity_factor)
-    dispatch_BLXC, combine_BLXC, expert_BLK, kept_BLK = route(probs_BLX, valid_BL,
+    dispatch_BLXA, combine_BLXA, expert_BLP, kept_BLP = route(probs_BLX, valid_BL,
                                                               cfg.moe_top_k, capacity)
 
     routed = valid_BL.sum().astype(jnp.float32) * cfg.moe_top_k
-    self.sow(COLLECTION, 'aux_loss', load_balancing_loss(probs_BLX, expert_BLK, valid_BL))
+    self.sow(COLLECTION, 'aux_loss', load_balancing_loss(probs_BLX, expert_BLP, valid_BL))
     self.sow(COLLECTION, 'routed', routed)
-    self.sow(COLLECTION, 'dropped', routed - kept_BLK.sum())
+    self.sow(COLLECTION, 'dropped', routed - kept_BLP.sum())
     self.sow('intermediates', 'router_probs', probs_BLX)
-    self.sow('intermediates', 'expert_index', expert_BLK)
+    self.sow('intermediates', 'expert_index', expert_BLP)
 
     def param(name, init, shape, names):
       return self.param(name, nn.with_logical_partitioning(init, names), shape,
@@ -177,16 +177,16 @@ class MoeFeedForward(nn.Module):
 
     # Each expert's slots, gathered from the rows: with the rules this is the all-to-all
     # from rows split over the batch axes to experts split over 'expert'.
-    x_XBCE = jnp.einsum('BLXC,BLE->XBCE', dispatch_BLXC.astype(cfg.dtype),
+    x_XBAE = jnp.einsum('BLXC,BLE->XBCE', dispatch_BLXA.astype(cfg.dtype),
                         x_BLE.astype(cfg.dtype))
-    x_XBCE = nn.with_logical_constraint(x_XBCE, ('expert', 'batch', None, 'embed'))
-    h_XBCF = jnp.einsum('XBCE,XEF->XBCF', x_XBCE, wi_XEF) + bi_XF[:, None, None, :]
-    h_XBCF = nn.with_logical_constraint(nn.relu(h_XBCF), ('expert', 'batch', None, 'mlp'))
-    h_XBCF = nn.Dropout(cfg.relu_dropout)(h_XBCF, cfg.deterministic)
-    y_XBCE = jnp.einsum('XBCF,XFE->XBCE', h_XBCF, wo_XFE) + bo_XE[:, None, None, :]
-    y_XBCE = nn.with_logical_constraint(y_XBCE, ('expert', 'batch', None, 'embed'))
+    x_XBAE = nn.with_logical_constraint(x_XBAE, ('expert', 'batch', None, 'embed'))
+    h_XBAF = jnp.einsum('XBCE,XEF->XBCF', x_XBAE, wi_XEF) + bi_XF[:, None, None, :]
+    h_XBAF = nn.with_logical_constraint(nn.relu(h_XBAF), ('expert', 'batch', None, 'mlp'))
+    h_XBAF = nn.Dropout(cfg.relu_dropout)(h_XBAF, cfg.deterministic)
+    y_XBAE = jnp.einsum('XBCF,XFE->XBCE', h_XBAF, wo_XFE) + bo_XE[:, None, None, :]
+    y_XBAE = nn.with_logical_constraint(y_XBAE, ('expert', 'batch', None, 'embed'))
     # Empty slots hold bias-only outputs; their combine weight is zero.
-    y_BLE = jnp.einsum('XBCE,BLXC->BLE', y_XBCE, combine_BLXC.astype(cfg.dtype))
+    y_BLE = jnp.einsum('XBCE,BLXC->BLE', y_XBAE, combine_BLXA.astype(cfg.dtype))
     return nn.with_logical_constraint(y_BLE, ('batch', 'length', 'embed'))
 
 

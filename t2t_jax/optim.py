@@ -48,7 +48,7 @@ def compute_metrics(logits_BLV: jax.Array, targets_BL: jax.Array,
           'weight': weights_BL.sum()}
 
 
-def metrics_and_logits_grad(logits_NV: jax.Array, targets_N: jax.Array,
+def metrics_and_logits_grad(logits_TV: jax.Array, targets_T: jax.Array,
                             label_smoothing: float) -> tuple[dict[str, jax.Array], jax.Array]:
   """`compute_metrics` of a chunk and d loss / d logits, written out in a few fused passes.
 
@@ -57,34 +57,34 @@ def metrics_and_logits_grad(logits_NV: jax.Array, targets_N: jax.Array,
   a zero [N, V] tensor. A token counts as correct when its target's logit is the maximum
   (argmax, up to exact ties), which reuses the softmax's maximum instead of another reduction.
   """
-  vocab_size = logits_NV.shape[-1]
+  vocab_size = logits_TV.shape[-1]
   confidence, low, entropy = _smoothed_target(vocab_size, label_smoothing)
-  logits_NV = logits_NV.astype(jnp.float32)
-  shifted_NV = logits_NV - logits_NV.max(-1, keepdims=True)
-  exp_NV = jnp.exp(shifted_NV)
-  sum_exp_N = exp_NV.sum(-1)
-  log_sum_N = jnp.log(sum_exp_N)
-  target_N = jnp.take_along_axis(shifted_NV, targets_N[:, None], -1)[:, 0]
-  weights_N = (targets_N != PAD_ID).astype(jnp.float32)
-  nll_N = log_sum_N - target_N
-  sum_log_probs_N = shifted_NV.sum(-1) - vocab_size * log_sum_N
-  loss_N = -(low * sum_log_probs_N - (confidence - low) * nll_N) - entropy
-  metrics = {'loss': (loss_N * weights_N).sum(), 'nll': (nll_N * weights_N).sum(),
-             'correct': ((target_N >= 0) * weights_N).sum(), 'weight': weights_N.sum()}
-  is_target_NV = jax.lax.broadcasted_iota(jnp.int32, logits_NV.shape, 1) == targets_N[:, None]
-  smoothed_NV = jnp.where(is_target_NV, confidence, low)
-  grad_NV = (exp_NV / sum_exp_N[:, None] - smoothed_NV) * weights_N[:, None]
-  return metrics, grad_NV
+  logits_TV = logits_TV.astype(jnp.float32)
+  shifted_TV = logits_TV - logits_TV.max(-1, keepdims=True)
+  exp_TV = jnp.exp(shifted_TV)
+  sum_exp_T = exp_TV.sum(-1)
+  log_sum_T = jnp.log(sum_exp_T)
+  target_T = jnp.take_along_axis(shifted_TV, targets_T[:, None], -1)[:, 0]
+  weights_T = (targets_T != PAD_ID).astype(jnp.float32)
+  nll_T = log_sum_T - target_T
+  sum_log_probs_T = shifted_TV.sum(-1) - vocab_size * log_sum_T
+  loss_T = -(low * sum_log_probs_T - (confidence - low) * nll_T) - entropy
+  metrics = {'loss': (loss_T * weights_T).sum(), 'nll': (nll_T * weights_T).sum(),
+             'correct': ((target_T >= 0) * weights_T).sum(), 'weight': weights_T.sum()}
+  is_target_TV = jax.lax.broadcasted_iota(jnp.int32, logits_TV.shape, 1) == targets_T[:, None]
+  smoothed_TV = jnp.where(is_target_TV, confidence, low)
+  grad_TV = (exp_TV / sum_exp_T[:, None] - smoothed_TV) * weights_T[:, None]
+  return metrics, grad_TV
 
 
 def chunked_metrics(project, weights, hidden_BLE: jax.Array, targets_BL: jax.Array,
                     label_smoothing: float, chunk_tokens: int) -> dict[str, jax.Array]:
   """`compute_metrics(project(weights, hidden_BLE), ...)` holding one chunk's logits at a time.
 
-  The B x L tokens are split into C = ceil(B L / chunk_tokens) chunks of at most
-  `chunk_tokens` (the last padded with PAD targets, which count for nothing); chunk c holds
-  tokens c, c + C, c + 2C, ..., so each chunk is split over the devices as the batch is. A scan
-  projects one chunk to its [N, V] logits and sums its metrics. Differentiating the scan as it
+  The B x L tokens are split into U = ceil(B L / chunk_tokens) chunks of at most
+  `chunk_tokens` (the last padded with PAD targets, which count for nothing); chunk u holds
+  tokens u, u + U, u + 2U, ..., so each chunk is split over the devices as the batch is. A scan
+  projects one chunk to its [T, V] logits and sums its metrics. Differentiating the scan as it
   stands would keep every chunk's logits for the backward pass, so a custom VJP instead takes
   each chunk's gradient while its logits are live (d loss / d logits from
   `metrics_and_logits_grad`, then the projection's VJP to the weights and hidden states) and
@@ -93,7 +93,7 @@ def chunked_metrics(project, weights, hidden_BLE: jax.Array, targets_BL: jax.Arr
   differentiable.
 
   Args:
-    project: (weights, hidden_NE) -> float32 logits_NV, the model's output layer.
+    project: (weights, hidden_TE) -> float32 logits_TV, the model's output layer.
     weights: the parameters `project` reads (a pytree).
   """
   tokens, width = targets_BL.size, hidden_BLE.shape[-1]
@@ -102,51 +102,51 @@ def chunked_metrics(project, weights, hidden_BLE: jax.Array, targets_BL: jax.Arr
   padding = num_chunks * size - tokens
   hidden_TE = jnp.pad(hidden_BLE.reshape(tokens, width), ((0, padding), (0, 0)))
   targets_T = jnp.pad(targets_BL.reshape(tokens), (0, padding), constant_values=PAD_ID)
-  hidden_CNE = nn.with_logical_constraint(
+  hidden_UTE = nn.with_logical_constraint(
       hidden_TE.reshape(size, num_chunks, width).swapaxes(0, 1), (None, 'batch', 'embed'))
-  targets_CN = nn.with_logical_constraint(
+  targets_UT = nn.with_logical_constraint(
       targets_T.reshape(size, num_chunks).swapaxes(0, 1), (None, 'batch'))
-  sums = _chunked_sums(project, label_smoothing, weights, hidden_CNE, targets_CN)
+  sums = _chunked_sums(project, label_smoothing, weights, hidden_UTE, targets_UT)
   return {'loss': sums['loss'], **jax.lax.stop_gradient(
       {name: sums[name] for name in ('nll', 'correct', 'weight')})}
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _chunked_sums(project, label_smoothing, weights, hidden_CNE, targets_CN):
+def _chunked_sums(project, label_smoothing, weights, hidden_UTE, targets_UT):
   """Metric sums over the chunks; see `chunked_metrics`."""
   def add_chunk(sums, chunk):
-    hidden_NE, targets_N = chunk
-    metrics, _ = metrics_and_logits_grad(project(weights, hidden_NE), targets_N,
+    hidden_TE, targets_T = chunk
+    metrics, _ = metrics_and_logits_grad(project(weights, hidden_TE), targets_T,
                                          label_smoothing)
     return jax.tree.map(jnp.add, sums, metrics), None
-  sums, _ = jax.lax.scan(add_chunk, _zero_sums(), (hidden_CNE, targets_CN))
+  sums, _ = jax.lax.scan(add_chunk, _zero_sums(), (hidden_UTE, targets_UT))
   return sums
 
 
-def _chunked_sums_forward(project, label_smoothing, weights, hidden_CNE, targets_CN):
+def _chunked_sums_forward(project, label_smoothing, weights, hidden_UTE, targets_UT):
   """The sums, plus d loss / d weights and d loss / d hidden taken chunk by chunk."""
   def add_chunk(carry, chunk):
     sums, weights_grad = carry
-    hidden_NE, targets_N = chunk
-    logits_NV, project_vjp = jax.vjp(project, weights, hidden_NE)
-    metrics, logits_grad_NV = metrics_and_logits_grad(logits_NV, targets_N, label_smoothing)
-    chunk_weights_grad, hidden_grad_NE = project_vjp(logits_grad_NV)
+    hidden_TE, targets_T = chunk
+    logits_TV, project_vjp = jax.vjp(project, weights, hidden_TE)
+    metrics, logits_grad_TV = metrics_and_logits_grad(logits_TV, targets_T, label_smoothing)
+    chunk_weights_grad, hidden_grad_TE = project_vjp(logits_grad_TV)
     carry = (jax.tree.map(jnp.add, sums, metrics),
              jax.tree.map(jnp.add, weights_grad, chunk_weights_grad))
-    return carry, hidden_grad_NE
+    return carry, hidden_grad_TE
 
-  (sums, weights_grad), hidden_grad_CNE = jax.lax.scan(
+  (sums, weights_grad), hidden_grad_UTE = jax.lax.scan(
       add_chunk, (_zero_sums(), jax.tree.map(jnp.zeros_like, weights)),
-      (hidden_CNE, targets_CN))
-  return sums, (weights_grad, hidden_grad_CNE)
+      (hidden_UTE, targets_UT))
+  return sums, (weights_grad, hidden_grad_UTE)
 
 
 def _chunked_sums_backward(project, label_smoothing, residuals, sums_grad):
   del project, label_smoothing  # Only the nondifferentiable arguments' places.
-  weights_grad, hidden_grad_CNE = residuals
+  weights_grad, hidden_grad_UTE = residuals
   scale = sums_grad['loss']  # The other sums are stop_gradient-ed by `chunked_metrics`.
   return (jax.tree.map(lambda g: (g * scale).astype(g.dtype), weights_grad),
-          (hidden_grad_CNE * scale).astype(hidden_grad_CNE.dtype), None)
+          (hidden_grad_UTE * scale).astype(hidden_grad_UTE.dtype), None)
 
 
 _chunked_sums.defvjp(_chunked_sums_forward, _chunked_sums_backward)

@@ -3,7 +3,7 @@
 config.model.positions picks one: 'sinusoidal' (the paper), 'predictive' (the lecture's
 "predictive information" sinusoids), 'learned' (a trained table), 'relative' (Shaw et al.
 2018: nothing is added here; attention.py adds learned embeddings of clipped distances) or
-'none'. Shapes in names: B batch, L length, E d_model.
+'none'. Shapes in names follow the package legend (t2t_jax/__init__.py).
 """
 
 from typing import Any

@@ -17,13 +17,7 @@ from t2t_jax import cli
 from t2t_jax import config_check
 from t2t_jax import data
 
-_CONFIG = config_flags.DEFINE_config_file('config', None, 'Config file (path[:variant]).',
-                                          lock_config=True)
-_WORKDIR = flags.DEFINE_string('workdir', None, 'Used as the cache directory when '
-                               'config.data.cache_dir is empty, as in training.')
-_SPLITS = flags.DEFINE_list('splits', ['train', 'eval'], "Splits to cache: 'train', 'eval', "
-                            "'test' (TFDS only).")
-flags.mark_flag_as_required('config')
+FLAGS = flags.FLAGS
 
 
 def prepare(config, workdir: str, splits=('train', 'eval')) -> list[dict]:
@@ -46,14 +40,26 @@ def prepare(config, workdir: str, splits=('train', 'eval')) -> list[dict]:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
-  if not (_CONFIG.value.data.cache_dir or _WORKDIR.value):
+  if not (FLAGS.config.data.cache_dir or FLAGS.workdir):
     raise app.UsageError('set --config.data.cache_dir (or --workdir) to say where the '
                          'vocabulary and the token cache go')
-  for result in prepare(_CONFIG.value, _WORKDIR.value or '', _SPLITS.value):
+  for result in prepare(FLAGS.config, FLAGS.workdir or '', FLAGS.splits):
     print(cli.json_line(result), flush=True)
 
 
+def _define_flags():
+  """Defined only when run as a command, so importing this module defines no flags."""
+  config_flags.DEFINE_config_file('config', None, 'Config file (path[:variant]).',
+                                  lock_config=True)
+  flags.DEFINE_string('workdir', None, 'Used as the cache directory when config.data.cache_dir '
+                      'is empty, as in training.')
+  flags.DEFINE_list('splits', ['train', 'eval'], "Splits to cache: 'train', 'eval', 'test' "
+                    '(TFDS only).')
+  flags.mark_flag_as_required('config')
+
+
 def run():
+  _define_flags()
   cli.run(main)
 
 

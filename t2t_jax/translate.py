@@ -14,8 +14,6 @@ import time
 from absl import app
 from absl import flags
 from absl import logging
-import flax.linen as nn
-import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
@@ -26,12 +24,13 @@ from t2t_jax import EOS_ID
 from t2t_jax import checkpoint as checkpoint_lib
 from t2t_jax import cli
 from t2t_jax import data
-from t2t_jax import decode
+from t2t_jax import setup
 from t2t_jax import sharding
 from t2t_jax import tokenizer
+from t2t_jax import translator as translator_lib
+from t2t_jax.model import Transformer
+from t2t_jax.model_config import TransformerConfig
 from t2t_jax.sources import DataError
-from t2t_jax.decoder_only import make_model
-from t2t_jax.model import Transformer, TransformerConfig
 
 
 @dataclasses.dataclass
@@ -41,7 +40,7 @@ class Run:
   vocab: tokenizer.Vocabulary
   model_config: TransformerConfig
   params: object
-  translator: decode.Translator
+  translator: translator_lib.Translator
 
 
 def load_config(workdir: str) -> ml_collections.ConfigDict:
@@ -65,19 +64,6 @@ def load_vocabulary(config, workdir: str) -> tokenizer.Vocabulary:
   return tokenizer.SentencePieceVocabulary(path)
 
 
-def abstract_params(model_config: TransformerConfig, mesh, axis_rules):
-  """Parameter shapes and dtypes with their shardings, without materialising anything."""
-  def init():
-    tokens = jnp.ones((1, 1), jnp.int32)
-    return make_model(dataclasses.replace(model_config, deterministic=True)).init(
-        jax.random.PRNGKey(0), tokens, tokens)['params']
-  with sharding.mesh_context(mesh, axis_rules):
-    boxed = jax.eval_shape(init)
-    shardings = sharding.logical_shardings(boxed, mesh, axis_rules)
-  return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                      nn.meta.unbox(boxed), shardings)
-
-
 def load(workdir: str, checkpoint: str | None = None, beam_size: int | None = None,
          alpha: float | None = None, batch_tokens: int | None = None,
          dtype: str | None = None) -> Run:
@@ -91,14 +77,9 @@ def load(workdir: str, checkpoint: str | None = None, beam_size: int | None = No
   axis_rules = sharding.rules(config.mesh)
   model_config = TransformerConfig.from_config(config.model, vocab.vocab_size)
   params = checkpoint_lib.restore_params(
-      workdir, abstract_params(model_config, mesh, axis_rules), checkpoint)
-  translator = decode.Translator(
-      model_config, mesh, axis_rules,
-      batch_tokens or config.data.batch_tokens, config.data.min_bucket,
-      config.eval.max_extra_len,
-      beam_size=config.eval.beam_size if beam_size is None else beam_size,
-      alpha=config.eval.alpha if alpha is None else alpha,
-      dtype=config.eval.dtype if dtype is None else dtype)
+      workdir, setup.abstract_params(model_config, mesh, axis_rules), checkpoint)
+  translator = translator_lib.from_config(config, model_config, mesh, axis_rules, beam_size,
+                                          alpha, batch_tokens or None, dtype)
   return Run(config, vocab, model_config, params, translator)
 
 
@@ -147,7 +128,7 @@ def translate_lines(run: Run, lines, name: str = '<stdin>', progress: bool = Fal
   return translations, inputs, outputs
 
 
-def summary(stats: decode.TranslateStats, outputs) -> str:
+def summary(stats: translator_lib.TranslateStats, outputs) -> str:
   """One line of throughput, and where the time went, for the log."""
   seconds = stats.seconds + stats.text_seconds
   tokens = sum(len(ids) for ids in outputs)
@@ -279,7 +260,7 @@ def _define_flags():
   flags.DEFINE_integer('batch_tokens', None, 'Tokens per decoding batch, counted over all '
                        'beams (rows x beam x padded source length); README "Translating" has '
                        'the speed of each choice. Default: config.data.batch_tokens.')
-  flags.DEFINE_enum('dtype', None, list(decode.DECODE_DTYPES), 'Decoding activations: auto '
+  flags.DEFINE_enum('dtype', None, list(translator_lib.DECODE_DTYPES), 'Decoding activations: auto '
                     '(bfloat16 on GPU/TPU, float32 on CPU), model, float32 or bfloat16. '
                     'Default: config.eval.dtype.')
   flags.DEFINE_string('attention_png', '', 'Directory for encoder-decoder attention pictures '

@@ -13,6 +13,7 @@ from conftest import assert_cached_decoding_matches_teacher_forcing
 from t2t_jax import attention_variants
 from t2t_jax import decode
 from t2t_jax import model as model_lib
+from t2t_jax import dry_run as dry_run_lib
 
 VOCAB = 13
 CONFIG = model_lib.TransformerConfig(
@@ -225,6 +226,6 @@ def test_family_configs_train_evaluate_and_dry_run(tiny_config, tmp_path, patter
   config.eval.bleu_sentences = 4
   results = train.train_and_evaluate(config, str(tmp_path))
   assert results['step'] == 4 and np.isfinite(results['eval_loss'])
-  dry = train.dry_run(config)
+  dry = dry_run_lib.dry_run(config)
   assert (dry['attention_pattern'], dry['positions']) == (pattern, positions)
   assert dry['memory_per_device_bytes']['total'] > 0

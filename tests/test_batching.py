@@ -7,6 +7,7 @@ import pytest
 from t2t_jax import batching
 from t2t_jax import data
 from t2t_jax.model import Transformer, TransformerConfig
+from t2t_jax import dry_run as dry_run_lib
 
 
 def _split(count=300, longest=30, seed=0):
@@ -182,7 +183,7 @@ def test_packed_training_runs_and_resumes(tiny_config, tmp_path):
   tiny_config.train.eval_every = 4
   tiny_config.ckpt.every = 2
   tiny_config.eval.bleu_sentences = 0
-  assert train.dry_run(tiny_config)['batch_shape'] == [8, 32]
+  assert dry_run_lib.dry_run(tiny_config)['batch_shape'] == [8, 32]
   results = train.train_and_evaluate(tiny_config, str(tmp_path))
   assert results['step'] == 4 and np.isfinite(results['eval_loss'])
   tiny_config.train.num_steps = 6

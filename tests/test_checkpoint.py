@@ -25,9 +25,9 @@ from t2t_jax import EOS_ID
 from t2t_jax import average
 from t2t_jax import checkpoint
 from t2t_jax import data
-from t2t_jax import decode
 from t2t_jax import export
 from t2t_jax import train
+from t2t_jax import translator as translator_lib
 
 
 def _config():
@@ -245,7 +245,7 @@ def test_averaged_checkpoint_loads_translates_and_starts_training(trained, avera
   assert jax.tree.leaves(params)[0].sharding == jax.tree.leaves(
       setup.abstract_state.params)[0].sharding
   task = data.load(config, '')
-  translator = decode.Translator(setup.model_config, setup.mesh, setup.axis_rules,
+  translator = translator_lib.Translator(setup.model_config, setup.mesh, setup.axis_rules,
                                  config.data.batch_tokens, config.data.min_bucket, 4)
   outputs = translator.translate(params, task.eval.inputs[:4])
   assert len(outputs) == 4 and all(EOS_ID in output for output in outputs)

@@ -13,6 +13,7 @@ from t2t_jax import EOS_ID, PAD_ID
 from t2t_jax import decode
 from t2t_jax import model as model_lib
 from t2t_jax import sharding
+from t2t_jax import translator as translator_lib
 
 CONFIG = model_lib.TransformerConfig(
     vocab_size=9, d_model=16, d_ff=32, num_heads=2, num_encoder_layers=1,
@@ -158,7 +159,7 @@ def test_translator_keeps_input_order_through_length_sorting(beam_size):
   mesh = sharding.make_mesh(mesh_config)
   rng = np.random.default_rng(5)
   inputs = [rng.integers(2, 9, n).astype(np.int32) for n in (3, 11, 0, 7, 2, 12, 5, 9, 1, 4)]
-  translator = decode.Translator(config, mesh, sharding.rules(mesh_config),
+  translator = translator_lib.Translator(config, mesh, sharding.rules(mesh_config),
                                  batch_tokens=64 * beam_size, min_bucket=4, max_extra_len=3,
                                  beam_size=beam_size, alpha=0.6)
   outputs = translator.translate(params, inputs)
@@ -281,10 +282,10 @@ def test_beam_search_equals_a_plain_beam_search_over_many_seeds():
 
 def test_bfloat16_decoding_gives_the_float32_outputs_where_scores_are_not_tied():
   params, inputs = _random_params(seed=7), _sources(rows=8)
-  bfloat16 = decode.decoding_config(CONFIG, 'bfloat16', 'cpu')
+  bfloat16 = translator_lib.decoding_config(CONFIG, 'bfloat16', 'cpu')
   assert bfloat16.dtype == jnp.bfloat16
-  assert decode.decoding_config(CONFIG, 'auto', 'cpu').dtype == jnp.float32
-  assert decode.decoding_config(CONFIG, 'auto', 'gpu').dtype == jnp.bfloat16
+  assert translator_lib.decoding_config(CONFIG, 'auto', 'cpu').dtype == jnp.float32
+  assert translator_lib.decoding_config(CONFIG, 'auto', 'gpu').dtype == jnp.bfloat16
   expected = np.asarray(greedy_search(params, inputs, config=CONFIG, max_len=8))
   got = np.asarray(greedy_search(params, inputs, config=bfloat16, max_len=8))
   # Clear choices only: at every step the best token's logit (PAD aside, never chosen) leads

@@ -27,6 +27,9 @@ from t2t_jax import sharding
 from t2t_jax import train
 from t2t_jax import translate
 from t2t_jax.token_cache import Ragged
+from t2t_jax import dry_run as dry_run_lib
+from t2t_jax import step as step_lib
+from t2t_jax import translator as translator_lib
 
 VOCAB = 13
 CONFIG = model_lib.TransformerConfig(
@@ -107,7 +110,7 @@ def test_packed_row_equals_its_examples_alone():
       packed[f'{side}_positions'][0, span] = np.arange(len(sequence))
       packed[f'{side}_segments'][0, span] = segment
       column += len(sequence)
-  together = train.apply_model(model, params, {k: jnp.asarray(v) for k, v in packed.items()})
+  together = step_lib.apply_model(model, params, {k: jnp.asarray(v) for k, v in packed.items()})
   column = 0
   for source, target in zip(sources, targets):
     alone = model.apply({'params': params}, jnp.asarray([source + [0, 0]]),
@@ -138,7 +141,7 @@ def test_the_loss_is_the_cross_entropy_of_the_target_tokens_only(prefix_attentio
   config = dataclasses.replace(CONFIG, prefix_attention=prefix_attention)
   params = _params(config)
   batch = {'inputs': INPUTS, 'targets': TARGETS}
-  metrics = train.model_metrics(decoder_only.make_model(config), params, batch, 0.0)
+  metrics = step_lib.model_metrics(decoder_only.make_model(config), params, batch, 0.0)
   # By hand, from logits computed another way (the decoding cache): real target tokens only.
   logits_BLV = _forced_decoding_logits(config, params, INPUTS, TARGETS)
   log_probs_BLV = jax.nn.log_softmax(logits_BLV)
@@ -148,10 +151,10 @@ def test_the_loss_is_the_cross_entropy_of_the_target_tokens_only(prefix_attentio
   assert float(metrics['loss']) == pytest.approx(expected, rel=1e-5)
   # The source is read (the loss is conditioned on it), and padding it changes nothing.
   other_source = dict(batch, inputs=INPUTS.at[0, 1].set(12))
-  assert float(train.model_metrics(decoder_only.make_model(config), params, other_source,
+  assert float(step_lib.model_metrics(decoder_only.make_model(config), params, other_source,
                                    0.0)['loss']) != pytest.approx(expected, rel=1e-5)
   padded = dict(batch, inputs=jnp.pad(INPUTS, ((0, 0), (0, 3))))
-  assert float(train.model_metrics(decoder_only.make_model(config), params, padded,
+  assert float(step_lib.model_metrics(decoder_only.make_model(config), params, padded,
                                    0.0)['loss']) == pytest.approx(expected, rel=1e-5)
 
 
@@ -191,7 +194,7 @@ def test_translator_outputs_fit_the_table_after_the_source_whatever_the_batch(ti
   config = dataclasses.replace(CONFIG, max_len=12)
   params = _params(config)
   mesh = sharding.make_mesh(tiny_config.mesh)
-  translator = decode.Translator(config, mesh, sharding.rules(tiny_config.mesh), batch_tokens=64,
+  translator = translator_lib.Translator(config, mesh, sharding.rules(tiny_config.mesh), batch_tokens=64,
                                  min_bucket=4, max_extra_len=50, beam_size=2)
   rng = np.random.default_rng(3)
   inputs = [np.append(rng.integers(2, VOCAB, n), 1).astype(np.int32) for n in (2, 6, 0, 4, 8)]
@@ -334,7 +337,7 @@ def test_analytic_flops_equal_the_matmuls_of_the_train_step(tiny_config):
   config = _tiny_decoder_only(tiny_config)
   config.model.d_model, config.model.d_ff = 64, 256
   setup = train.build(config, 256)
-  step = functools.partial(train.train_step, model=decoder_only.make_model(setup.model_config),
+  step = functools.partial(step_lib.train_step, model=decoder_only.make_model(setup.model_config),
                            optimizer=setup.optimizer, label_smoothing=0.1)
   batch = {'inputs': jax.ShapeDtypeStruct((8, 16), jnp.int32),
            'targets': jax.ShapeDtypeStruct((8, 12), jnp.int32)}
@@ -395,7 +398,7 @@ def test_decoder_only_family_configs_train_and_dry_run(tiny_config, tmp_path, pa
   results = train.train_and_evaluate(config, str(tmp_path))
   assert results['step'] == 4 and np.isfinite(results['eval_loss'])
   assert 0 <= results['bleu'] <= 100  # Greedy decoding through the prefill cache.
-  dry = train.dry_run(config)
+  dry = dry_run_lib.dry_run(config)
   assert (dry['attention_pattern'], dry['positions']) == (pattern, positions)
 
 

@@ -12,6 +12,7 @@ from t2t_jax import flops
 from t2t_jax import sharding
 from t2t_jax import train
 from t2t_jax.model import Transformer
+from t2t_jax import step as step_lib
 
 ROWS, SOURCE_LENGTH, TARGET_LENGTH, VOCAB = 8, 16, 12, 256
 
@@ -44,7 +45,7 @@ def _dot_flops(jaxpr) -> int:
 
 
 def test_analytic_flops_equal_the_matmuls_of_the_train_step(setup):
-  step = functools.partial(train.train_step, model=Transformer(setup.model_config),
+  step = functools.partial(step_lib.train_step, model=Transformer(setup.model_config),
                            optimizer=setup.optimizer, label_smoothing=0.1)
   with sharding.mesh_context(setup.mesh, setup.axis_rules):
     jaxpr = jax.make_jaxpr(step)(setup.abstract_state, _batch(), jax.random.PRNGKey(0))

@@ -11,6 +11,7 @@ from t2t_jax import optim
 from t2t_jax import sharding
 from t2t_jax import train
 from t2t_jax.model import Transformer, TransformerConfig
+from t2t_jax import step as step_lib
 
 VOCAB = 37
 
@@ -40,7 +41,7 @@ def test_chunked_loss_and_gradients_equal_whole_logits(tie_output, norm):
   model, params, batch = _model_and_batch(tie_output, norm)
 
   def loss_fn(params, chunk_tokens):
-    metrics = train.model_metrics(model, params, batch, 0.1, chunk_tokens)
+    metrics = step_lib.model_metrics(model, params, batch, 0.1, chunk_tokens)
     return metrics['loss'], metrics
 
   grad_fn = jax.jit(jax.grad(loss_fn, has_aux=True), static_argnums=1)
@@ -59,7 +60,7 @@ def test_chunked_loss_and_gradients_equal_whole_logits(tie_output, norm):
     np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-6,
                                err_msg=jax.tree_util.keystr(path))
   # Evaluation (no gradient) gives the same sums too.
-  evaluated = jax.jit(train.model_metrics, static_argnums=(0, 3, 4))(model, params, batch, 0.1, 4)
+  evaluated = jax.jit(step_lib.model_metrics, static_argnums=(0, 3, 4))(model, params, batch, 0.1, 4)
   np.testing.assert_allclose(evaluated['loss'], whole['loss'], rtol=1e-6)
 
 

@@ -14,6 +14,7 @@ from conftest import assert_cached_decoding_matches_teacher_forcing
 from t2t_jax import model as model_lib
 from t2t_jax import positions
 from t2t_jax import prng
+from t2t_jax import model_config
 
 VOCAB = 13
 CONFIG = model_lib.TransformerConfig(
@@ -202,9 +203,9 @@ def test_remat_gives_the_same_loss_gradients_and_dropout_masks(scan_layers, rema
 
 
 def test_auto_dtype_is_bfloat16_on_accelerators_and_float32_on_cpu():
-  assert model_lib.compute_dtype('auto', 'gpu') == jnp.bfloat16
-  assert model_lib.compute_dtype('auto', 'tpu') == jnp.bfloat16
-  assert model_lib.compute_dtype('auto', 'cpu') == jnp.float32
-  assert model_lib.compute_dtype('bfloat16', 'cpu') == jnp.bfloat16
+  assert model_config.compute_dtype('auto', 'gpu') == jnp.bfloat16
+  assert model_config.compute_dtype('auto', 'tpu') == jnp.bfloat16
+  assert model_config.compute_dtype('auto', 'cpu') == jnp.float32
+  assert model_config.compute_dtype('bfloat16', 'cpu') == jnp.bfloat16
   with pytest.raises(ValueError, match=r"config.model.dtype='fp8' must be"):
-    model_lib.compute_dtype('fp8', 'gpu')
+    model_config.compute_dtype('fp8', 'gpu')

@@ -14,11 +14,11 @@ import tensorboardX
 
 from conftest import ROOT, scalar_events, write_lines
 from configs import multi30k
-from t2t_jax import decode
 from t2t_jax import optim
 from t2t_jax import plot
 from t2t_jax import sources
 from t2t_jax import train
+from t2t_jax import translator as translator_lib
 
 ENGLISH = ['a', 'dog', 'cat', 'runs', 'sleeps', 'on', 'the', 'grass', 'red', 'ball']
 GERMAN = ['ein', 'Hund', 'Katze', 'rennt', 'schläft', 'auf', 'dem', 'Gras', 'roter', 'Ball']
@@ -328,13 +328,13 @@ def test_full_bleu_at_end_decodes_a_subset_while_training_and_every_sentence_at_
   config.opt.cooldown_steps, config.eval.bleu_sentences = 3, while_training
   config.eval.full_bleu_at_end = True
   decoded = []
-  translate = decode.Translator.translate
+  translate = translator_lib.Translator.translate
 
   def counting(self, params, inputs, *args, **kwargs):
     decoded.append(len(inputs))
     return translate(self, params, inputs, *args, **kwargs)
 
-  monkeypatch.setattr(decode.Translator, 'translate', counting)
+  monkeypatch.setattr(translator_lib.Translator, 'translate', counting)
   results = train.train_and_evaluate(config, str(tmp_path / 'run'))
   assert results['step'] == 6
   assert decoded == expected  # Step 3: the first N valid sentences; the last step: all 16.

@@ -10,6 +10,7 @@ import pytest
 from t2t_jax import data
 from t2t_jax import sharding
 from t2t_jax import train
+from t2t_jax import dry_run as dry_run_lib
 
 STEPS = 4
 
@@ -188,7 +189,7 @@ def test_bfloat16_computes_in_bf16_with_float32_state_and_close_loss(config, ref
 def test_flops_and_parameter_count_of_the_dry_run(config):
   config.mesh.shape = (2, 2, 2)
   config.data.batch_tokens = 512  # 16 rows of 32: whole micro-batches on both meshes below.
-  result = train.dry_run(config)
+  result = dry_run_lib.dry_run(config)
   d, f, v = config.model.d_model, config.model.d_ff, data.vocab_size(config)
   layer = 4 * d * d + 2 * d * f + f + d + 4 * d  # Attention, FFN, biases, two LayerNorms.
   decoder_layer = 8 * d * d + 2 * d * f + f + d + 6 * d
@@ -203,7 +204,7 @@ def test_flops_and_parameter_count_of_the_dry_run(config):
   assert result['flops_per_step_per_device'] == result['flops_per_step'] / 8
   config.mesh.shape = (8, 1, 1)
   config.opt.grad_accum_steps = 2  # The same arithmetic in two halves, on another mesh.
-  assert train.dry_run(config)['flops_per_step'] == pytest.approx(result['flops_per_step'],
+  assert dry_run_lib.dry_run(config)['flops_per_step'] == pytest.approx(result['flops_per_step'],
                                                                   rel=1e-3)
   memory = result['memory_per_device_bytes']
   assert memory['argument'] > 0 and memory['temp'] > 0

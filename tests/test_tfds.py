@@ -11,6 +11,7 @@ from conftest import ROOT
 from t2t_jax import data
 from t2t_jax import sources
 from t2t_jax import train
+from t2t_jax import dry_run as dry_run_lib
 
 
 
@@ -85,7 +86,7 @@ def test_wmt14_config_defaults_to_tfds_and_works_under_mock_data(tmp_path, mock_
   train_batches, _ = data.make_batchers(config, task.train, task.eval, 8)
   batch = train_batches[0]
   assert batch['inputs'].shape[0] % 8 == 0 and (batch['inputs'][:, 0] > 0).any()
-  assert train.dry_run(_shrunk(config))['batch_shape'][0] % 8 == 0
+  assert dry_run_lib.dry_run(_shrunk(config))['batch_shape'][0] % 8 == 0
 
 
 def _shrunk(config):

@@ -19,6 +19,9 @@ from t2t_jax import model as model_lib
 from t2t_jax import plot
 from t2t_jax import sharding
 from t2t_jax import train
+from t2t_jax import dry_run as dry_run_lib
+from t2t_jax import metric_log
+from t2t_jax import step as step_lib
 
 
 def test_train_and_evaluate_writes_events_config_and_checkpoint(tiny_config, tmp_path):
@@ -50,11 +53,11 @@ def test_train_and_evaluate_writes_events_config_and_checkpoint(tiny_config, tmp
 
 def test_metric_log_reports_model_flops_and_mfu(monkeypatch):
   clock = iter([0.0, 10.0, 10.0, 13.0, 13.0])  # Start, a 10 s interval, then a 3 s one.
-  monkeypatch.setattr(train.time, 'perf_counter', lambda: next(clock))
+  monkeypatch.setattr(metric_log.time, 'perf_counter', lambda: next(clock))
   written = {}
   writer = types.SimpleNamespace(add_scalar=lambda name, value, step: written.update(
       {(name, step): value}))
-  log = train._MetricLog(writer, lambda step: 1e-3, num_steps=10, start_step=0,
+  log = metric_log.MetricLog(writer, lambda step: 1e-3, num_steps=10, start_step=0,
                          peak_flops_per_second=4e9)
   metrics = {'loss': np.float32(2.0), 'nll': np.float32(2.0), 'correct': np.float32(1.0),
              'weight': np.float32(4.0)}
@@ -171,7 +174,7 @@ def test_scanned_rematerialised_steps_match_unrolled_steps(tiny_config, remat):
   stacked = model_lib.stack_layer_params(unrolled.init(jax.random.PRNGKey(0)).params,
                                          unrolled.model_config)
   scanned_state = jax.device_put(
-      train.TrainState(step=np.int32(0), params=stacked,
+      step_lib.TrainState(step=np.int32(0), params=stacked,
                        opt_state=scanned.optimizer.init(stacked)),
       jax.tree.map(lambda abstract: abstract.sharding, scanned.abstract_state))
   tokens = np.random.default_rng(0).integers(2, vocab_size, (16, 12)).astype(np.int32)
@@ -189,9 +192,9 @@ def test_scanned_rematerialised_steps_match_unrolled_steps(tiny_config, remat):
 
 def test_dry_run_reports_scan_and_remat_and_counts_every_layer(tiny_config):
   tiny_config.model.num_encoder_layers = tiny_config.model.num_decoder_layers = 3
-  unrolled = train.dry_run(tiny_config)
+  unrolled = dry_run_lib.dry_run(tiny_config)
   tiny_config.model.scan_layers = True
-  scanned = train.dry_run(tiny_config)
+  scanned = dry_run_lib.dry_run(tiny_config)
   assert (unrolled['scan_layers'], unrolled['remat']) == (False, 'none')
   assert (scanned['scan_layers'], scanned['remat']) == (True, 'none')
   assert scanned['params'] == unrolled['params']

@@ -1,0 +1,138 @@
+"""The model's static configuration, built and checked from the `model` section of a config:
+which family members (positions, attention pattern and implementation, experts) run together."""
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from t2t_jax import ConfigError
+from t2t_jax import moe
+from t2t_jax.attention import attention_kinds, resolve_attention_impl
+from t2t_jax.positions import check_positions
+
+# config.model.remat -> what the backward pass keeps of each layer (the rest is recomputed).
+# 'dots' keeps the outputs of the weight matmuls (projections, feed-forward), most of a
+# layer's FLOPs, but not the batched query-key and weight-value products: their [B, H, Q, K]
+# operands grow with length squared and they are a few percent of the FLOPs at these widths.
+REMAT_POLICIES = {
+    'none': None,
+    'full': jax.checkpoint_policies.nothing_saveable,
+    'dots': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+  """Static hyperparameters; `deterministic` and `decode` select the mode."""
+  vocab_size: int
+  d_model: int = 512
+  d_ff: int = 2048
+  num_heads: int = 8
+  num_encoder_layers: int = 6
+  num_decoder_layers: int = 6
+  dropout: float = 0.1
+  attention_dropout: float = 0.1
+  relu_dropout: float = 0.1
+  share_embeddings: bool = True
+  tie_output: bool = True
+  norm: str = 'post'
+  max_len: int = 512
+  scan_layers: bool = False
+  remat: str = 'none'
+  dtype: Any = jnp.float32
+  param_dtype: Any = jnp.float32
+  attention_impl: str = 'einsum'  # Resolved: 'einsum', 'xla' or 'cudnn' (never 'auto').
+  positions: str = 'sinusoidal'
+  max_relative_distance: int = 16
+  attention_pattern: str = 'full'
+  local_window: int = 256
+  compression_stride: int = 3
+  kind: str = 'encoder_decoder'  # Or 'decoder_only' (`DecoderOnly`); `make_model` picks.
+  prefix_attention: str = 'causal'  # Decoder-only: how the source attends ('causal', 'full').
+  moe_experts: int = 0  # Mixture of experts (moe.py); 0: dense feed-forward layers.
+  moe_top_k: int = 2
+  moe_capacity_factor: float = 1.25
+  moe_layers: str = 'every_other'
+  deterministic: bool = False
+  decode: bool = False
+
+  @classmethod
+  def from_config(cls, model_config, vocab_size: int, **overrides) -> 'TransformerConfig':
+    """Builds from the `model` section of an ml_collections config."""
+    if model_config.d_model % model_config.num_heads:
+      raise ConfigError(f'config.model.d_model={model_config.d_model} is not divisible by '
+                        f'config.model.num_heads={model_config.num_heads}')
+    if model_config.norm not in ('post', 'pre'):
+      raise ConfigError(f"config.model.norm must be 'post' or 'pre', got {model_config.norm!r}")
+    kwargs = {f.name: model_config[f.name] for f in dataclasses.fields(cls)
+              if f.name in model_config}
+    kwargs['dtype'] = compute_dtype(kwargs['dtype'], jax.devices()[0].platform)
+    kwargs['param_dtype'] = jnp.dtype(kwargs['param_dtype'])
+    if kwargs.get('kind', cls.kind) not in MODEL_KINDS:
+      raise ConfigError(f'config.model.kind={kwargs["kind"]!r} must be one of {MODEL_KINDS}')
+    if kwargs.get('prefix_attention', cls.prefix_attention) not in PREFIX_ATTENTION:
+      raise ConfigError(f'config.model.prefix_attention={kwargs["prefix_attention"]!r} must be '
+                        f'one of {PREFIX_ATTENTION}')
+    if kwargs.get('kind') == 'decoder_only':  # One stack: the encoder's depth does not apply.
+      kwargs['num_encoder_layers'] = 0
+    kwargs['attention_impl'] = resolve_attention_impl(
+        model_config.attention_impl, kwargs['dtype'],
+        model_config.d_model // model_config.num_heads, model_config.attention_dropout,
+        jax.devices()[0].platform)
+    config = cls(vocab_size=vocab_size, **{**kwargs, **overrides})
+    # Checked on the result: configs saved before the key existed lack it and mean 'none'.
+    if config.remat not in REMAT_POLICIES:
+      raise ConfigError(f'config.model.remat must be one of {", ".join(map(repr, REMAT_POLICIES))}'
+                        f', got {config.remat!r}')
+    check_positions(config.positions)
+    check_family(config)
+    moe.check(config)
+    return config
+
+
+MODEL_KINDS = ('encoder_decoder', 'decoder_only')  # config.model.kind
+PREFIX_ATTENTION = ('causal', 'full')  # config.model.prefix_attention
+
+
+def compute_dtype(name: str, platform: str):
+  """config.model.dtype as a dtype; 'auto' is bfloat16 on accelerators, float32 on CPU."""
+  if name == 'auto':
+    return jnp.dtype(jnp.float32 if platform == 'cpu' else jnp.bfloat16)
+  if name not in ('float32', 'bfloat16', 'float16'):
+    raise ConfigError(f"config.model.dtype={name!r} must be 'float32', 'bfloat16', 'float16' "
+                      "or 'auto'")
+  return jnp.dtype(name)
+
+
+def check_family(config) -> None:
+  """Raises ConfigError when the attention keys of a model.TransformerConfig cannot run together."""
+  kinds = attention_kinds(config.attention_pattern)
+  for key in ('local_window', 'compression_stride', 'max_relative_distance'):
+    if getattr(config, key) < 1:
+      raise ConfigError(f'config.model.{key}={getattr(config, key)!r} must be at least 1')
+  pattern = f'config.model.attention_pattern={config.attention_pattern!r}'
+  if config.positions == 'relative' and 'compressed' in kinds:
+    raise ConfigError(f"config.model.positions='relative' cannot be used with {pattern}: a "
+                      "compressed key summarises several positions. Use 'full' or 'local' "
+                      'layers, or other positions.')
+  fused = f'config.model.attention_impl={config.attention_impl!r}'
+  if config.attention_impl != 'einsum' and config.positions == 'relative':
+    raise ConfigError(f"{fused} (fused) cannot add relative positions "
+                      "(config.model.positions='relative'): set attention_impl to 'einsum' or "
+                      "'auto'.")
+  if config.attention_impl != 'einsum' and set(kinds) != {'full'}:
+    raise ConfigError(f"{fused} (fused) runs 'full' attention only, and {pattern} asks for "
+                      "others, which compute their own: set attention_impl to 'einsum' or "
+                      "'auto'.")
+  if (config.kind == 'decoder_only' and config.prefix_attention == 'full'
+      and set(kinds) != {'full'}):
+    raise ConfigError(f"config.model.prefix_attention='full' (the source sees later source "
+                      f"positions) needs 'full' layers, and {pattern} asks for others, which "
+                      "are causal throughout the decoder-only stack: set prefix_attention to "
+                      "'causal' or attention_pattern to 'full'.")
+  if config.scan_layers and len(set(kinds)) > 1:
+    raise ConfigError(f'config.model.scan_layers=True compiles one layer for a whole stack, so '
+                      f'every layer needs the same kind, but {pattern} mixes them: set '
+                      'scan_layers=False or use one kind.')
