@@ -8,7 +8,7 @@
 The reference is imported from --reference_dir (Flax's examples/wmt: its models.py and
 train.py), never copied. Each round runs both sides --steps steps (A, B, then B, A, ...) and
 times a float32 2048^3 matmul; a side's round figure is the median of its steps. Prints one
-JSON line per shape (stdout) and one line per round (stderr); README "Performance" explains
+JSON line per shape (stdout) and one line per round (stderr); docs/performance.md explains
 the fields.
 
 Equal work, by construction: both sides train on the same batch (random tokens without

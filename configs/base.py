@@ -62,7 +62,7 @@ def get_config():
   model.attention_dropout = 0.1  # Dropout on attention weights (tensor2tensor v3).
   model.relu_dropout = 0.1  # Dropout after the feed-forward ReLU (tensor2tensor v3).
   # PRNG of the dropout masks: 'hash32' (cheapest), 'threefry2x32' (JAX's default), 'rbg' or
-  # 'unsafe_rbg'. All are deterministic: a resumed run draws the same masks (README).
+  # 'unsafe_rbg'. All are deterministic: a resumed run draws the same masks (docs/performance.md).
   model.dropout_prng = 'hash32'
   model.share_embeddings = True  # One embedding matrix for source and target tokens.
   model.tie_output = True  # Output softmax reuses the target embedding matrix.

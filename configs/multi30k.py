@@ -70,9 +70,9 @@ def _speedrun(config) -> None:
   fits the hour at about 2.7 updates/s, dropout 0.2 (the run sees a third of the reference's
   training tokens), and four evaluations (greedy BLEU on all 1,014 valid sentences at about
   15, 30, 45 and 60 minutes). Chosen on valid with the sweeps in configs/sweeps/multi30k_*.py
-  and full-length runs (README, "The 60-minute recipe").
+  and full-length runs (docs/multi30k.md, "The 60-minute recipe").
   """
-  config.model.dropout = 0.2  # 41.56 against 40.65 with 0.3 (averaged, beam 5, README).
+  config.model.dropout = 0.2  # 41.56 against 40.65 with 0.3 (averaged, beam 5, docs/multi30k.md).
   config.opt.lr_scale = 2.0
   config.train.num_steps = 9200
   config.opt.cooldown_steps = 3000

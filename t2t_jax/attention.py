@@ -33,7 +33,7 @@ def resolve_attention_impl(impl: str, dtype, head_dim: int, attention_dropout: f
   bfloat16/float16 with head sizes up to 128 in multiples of 8). Neither fused one applies
   dropout to the attention weights, so they need config.model.attention_dropout=0. 'xla'
   runs the same arithmetic as 'einsum' (measured equal on CPU), so 'auto' is 'einsum' until
-  cuDNN passes the equality test on a GPU (README, "Performance"); it logs why once.
+  cuDNN passes the equality test on a GPU (docs/performance.md); it logs why once.
   """
   if impl not in ATTENTION_IMPLS:
     raise ConfigError(f'config.model.attention_impl={impl!r} must be one of {ATTENTION_IMPLS}')

@@ -4,7 +4,7 @@
   python -m t2t_jax.export --workdir=/tmp/run --checkpoint=3000 --dtype=bfloat16
 
 Writes `<workdir>/export/<name>_<dtype>` (or --output): a params-only orbax checkpoint with
-the items `params`, `config` and `info`, readable with plain orbax (see README.md).
+the items `params`, `config` and `info`, readable with plain orbax (see docs/training.md).
 """
 
 import os

@@ -258,8 +258,8 @@ def _define_flags():
                        'config.eval.beam_size.')
   flags.DEFINE_float('alpha', None, 'Length penalty exponent. Default: config.eval.alpha.')
   flags.DEFINE_integer('batch_tokens', None, 'Tokens per decoding batch, counted over all '
-                       'beams (rows x beam x padded source length); README "Translating" has '
-                       'the speed of each choice. Default: config.data.batch_tokens.')
+                       'beams (rows x beam x padded source length); docs/translation.md '
+                       'has the speed of each choice. Default: config.data.batch_tokens.')
   flags.DEFINE_enum('dtype', None, list(translator_lib.DECODE_DTYPES), 'Decoding activations: auto '
                     '(bfloat16 on GPU/TPU, float32 on CPU), model, float32 or bfloat16. '
                     'Default: config.eval.dtype.')

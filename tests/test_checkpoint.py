@@ -1,5 +1,5 @@
 """Checkpoints: keep policy, exact resume after kill -9, SIGTERM, damaged and failed saves,
-config checks, averaging, export, and the README's plain-orbax snippet."""
+config checks, averaging, export, and the plain-orbax snippet of docs/training.md."""
 
 import errno
 import glob
@@ -312,14 +312,14 @@ def test_training_evaluates_the_average_of_the_last_checkpoints(trained):
 def test_readme_snippet_restores_params_with_plain_orbax(trained, caplog, capfd):
   workdir = trained[0]
   export.export(workdir, '20', 'bfloat16', os.path.join(workdir, 'export', 'snippet'))
-  readme = open(os.path.join(ROOT, 'README.md')).read()
-  snippet = re.search(r'<!-- plain-orbax -->\s*```python\n(.*?)```', readme, re.S).group(1)
+  page = open(os.path.join(ROOT, 'docs', 'training.md')).read()
+  snippet = re.search(r'<!-- plain-orbax -->\s*```python\n(.*?)```', page, re.S).group(1)
   snippet = (snippet.replace("'/tmp/t2t_default'", repr(workdir))
              .replace('3000_bfloat16', 'snippet').replace('3000', '20'))
   namespace = {}
   capfd.readouterr()
   with caplog.at_level(std_logging.INFO):
-    exec(compile(snippet, 'README.md', 'exec'), namespace)  # pylint: disable=exec-used
+    exec(compile(snippet, 'docs/training.md', 'exec'), namespace)  # pylint: disable=exec-used
   said = capfd.readouterr()
   assert said.out == "{'embedding': (10, 32)}\n"  # The tiny copy task: 8 symbols, pad and EOS.
   assert 'WARNING' not in caplog.text + said.err, caplog.text + said.err

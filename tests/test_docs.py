@@ -1,0 +1,80 @@
+"""Documentation: every relative link in README.md and docs/*.md reaches a file and a heading."""
+
+import glob
+import os
+import re
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PAGES = sorted([os.path.join(ROOT, 'README.md')] + glob.glob(os.path.join(ROOT, 'docs', '*.md')))
+# Pages written on another branch at the same time; a link to one is checked once it exists.
+PENDING = {'docs/slurm.md'}
+
+_FENCE = re.compile(r'^```.*?^```', re.S | re.M)
+_CODE_SPAN = re.compile(r'`[^`\n]*`')
+_LINK = re.compile(r'\[[^\]]*\]\(([^)\s]+)\)')
+_HEADING = re.compile(r'^#{1,6}\s+(.*?)\s*#*\s*$', re.M)
+
+
+def _prose(text: str) -> str:
+  """The page without fenced code blocks and inline code, where brackets are not links."""
+  return _CODE_SPAN.sub('', _FENCE.sub('', text))
+
+
+def anchor(heading: str) -> str:
+  """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+  text = re.sub(r'\[([^\]]*)\]\([^)]*\)', r'\1', heading).replace('`', '').lower()
+  return re.sub(r'[^\w\- ]', '', text).replace(' ', '-')
+
+
+def anchors(path: str) -> set[str]:
+  """Every heading anchor of a Markdown file, with GitHub's -1, -2 suffixes for repeats."""
+  seen, result = {}, set()
+  for heading in _HEADING.findall(_FENCE.sub('', open(path, encoding='utf-8').read())):
+    slug = anchor(heading)
+    count = seen.get(slug, 0)
+    seen[slug] = count + 1
+    result.add(slug if count == 0 else f'{slug}-{count}')
+  return result
+
+
+def relative_links(path: str) -> list[str]:
+  """Link targets of a page that are neither URLs nor e-mail addresses."""
+  links = _LINK.findall(_prose(open(path, encoding='utf-8').read()))
+  return [link for link in links if not re.match(r'[a-z][a-z0-9+.-]*:', link)]
+
+
+def test_anchor_follows_github():
+  assert anchor('Reproducing a published result: Multi30k English→German') == (
+      'reproducing-a-published-result-multi30k-englishgerman')
+  assert anchor('The 60-minute recipe: `configs/multi30k.py:speedrun`') == (
+      'the-60-minute-recipe-configsmulti30kpyspeedrun')
+  assert anchor("The train step beside Flax's WMT example") == (
+      'the-train-step-beside-flaxs-wmt-example')
+
+
+@pytest.mark.parametrize('page', PAGES, ids=lambda page: os.path.relpath(page, ROOT))
+def test_relative_links_reach_a_file_and_a_heading(page):
+  broken = []
+  for link in relative_links(page):
+    target, _, fragment = link.partition('#')
+    path = os.path.normpath(os.path.join(os.path.dirname(page), target)) if target else page
+    name = os.path.relpath(path, ROOT)
+    if not os.path.exists(path):
+      if name not in PENDING:
+        broken.append(f'{link}: no file {name}')
+      continue
+    if fragment and fragment not in anchors(path):
+      broken.append(f'{link}: no heading #{fragment} in {name}')
+  assert not broken, f'{os.path.relpath(page, ROOT)}: ' + '; '.join(broken)
+
+
+def test_pages_link_to_each_other():
+  """Every docs page is reachable from the index."""
+  index = os.path.join(ROOT, 'docs', 'README.md')
+  linked = {os.path.normpath(os.path.join(ROOT, 'docs', link.partition('#')[0]))
+            for link in relative_links(index)}
+  orphans = [os.path.relpath(page, ROOT) for page in PAGES
+             if os.path.dirname(page).endswith('docs') and page != index and page not in linked]
+  assert not orphans, f'docs/README.md does not link {orphans}'
