@@ -1,10 +1,12 @@
-"""bench/compare.py runs end to end on a tiny shape against the reference, if it is here."""
+"""bench/: compare.py end to end on a tiny shape against the reference (if it is here), the
+helpers it shares, and its flags."""
 
 import importlib.util
 import json
 import math
 import os
 
+from absl import flags
 import jax
 import jax.numpy as jnp
 import pytest
@@ -25,8 +27,9 @@ def _load(name: str):
                     reason=f"Flax's WMT example (the reference) is not at {REFERENCE_DIR}")
 def test_compare_runs_one_round_on_a_tiny_packed_shape(capsys):
   compare = _load('compare')
-  [result] = compare.main(['--shapes=tiny_packed', '--rounds=1', '--steps=1', '--warmup=1',
-                           f'--reference_dir={REFERENCE_DIR}'])
+  [result] = compare.compare_shapes(compare.parse_flags([
+      '--shapes=tiny_packed', '--rounds=1', '--steps=1', '--warmup=1',
+      f'--reference_dir={REFERENCE_DIR}']))
   assert json.loads(capsys.readouterr().out.strip()) == result
   assert {'shape', 'vocab', 'd_model', 'rows', 'length', 'device_kind', 'device_count', 'dtype',
           'ratio_per_round', 'ratio_median', 'ratio_min', 'ratio_max',
@@ -46,8 +49,7 @@ def test_compare_runs_one_round_on_a_tiny_packed_shape(capsys):
 
 
 def test_packing_cuts_rows_into_segments_with_restarting_positions():
-  compare = _load('compare')
-  batch = compare.make_batch(compare.SHAPES['m30k_packed'], rows=5, length=64)
+  batch = _load('compare').make_batch(_load('common').SHAPES['m30k_packed'], rows=5, length=64)
   segments, positions = batch['inputs_segments'], batch['inputs_positions']
   assert (segments[:, 0] == 1).all() and (segments[:, -1] == 4).all()
   assert (segments[:, 1:] - segments[:, :-1] >= 0).all()
@@ -57,22 +59,36 @@ def test_packing_cuts_rows_into_segments_with_restarting_positions():
 
 
 def test_t2t_config_takes_the_recipe_dropout_and_overrides():
-  compare = _load('compare')
-  args = compare.parse_args(['--recipe=m30k', '--t2t_override', 'model.norm=post',
-                             '--t2t_override', 'opt.warmup_steps=100'])
-  config = compare.t2t_config(compare.SHAPES['m30k'], args, compare.dropout_settings(args))
+  compare, common = _load('compare'), _load('common')
+  args = compare.parse_flags(['--recipe=m30k', '--t2t_override', 'model.norm=post',
+                              '--t2t_override', 'opt.warmup_steps=100'])
+  config = compare.shape_config(common.SHAPES['m30k'], args)
   assert (config.model.dropout, config.model.attention_dropout,
           config.model.relu_dropout) == (0.3, 0.0, 0.0)
   assert config.model.norm == 'post' and config.opt.warmup_steps == 100
   assert (config.model.d_model, config.model.num_encoder_layers) == (128, 4)
   with pytest.raises(ValueError, match='model.no_such_key'):
-    compare.apply_override(config, 'model.no_such_key=1')
+    common.apply_override(config, 'model.no_such_key=1')
+
+
+def test_compare_flags_keep_their_names_and_defaults():
+  compare = _load('compare')
+  args = compare.parse_flags([])
+  assert {name: args[name].value for name in args} == {
+      'shapes': ['small', 'm30k', 'm30k_packed', 'base'], 'rows': 0, 'length': 0,
+      'dtype': 'float32', 'dropout': 0.1, 'attention_dropout': 0.1, 'relu_dropout': 0.1,
+      'recipe': 'none', 'norm': 'pre', 't2t_override': [], 'rounds': 5, 'steps': 3,
+      'warmup': 2, 'reference_dir': '../shared/anchor/flax_wmt'}
+  args = compare.parse_flags(['--shapes=tiny,m30k', '--rounds', '7', '--steps=2'])
+  assert (args.shapes, args.rounds, args.steps) == (['tiny', 'm30k'], 7, 2)
+  with pytest.raises(flags.IllegalFlagValueError, match='no_such_shape'):
+    compare.parse_flags(['--shapes=small,no_such_shape'])
 
 
 @pytest.mark.parametrize('rows, source_length, steps', [(4, 5, 3), (12, 7, 6)])
 def test_matmul_floor_does_the_matrix_products_it_claims(rows, source_length, steps):
   """XLA's count of the loop body's FLOPs is the formula's, plus a little elementwise work."""
-  floor, shape = _load('floor'), _load('compare').Shape(96, 32, 80, 2, 4, 0, 0)
+  floor, shape = _load('floor'), _load('common').Shape(96, 32, 80, 2, 4, 0, 0)
   loop, x = floor.decoder_matmul_loop(shape, rows, source_length, steps)
   counted = _load('common').xla_flops(loop.lower(x).compile())
   e, f, layers = 32, 80, 2
@@ -97,3 +113,4 @@ def test_op_profile_splits_matrix_products_from_other_ops():
   assert not any(kind.startswith(('dot', 'ynn_fusion')) for kind in light['top_op_kinds'])
   for profile in (heavy, light):
     assert profile['wall_seconds'] > 0 and len(profile['top_op_kinds']) <= 5
+
