@@ -1,6 +1,9 @@
-"""Shared measuring helpers for the benchmarks: medians, and a matmul reference in-process."""
+"""What the benchmarks share: model shapes and their t2t_jax configs, medians, a matmul
+yardstick in-process, XLA's FLOP count and op profiles. Imports no other bench module."""
 
+import ast
 import collections
+import dataclasses
 import glob
 import gzip
 import json
@@ -12,7 +15,80 @@ import time
 import jax
 import jax.numpy as jnp
 
+from configs import base as base_config
+from configs import multi30k
 from t2t_jax import flops
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+  """Model dims and the batch: `rows` x `length` tokens on each side."""
+  vocab: int
+  d_model: int
+  d_ff: int
+  layers: int  # Encoder and decoder each.
+  heads: int
+  rows: int
+  length: int
+  packed_segments: int = 0  # Sentences packed into each row; 0: one per row.
+  accelerator_rows: int = 0  # Rows off CPU, where the CPU's batch would leave a chip idle.
+
+
+SHAPES = {
+    'small': Shape(8000, 256, 1024, 3, 4, 64, 64),
+    'm30k': Shape(10000, 128, 256, 4, 4, 256, 20),
+    'm30k_packed': Shape(10000, 128, 256, 4, 4, 32, 64, packed_segments=4),  # As multi30k.py.
+    'base': Shape(32000, 512, 2048, 6, 8, 8, 64),
+    'big': Shape(32000, 1024, 4096, 6, 16, 8, 64, accelerator_rows=64),
+    'tiny': Shape(128, 32, 64, 1, 2, 4, 16),  # Tests and smoke runs.
+    'tiny_packed': Shape(128, 32, 64, 1, 2, 4, 16, packed_segments=3),
+}
+
+
+def dropout_settings(recipe: str, dropout: float, attention_dropout: float,
+                     relu_dropout: float) -> dict:
+  """t2t_jax's three dropout rates: the ones given, or configs/multi30k.py's for recipe 'm30k'."""
+  if recipe == 'm30k':
+    model = multi30k.get_config().model
+    return dict(dropout=model.dropout, attention_dropout=model.attention_dropout,
+                relu_dropout=model.relu_dropout)
+  return dict(dropout=dropout, attention_dropout=attention_dropout, relu_dropout=relu_dropout)
+
+
+def apply_override(config, override: str) -> None:
+  """Sets `key=value` (a Python literal, else a string) on an existing config key."""
+  key, sep, text = override.partition('=')
+  *parents, leaf = key.split('.')
+  node = config
+  for part in parents:
+    node = node[part] if part in node else None
+    if node is None:
+      break
+  if not sep or node is None or leaf not in node:
+    raise ValueError(f'--t2t_override {override!r}: needs KEY=VALUE with a key of '
+                     'configs/base.py, e.g. model.norm=post')
+  try:
+    value = ast.literal_eval(text)
+  except (ValueError, SyntaxError):
+    value = text  # A bare word such as post.
+  node[leaf] = value
+
+
+def t2t_config(shape: Shape, dropout: dict, norm: str = 'pre', dtype: str = 'float32',
+               overrides=()):
+  """configs/base.py with `shape`'s dims and `dropout`'s rates on a 1x1x1 mesh, then
+  `overrides` ('key=value'). The defaults are bench/compare.py's flags' defaults."""
+  config = base_config.get_config()
+  model = config.model
+  model.d_model, model.d_ff, model.num_heads = shape.d_model, shape.d_ff, shape.heads
+  model.num_encoder_layers = model.num_decoder_layers = shape.layers
+  model.dropout, model.attention_dropout = dropout['dropout'], dropout['attention_dropout']
+  model.relu_dropout = dropout['relu_dropout']
+  model.norm, model.dtype = norm, dtype
+  config.mesh.shape = (1, 1, 1)
+  for override in overrides:
+    apply_override(config, override)
+  return config
 
 
 def median_seconds(fn, repeats: int, warmup: int = 2) -> float:

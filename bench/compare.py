@@ -36,14 +36,14 @@ What differs unavoidably (it is the example's model and step):
   - initialisers differ (no effect on the work).
 """
 
-import argparse
-import ast
 import dataclasses
 import os
 import statistics
 import sys
 import time
 
+from absl import app
+from absl import flags
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -51,117 +51,72 @@ import optax
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # pylint: disable=g-import-not-at-top
-import reference as reference_lib  # pylint: disable=g-import-not-at-top
+import flax_reference  # pylint: disable=g-import-not-at-top
 
-from configs import base as base_config
-from configs import multi30k
 from t2t_jax import cli
 from t2t_jax import flops
 from t2t_jax import sharding
 from t2t_jax import train
 
-
-@dataclasses.dataclass(frozen=True)
-class Shape:
-  """Model dims and the batch: `rows` x `length` tokens on each side."""
-  vocab: int
-  d_model: int
-  d_ff: int
-  layers: int  # Encoder and decoder each.
-  heads: int
-  rows: int
-  length: int
-  packed_segments: int = 0  # Sentences packed into each row; 0: one per row.
-  accelerator_rows: int = 0  # Rows off CPU, where the CPU's batch would leave a chip idle.
-
-
-SHAPES = {
-    'small': Shape(8000, 256, 1024, 3, 4, 64, 64),
-    'm30k': Shape(10000, 128, 256, 4, 4, 256, 20),
-    'm30k_packed': Shape(10000, 128, 256, 4, 4, 32, 64, packed_segments=4),  # As multi30k.py.
-    'base': Shape(32000, 512, 2048, 6, 8, 8, 64),
-    'big': Shape(32000, 1024, 4096, 6, 16, 8, 64, accelerator_rows=64),
-    'tiny': Shape(128, 32, 64, 1, 2, 4, 16),  # Tests and smoke runs.
-    'tiny_packed': Shape(128, 32, 64, 1, 2, 4, 16, packed_segments=3),
-}
 # t2t_jax batch keys -> the reference's.
 _REFERENCE_KEYS = {'inputs': 'inputs', 'targets': 'targets',
                    'inputs_positions': 'inputs_position', 'targets_positions': 'targets_position',
                    'inputs_segments': 'inputs_segmentation',
                    'targets_segments': 'targets_segmentation'}
-def parse_args(argv):
-  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-  parser.add_argument('--shapes', default='small,m30k,m30k_packed,base',
-                      help=f'Comma-separated, from {sorted(SHAPES)}.')
-  parser.add_argument('--rows', type=int, default=0, help='Batch rows; 0: the shape\'s.')
-  parser.add_argument('--length', type=int, default=0, help='Row length; 0: the shape\'s.')
-  parser.add_argument('--dtype', default='float32', choices=['float32', 'bfloat16'],
-                      help='Compute dtype of both sides (parameters stay float32).')
-  parser.add_argument('--dropout', type=float, default=0.1, help='Residual dropout, both.')
-  parser.add_argument('--attention_dropout', type=float, default=0.1, help='Both sides.')
-  parser.add_argument('--relu_dropout', type=float, default=0.1,
-                      help='t2t_jax only: the reference uses --dropout there.')
-  parser.add_argument('--recipe', default='none', choices=['none', 'm30k'],
-                      help="m30k: configs/multi30k.py's dropout settings on both sides.")
-  parser.add_argument('--norm', default='pre', choices=['pre', 'post'], help='t2t_jax norm.')
-  parser.add_argument('--t2t_override', action='append', default=[], metavar='KEY=VALUE',
-                      help='Set a t2t_jax config key (repeatable), e.g. model.norm=post.')
-  parser.add_argument('--rounds', type=int, default=5)
-  parser.add_argument('--steps', type=int, default=3, help='Timed steps per side and round.')
-  parser.add_argument('--warmup', type=int, default=2, help='Untimed steps per side first.')
-  parser.add_argument('--reference_dir', default='../shared/anchor/flax_wmt',
-                      help="Flax's examples/wmt (models.py, train.py); relative to the cwd.")
-  args = parser.parse_args(argv)
-  unknown = set(args.shapes.split(',')) - set(SHAPES)
-  if unknown:
-    parser.error(f'--shapes: unknown {sorted(unknown)}; choose from {sorted(SHAPES)}')
-  return args
 
 
-def dropout_settings(args) -> dict:
-  """t2t_jax's three dropout rates: the flags', or configs/multi30k.py's under --recipe=m30k."""
-  if args.recipe == 'm30k':
-    model = multi30k.get_config().model
-    return dict(dropout=model.dropout, attention_dropout=model.attention_dropout,
-                relu_dropout=model.relu_dropout)
-  return dict(dropout=args.dropout, attention_dropout=args.attention_dropout,
-              relu_dropout=args.relu_dropout)
+def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
+  """The command's flags, in `flag_values` (absl's global ones when run as a command)."""
+  flags.DEFINE_list('shapes', ['small', 'm30k', 'm30k_packed', 'base'],
+                    f'Comma-separated, from {sorted(common.SHAPES)}.', flag_values=flag_values)
+  flags.DEFINE_integer('rows', 0, "Batch rows; 0: the shape's.", flag_values=flag_values)
+  flags.DEFINE_integer('length', 0, "Row length; 0: the shape's.", flag_values=flag_values)
+  flags.DEFINE_enum('dtype', 'float32', ['float32', 'bfloat16'],
+                    'Compute dtype of both sides (parameters stay float32).',
+                    flag_values=flag_values)
+  flags.DEFINE_float('dropout', 0.1, 'Residual dropout, both.', flag_values=flag_values)
+  flags.DEFINE_float('attention_dropout', 0.1, 'Both sides.', flag_values=flag_values)
+  flags.DEFINE_float('relu_dropout', 0.1, 't2t_jax only: the reference uses --dropout there.',
+                     flag_values=flag_values)
+  flags.DEFINE_enum('recipe', 'none', ['none', 'm30k'],
+                    "m30k: configs/multi30k.py's dropout settings on both sides.",
+                    flag_values=flag_values)
+  flags.DEFINE_enum('norm', 'pre', ['pre', 'post'], 't2t_jax norm.', flag_values=flag_values)
+  flags.DEFINE_multi_string('t2t_override', [], 'KEY=VALUE: sets a t2t_jax config key '
+                            '(repeatable), e.g. model.norm=post.', flag_values=flag_values)
+  flags.DEFINE_integer('rounds', 5, 'Interleaved rounds.', flag_values=flag_values)
+  flags.DEFINE_integer('steps', 3, 'Timed steps per side and round.', flag_values=flag_values)
+  flags.DEFINE_integer('warmup', 2, 'Untimed steps per side first.', flag_values=flag_values)
+  flags.DEFINE_string('reference_dir', '../shared/anchor/flax_wmt',
+                      "Flax's examples/wmt (models.py, train.py); relative to the cwd.",
+                      flag_values=flag_values)
+
+  def known_shapes(names):
+    unknown = set(names) - set(common.SHAPES)
+    if unknown:
+      raise flags.ValidationError(f'unknown {sorted(unknown)}; choose from '
+                                  f'{sorted(common.SHAPES)}')
+    return True
+  flags.register_validator('shapes', known_shapes, flag_values=flag_values)
 
 
-def apply_override(config, override: str) -> None:
-  """Sets `key=value` (a Python literal, else a string) on an existing config key."""
-  key, sep, text = override.partition('=')
-  *parents, leaf = key.split('.')
-  node = config
-  for part in parents:
-    node = node[part] if part in node else None
-    if node is None:
-      break
-  if not sep or node is None or leaf not in node:
-    raise ValueError(f'--t2t_override {override!r}: needs KEY=VALUE with a key of '
-                     'configs/base.py, e.g. model.norm=post')
-  try:
-    value = ast.literal_eval(text)
-  except (ValueError, SyntaxError):
-    value = text  # A bare word such as post.
-  node[leaf] = value
+def parse_flags(argv: list[str]) -> flags.FlagValues:
+  """`argv` (flags only) parsed into flag values of their own, absl's global ones untouched."""
+  flag_values = flags.FlagValues()
+  define_flags(flag_values)
+  flag_values(['compare.py', *argv])
+  return flag_values
 
 
-def t2t_config(shape: Shape, args, dropout: dict):
-  config = base_config.get_config()
-  model = config.model
-  model.d_model, model.d_ff, model.num_heads = shape.d_model, shape.d_ff, shape.heads
-  model.num_encoder_layers = model.num_decoder_layers = shape.layers
-  model.dropout, model.attention_dropout = dropout['dropout'], dropout['attention_dropout']
-  model.relu_dropout = dropout['relu_dropout']
-  model.norm, model.dtype = args.norm, args.dtype
-  config.mesh.shape = (1, 1, 1)
-  for override in args.t2t_override:
-    apply_override(config, override)
-  return config
+def shape_config(shape: common.Shape, args):
+  """The t2t_jax config of `shape` under the parsed flags `args` (dropout, recipe, norm, dtype
+  and overrides)."""
+  dropout = common.dropout_settings(args.recipe, args.dropout, args.attention_dropout,
+                                    args.relu_dropout)
+  return common.t2t_config(shape, dropout, args.norm, args.dtype, args.t2t_override)
 
 
-def make_batch(shape: Shape, rows: int, length: int) -> dict[str, np.ndarray]:
+def make_batch(shape: common.Shape, rows: int, length: int) -> dict[str, np.ndarray]:
   """Random tokens (no padding: ids from 3) in t2t_jax's keys, packing metadata if packed."""
   rng = np.random.default_rng(0)
   batch = {side: rng.integers(3, shape.vocab, (rows, length), dtype=np.int32)
@@ -207,7 +162,7 @@ class Side:
     return metrics
 
 
-def t2t_side(config, shape: Shape, batch: dict, rows: int, length: int) -> Side:
+def t2t_side(config, shape: common.Shape, batch: dict, rows: int, length: int) -> Side:
   mesh = sharding.make_mesh(config.mesh, jax.devices()[:1])
   setup = train.build(config, shape.vocab, mesh)
   device_batch = sharding.global_batch(batch, mesh)
@@ -222,7 +177,7 @@ def t2t_side(config, shape: Shape, batch: dict, rows: int, length: int) -> Side:
               lambda metrics: float(metrics['nll']) / float(metrics['weight']))
 
 
-def reference_side(reference, config, shape: Shape, batch: dict, rows: int,
+def reference_side(reference, config, shape: common.Shape, batch: dict, rows: int,
                    length: int) -> Side:
   """The reference's train_step with the t2t_jax config's optimiser, smoothing and sharing."""
   model, opt = config.model, config.opt
@@ -307,11 +262,11 @@ def side_summary(side: Side, seconds: list[float], matmul_rates: list[float], to
 
 
 def compare_shape(name: str, args, reference, matmul: common.Matmul) -> dict:
-  shape = SHAPES[name]
+  shape = common.SHAPES[name]
   on_cpu = jax.devices()[0].platform == 'cpu'
   rows = args.rows or (shape.rows if on_cpu else shape.accelerator_rows or shape.rows)
   length = args.length or shape.length
-  config = t2t_config(shape, args, dropout_settings(args))
+  config = shape_config(shape, args)
   model = config.model  # After --t2t_override: the reference follows its dropout and dtype.
   batch = make_batch(shape, rows, length)
   sides = [t2t_side(config, shape, batch, rows, length),
@@ -343,17 +298,23 @@ def compare_shape(name: str, args, reference, matmul: common.Matmul) -> dict:
   }
 
 
-def main(argv=None) -> list[dict]:
-  """Compares every shape asked for; prints and returns one result dict per shape."""
-  args = parse_args(argv)
-  reference = reference_lib.import_reference(args.reference_dir)
+def compare_shapes(args) -> list[dict]:
+  """Compares every shape of `args` (the parsed flags); prints and returns one dict per shape."""
+  reference = flax_reference.import_reference(args.reference_dir)
   matmul = common.Matmul(2048, jnp.float32)
   results = []
-  for name in args.shapes.split(','):
+  for name in args.shapes:
     results.append(compare_shape(name, args, reference, matmul))
     print(cli.json_line(results[-1]), flush=True)
   return results
 
 
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+  compare_shapes(flags.FLAGS)
+
+
 if __name__ == '__main__':
-  main()
+  define_flags()  # Only when run as a command, so importing this module defines no flags.
+  cli.run(main)

@@ -1,6 +1,6 @@
 """The decoder's matrix products alone, in a loop: a floor under any search that does them.
 
-bench/decode.py --profile times this loop beside both searches. Per step and decoder layer,
+bench/decode_speed.py --profile times this loop beside both searches. Per step and decoder layer,
 for `rows` hypotheses of one token each: the self-attention's four [E, E] projections and the
 cross-attention's two (its keys and values are computed once per batch, before the loop), the
 feed-forward pair, and one query per head against `steps` cached keys and values and against

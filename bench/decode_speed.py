@@ -1,14 +1,14 @@
 """Decoding speed: greedy and beam search, three ways. One JSON line per measurement.
 
-  python bench/decode.py --mode=reference                  # beside Flax's WMT example
-  python bench/decode.py --mode=text --num_sentences=3000  # the translate path on real text
-  python bench/decode.py --mode=random --config=configs/default.py
+  python bench/decode_speed.py --mode=reference                  # beside Flax's WMT example
+  python bench/decode_speed.py --mode=text --num_sentences=3000  # the translate path, real text
+  python bench/decode_speed.py --mode=random --config=configs/default.py
 
 --mode=reference: t2t_jax's jitted search and the reference's (Flax's examples/wmt
 predict_step, imported from --reference_dir, never copied) on the same shape, interleaved in
 one process (A, B, then B, A, ...), with a 2048^3 float32 matmul timed every round. The
-default shape is ../shared/anchor/side_by_side.py's decode bench: compare.py's `small` dims
-(vocab 8000, d_model 256, FFN 1024, 3+3 layers, 4 heads), pre-LN, 32 random sources of 32
+default shape is ../shared/anchor/side_by_side.py's decode bench: bench/common.py's `small`
+dims (vocab 8000, d_model 256, FFN 1024, 3+3 layers, 4 heads), pre-LN, 32 random sources of 32
 tokens, random weights. Equal work by construction: both emit --output_length tokens per
 hypothesis (random weights end no hypothesis early; the work check in the output says so).
 Greedy runs against the reference's beam 1. With --profile, a third side joins the rounds,
@@ -46,9 +46,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # pylint: disable=g-import-not-at-top
-import compare  # pylint: disable=g-import-not-at-top
+import flax_reference  # pylint: disable=g-import-not-at-top
 import floor  # pylint: disable=g-import-not-at-top
-import reference as reference_lib  # pylint: disable=g-import-not-at-top
 
 from t2t_jax import checkpoint
 from t2t_jax import cli
@@ -79,7 +78,7 @@ _MAX_EXTRA_LEN = flags.DEFINE_integer('max_extra_len', 50, 'text: output = sourc
 _VOCAB_SIZE = flags.DEFINE_integer('vocab_size', 8000, 'text: SentencePiece vocabulary size.')
 _DTYPE = flags.DEFINE_enum('dtype', 'auto', list(translator_lib.DECODE_DTYPES), 'text: eval.dtype.')
 _REPEATS = flags.DEFINE_integer('repeats', 1, 'text/random: timed passes (median).')
-_SHAPE = flags.DEFINE_enum('shape', 'small', sorted(compare.SHAPES), 'reference: model dims.')
+_SHAPE = flags.DEFINE_enum('shape', 'small', sorted(common.SHAPES), 'reference: model dims.')
 _SOURCES = flags.DEFINE_integer('sources', 32, 'reference: sentences per batch.')
 _SOURCE_LENGTH = flags.DEFINE_integer('source_length', 32, 'reference: tokens per source.')
 _OUTPUT_LENGTH = flags.DEFINE_integer('output_length', 40, 'reference: tokens per output.')
@@ -127,8 +126,7 @@ class _Search:
 
 
 def _t2t_search(shape, sources, beam_size: int, steps: int) -> _Search:
-  config = compare.t2t_config(shape, compare.parse_args([]), dict(
-      dropout=0.0, attention_dropout=0.0, relu_dropout=0.0))
+  config = common.t2t_config(shape, dict(dropout=0.0, attention_dropout=0.0, relu_dropout=0.0))
   setup = train.build(config, shape.vocab, sharding.make_mesh(config.mesh, jax.devices()[:1]))
   params = setup.init(jax.random.PRNGKey(0)).params
   if beam_size == 1:
@@ -180,7 +178,7 @@ def _matmul_floor(shape, rows: int, source_length: int, steps: int) -> _Search:
 
 
 def _reference_line(reference, beam_size: int, matmul: common.Matmul) -> dict:
-  shape, steps = compare.SHAPES[_SHAPE.value], _OUTPUT_LENGTH.value
+  shape, steps = common.SHAPES[_SHAPE.value], _OUTPUT_LENGTH.value
   rng = np.random.default_rng(0)
   sources = rng.integers(3, shape.vocab, (_SOURCES.value, _SOURCE_LENGTH.value)).astype(np.int32)
   sides = [_t2t_search(shape, sources, beam_size, steps),
@@ -256,7 +254,7 @@ def _text_run(directory: str, config, lines: list[str], batch_tokens: int) -> tr
     model_config = TransformerConfig.from_config(config.model, _VOCAB_SIZE.value)
     params = _random_params(model_config, mesh, sharding.rules(config.mesh))
     checkpoint.write_params(params_dir, params, config.to_json_best_effort(),
-                            {'kind': 'random', 'source': 'bench/decode.py'})
+                            {'kind': 'random', 'source': 'bench/decode_speed.py'})
   return translate.load(directory, params_dir)
 
 
@@ -342,7 +340,7 @@ def main(argv):
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
   beam_sizes = [int(b) for b in _BEAM_SIZES.value]
   if _MODE.value == 'reference':
-    reference = reference_lib.import_reference(_REFERENCE_DIR.value)
+    reference = flax_reference.import_reference(_REFERENCE_DIR.value)
     matmul = common.Matmul(2048, jnp.float32)
     for beam_size in beam_sizes:
       print(cli.json_line(_reference_line(reference, beam_size, matmul)), flush=True)

@@ -6,6 +6,9 @@ import os
 import sys
 import types
 
+# The reference's modules, imported by these bare names: no bench module may take one of them.
+REFERENCE_MODULES = ('models', 'train', 'decode', 'bleu', 'input_pipeline', 'tokenizer')
+
 # Imported by the reference's train.py for its own loop and input pipeline, never run here.
 _STUBBED = ('clu', 'tensorflow', 'tensorflow_datasets', 'tensorflow_text', 'sentencepiece')
 
@@ -26,12 +29,12 @@ class _Stub(types.ModuleType):
 
 
 def import_reference(reference_dir: str) -> types.SimpleNamespace:
-  """The reference's `models`, `train` and `decode`; packages only its own loop uses may be missing."""
+  """The reference's `models`, `train` and `decode`; packages only its loop uses may be absent."""
   directory = os.path.abspath(reference_dir)
   if not os.path.isfile(os.path.join(directory, 'models.py')):
     raise FileNotFoundError(f'--reference_dir={reference_dir} ({directory}) holds no models.py: '
                             "point it at a copy of Flax's examples/wmt")
-  for name in ('models', 'train', 'decode', 'bleu', 'input_pipeline', 'tokenizer'):
+  for name in REFERENCE_MODULES:
     module = sys.modules.get(name)
     if module is not None and os.path.dirname(getattr(module, '__file__', '') or '') != directory:
       raise ImportError(f'a module {name!r} from {module.__file__} is already imported, so the '
