@@ -42,6 +42,7 @@ SlurmdPort={_free_port()}
 SlurmUser={user}
 SlurmdUser={user}
 AuthType=auth/none
+AuthInfo=cred_expire=10
 CredType=cred/none
 StateSaveLocation={directory}/state
 SlurmdSpoolDir={directory}/spool
