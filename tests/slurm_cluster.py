@@ -42,7 +42,8 @@ SlurmdPort={_free_port()}
 SlurmUser={user}
 SlurmdUser={user}
 AuthType=auth/none
-AuthInfo=cred_expire=10
+# A requeued job waits cred_expire + 1 s before it may start again (default 121 s).
+AuthInfo=cred_expire=5
 CredType=cred/none
 StateSaveLocation={directory}/state
 SlurmdSpoolDir={directory}/spool
@@ -61,6 +62,7 @@ SchedulerType=sched/builtin
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 ReturnToService=2
+# After SIGTERM (scancel, requeue, time limit) a job has this long to save before SIGKILL.
 KillWait=30
 MinJobAge=600
 InactiveLimit=0
