@@ -59,6 +59,8 @@ JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 JobCompType=jobcomp/none
 SchedulerType=sched/builtin
+# Run the scheduler every second, not every 60 s: a requeued job starts once its BeginTime passes.
+SchedulerParameters=sched_interval=1
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 ReturnToService=2
@@ -161,8 +163,13 @@ class SlurmCluster:
 
   def stop(self) -> None:
     """Cancels every job, then ends both daemons and everything they started."""
-    if any(daemon.poll() is None for daemon in self._daemons):
+    if all(daemon.poll() is None for daemon in self._daemons):
+      # Job steps run under slurmstepd, outside the daemons' process groups: let SLURM end
+      # them (SIGTERM, SIGKILL after KillWait) before the daemons go.
       self.run('scancel', '--full', f'--user={pwd.getpwuid(os.getuid()).pw_name}', check=False)
+      deadline = time.monotonic() + 45
+      while time.monotonic() < deadline and self.run('squeue', '--noheader', check=False).stdout:
+        time.sleep(0.5)
     for daemon in reversed(self._daemons):  # slurmd (and its job steps) first.
       _end_group(daemon)
     self._daemons = []
