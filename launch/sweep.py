@@ -14,7 +14,9 @@ every combination of the 'product' values, each combined with every position of 
 lists. Each point runs as the base command with `--config.KEY=VALUE` appended and `--workdir`
 replaced by `<workdir>/<point name>`; the point's overrides and command are written to
 `sweep_point.json` there. Runs go one after another here (`--mode=local`), or as one SLURM
-array job (`--mode=slurm`). No training logic lives here.
+array job (`--mode=slurm`, one element per point, requeued when preempted like
+launch/slurm.sbatch); an element that ends without success leaves `sweep_status.json` with its
+exit status, which --summarize reports. No training logic lives here.
 """
 
 import argparse
@@ -23,9 +25,13 @@ import itertools
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 
+LAUNCH_DIR = os.path.dirname(os.path.abspath(__file__))
+STATUS_FILE = 'sweep_status.json'  # Left by a SLURM array element that ended without success.
+PREEMPTED = 143  # t2t_jax.preemption.EXIT_CODE: the element is requeued, not failed.
 SUMMARY_COLUMNS = ('step', 'bleu', 'eval_loss', 'train_loss', 'steps_per_second',
                    'train_seconds')
 DESCENDING = ('bleu', 'steps_per_second')  # --sort puts the highest first; others ascend.
@@ -130,16 +136,30 @@ def run_local(points, runs) -> int:
 
 
 def slurm_script(root: str, runs, sbatch_options: list[str]) -> str:
-  """An sbatch array script running line $SLURM_ARRAY_TASK_ID of the command list."""
+  """An sbatch array script: element i runs line i of the command list in workdir line i."""
   options = '\n'.join(f'#SBATCH {option}' for option in sbatch_options)
+  step = shlex.quote(os.path.join(LAUNCH_DIR, 'slurm_step.sh'))
   return f'''#!/bin/bash
 #SBATCH --job-name=t2t_sweep
 #SBATCH --array=0-{len(runs) - 1}
 #SBATCH --output={root}/slurm-%A_%a.out
+#SBATCH --open-mode=append
+#SBATCH --requeue
+#SBATCH --signal=TERM@300
 {options}
-set -euo pipefail
+set -uo pipefail
 mapfile -t COMMANDS < {shlex.quote(os.path.join(root, 'sweep_commands.txt'))}
-eval "srun ${{COMMANDS[$SLURM_ARRAY_TASK_ID]}}"
+mapfile -t WORKDIRS < {shlex.quote(os.path.join(root, 'sweep_workdirs.txt'))}
+STATUS="${{WORKDIRS[$SLURM_ARRAY_TASK_ID]}}/{STATUS_FILE}"
+rm -f "$STATUS"
+# slurm_step.sh runs the command with srun and requeues the element when it was preempted.
+eval "{step} ${{COMMANDS[$SLURM_ARRAY_TASK_ID]}}"
+status=$?
+if (( status != 0 && status != {PREEMPTED} )); then
+  printf '{{"exit_status": %d, "job": "%s_%s"}}\n' "$status" "$SLURM_ARRAY_JOB_ID" \
+      "$SLURM_ARRAY_TASK_ID" > "$STATUS"
+fi
+exit "$status"
 '''
 
 
@@ -148,10 +168,15 @@ def run_slurm(points, root, runs, sbatch_options, dry_run: bool) -> int:
   if dry_run:
     print(script)
     return 0
+  if shutil.which('sbatch') is None:
+    raise SweepError("--mode=slurm submits with SLURM's sbatch, which is not on PATH: run "
+                     'this on a SLURM login node (or install slurm-client)')
   for point, (workdir, command) in zip(points, runs):
     _record(workdir, point, command)
   with open(os.path.join(root, 'sweep_commands.txt'), 'w') as f:
     f.write(''.join(shlex.join(command) + '\n' for _, command in runs))
+  with open(os.path.join(root, 'sweep_workdirs.txt'), 'w') as f:
+    f.write(''.join(workdir + '\n' for workdir, _ in runs))
   path = os.path.join(root, 'sweep.sbatch')
   with open(path, 'w') as f:
     f.write(script)
@@ -173,8 +198,9 @@ def _short_names(keys: list[str]) -> dict[str, str]:
   return dict(zip(keys, keys if clash else short))
 
 
-def _read_runs(root: str) -> tuple[list[str], list[dict], set[str]]:
-  """The swept columns, one {column: value} per run under `root`, and the runs unfinished."""
+def _read_runs(root: str) -> tuple[list[str], list[dict], dict[str, str]]:
+  """The swept columns, one {column: value} per run under `root`, and {run: why no figures}
+  for the runs without final.json."""
   if not os.path.isdir(root):
     raise SweepError(f'{root}: no such sweep directory')
   runs = []
@@ -184,14 +210,17 @@ def _read_runs(root: str) -> tuple[list[str], list[dict], set[str]]:
     final_path = os.path.join(workdir, 'final.json')
     if not (os.path.exists(point_path) or os.path.exists(final_path)):
       continue
-    overrides, final = {}, None
+    overrides, final, status = {}, None, None
     if os.path.exists(point_path):
       with open(point_path) as f:
         overrides = json.load(f)['overrides']
     if os.path.exists(final_path):
       with open(final_path) as f:
         final = json.loads(f.read().strip().splitlines()[-1])
-    runs.append({'name': name, 'overrides': overrides, 'final': final})
+    elif os.path.exists(os.path.join(workdir, STATUS_FILE)):
+      with open(os.path.join(workdir, STATUS_FILE)) as f:
+        status = json.load(f)
+    runs.append({'name': name, 'overrides': overrides, 'final': final, 'status': status})
   if not runs:
     raise SweepError(f'{root}: no runs found (no subdirectory holds final.json or '
                      'sweep_point.json)')
@@ -203,8 +232,16 @@ def _read_runs(root: str) -> tuple[list[str], list[dict], set[str]]:
     row.update({names[key]: run['overrides'].get(key) for key in keys})
     row.update({column: (run['final'] or {}).get(column) for column in SUMMARY_COLUMNS})
     rows.append(row)
-  unfinished = {run['name'] for run in runs if run['final'] is None}
+  unfinished = {run['name']: _why_unfinished(run['status']) for run in runs
+                if run['final'] is None}
   return list(names.values()), rows, unfinished
+
+
+def _why_unfinished(status: dict | None) -> str:
+  if status is None:
+    return '(no final.json: running or failed)'
+  return (f'(failed: exit status {status["exit_status"]}, SLURM job {status["job"]}; see '
+          f'slurm-{status["job"]}.out)')
 
 
 def _sorted(rows: list[dict], column: str, columns: list[str]) -> list[dict]:
@@ -230,7 +267,7 @@ def summarize(root: str, sort: str | None = None, markdown: bool = False) -> str
     cells.append([row['run']] + ['-' if row[column] is None else str(row[column])
                                  for column in swept])
     if row['run'] in unfinished:
-      cells[-1] += ['(no final.json: running or failed)'] + [''] * (len(SUMMARY_COLUMNS) - 1)
+      cells[-1] += [unfinished[row['run']]] + [''] * (len(SUMMARY_COLUMNS) - 1)
     else:
       cells[-1] += [_format(row[column]) for column in SUMMARY_COLUMNS]
   if markdown:

@@ -1,10 +1,11 @@
 """One run per workdir: a lock file naming the host and process that train in it.
 
-`<workdir>/run.lock` holds {host, pid, start_ticks, since}. It is created atomically (a link
+`<workdir>/run.lock` holds {host, pid, start_ticks, since, slurm_job, slurm_restart}. It is created atomically (a link
 of a finished file, which also works on NFS), refreshed by a heartbeat thread, and removed on
 every way out Python sees: a clean exit, an error, SIGTERM. A lock whose holder is gone is
 taken over with a warning: on this host when the PID no longer runs (or is another process of
-the same number), from another host when its heartbeat is older than STALE_SECONDS.
+the same number), from another host when its heartbeat is older than STALE_SECONDS, and from
+an earlier run of the same SLURM job (requeued, perhaps onto another node) at once.
 """
 
 import dataclasses
@@ -13,6 +14,7 @@ import os
 import shutil
 import signal
 import socket
+import sys
 import threading
 import time
 
@@ -34,11 +36,14 @@ class Holder:
   pid: int
   start_ticks: int | None  # From /proc/<pid>/stat: tells a reused PID from the holder.
   since: str
+  slurm_job: str | None = None  # A requeued SLURM job keeps its ID and counts its restarts.
+  slurm_restart: int = 0
 
   @classmethod
   def this_process(cls) -> 'Holder':
     return cls(socket.gethostname(), os.getpid(), _start_ticks(os.getpid()),
-               time.strftime('%Y-%m-%d %H:%M:%S'))
+               time.strftime('%Y-%m-%d %H:%M:%S'), os.environ.get('SLURM_JOB_ID'),
+               int(os.environ.get('SLURM_RESTART_COUNT', '0')))
 
 
 def _start_ticks(pid: int) -> int | None:
@@ -106,7 +111,7 @@ class WorkdirLock:
                           'one run per workdir')
     self._heartbeat = threading.Thread(target=self._beat, name='workdir-lock', daemon=True)
     self._heartbeat.start()
-    if threading.current_thread() is threading.main_thread():
+    if threading.current_thread() is threading.main_thread() and not _jax_catches_sigterm():
       # Without a handler SIGTERM ends Python at once and the lock would stay behind.
       self._previous_sigterm = signal.signal(signal.SIGTERM, _exit_on_sigterm)
 
@@ -146,6 +151,10 @@ class WorkdirLock:
     """Why `holder`'s lock is left over ('' while its run may live)."""
     if holder.pid < 0:
       return f'{self.path} is unreadable'
+    if holder.slurm_job and holder.slurm_job == self.holder.slurm_job and (
+        holder.slurm_restart < self.holder.slurm_restart):
+      return (f'it is from run {holder.slurm_restart} of SLURM job {holder.slurm_job}, which '
+              'SLURM ended before requeueing the job')
     if holder.host == self.holder.host:
       return '' if _runs(holder) else 'that process no longer runs (killed?)'
     try:
@@ -168,6 +177,13 @@ class WorkdirLock:
         os.utime(self.path)
       except OSError as e:
         logging.warning('Could not refresh the workdir lock %s: %s', self.path, e)
+
+
+def _jax_catches_sigterm() -> bool:
+  """Whether JAX's preemption service (multi-process runs) has SIGTERM: the run then saves and
+  ends through Python, releasing the lock, and a handler here would replace JAX's."""
+  jax = sys.modules.get('jax')
+  return jax is not None and jax.process_count() > 1
 
 
 def _exit_on_sigterm(signum, frame):

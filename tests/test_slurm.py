@@ -1,0 +1,218 @@
+"""launch/ on a real one-node SLURM (tests/slurm_cluster.py): a 2-task job of launch/slurm.sbatch
+trains like one process, a job preempted with SIGTERM requeues itself and ends bitwise equal to
+an uninterrupted one, and a sweep runs as one array whose failed element is reported."""
+
+import dataclasses
+import json
+import os
+import re
+import sys
+import time
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from conftest import ROOT, scalar_events
+import slurm_cluster
+from t2t_jax import train
+from t2t_jax import workdir_lock
+
+STEPS = 30
+OVERRIDES = {'train.num_steps': STEPS, 'train.log_every': 1, 'train.eval_every': STEPS,
+             'ckpt.every': 10, 'eval.bleu_sentences': 0, 'ckpt.preemption_grace_seconds': 20}
+# launch/slurm.sbatch asks for 2 nodes x 8 GPUs; here: 2 tasks on the one CPU node.
+TWO_TASKS = ['--nodes=1', '--ntasks=2', '--ntasks-per-node=2', '--cpus-per-task=1',
+             '--gpus-per-task=0', '--time=10']
+JOB_TIMEOUT = 300
+
+
+@pytest.fixture(scope='session')
+def slurm(tmp_path_factory):
+  lacking = slurm_cluster.missing()
+  if lacking:
+    reason = (f'SLURM is not installed (no {", ".join(lacking)} on PATH): apt-get install '
+              'slurm-wlm')
+    if os.environ.get('CI'):  # .ci/run installs it: CI must not skip these silently.
+      pytest.fail(reason)
+    pytest.skip(reason)
+  cluster = slurm_cluster.SlurmCluster(str(tmp_path_factory.mktemp('slurm')))
+  cluster.start()
+  yield cluster
+  cluster.stop()
+
+
+def _job_env(cluster):
+  # Jobs inherit the submitter's environment: the worktree's t2t_jax, one CPU device each.
+  return cluster.env(PYTHONPATH=ROOT, XLA_FLAGS='', JAX_PLATFORMS='cpu')
+
+
+def _submit(cluster, *args) -> str:
+  run = cluster.run('sbatch', '--parsable', *args, cwd=ROOT, env=_job_env(cluster),
+                    check=False)
+  assert run.returncode == 0, run.stderr
+  return run.stdout.strip().split(';')[0]
+
+
+def _sbatch_two_tasks(cluster, workdir) -> tuple[str, str]:
+  """Submits launch/slurm.sbatch with 2 tasks training the tiny config; (job id, log path)."""
+  log = os.path.join(os.path.dirname(workdir), f'{os.path.basename(workdir)}-%j.out')
+  job = _submit(cluster, *TWO_TASKS, f'--output={log}', 'launch/slurm.sbatch',
+                '--config=configs/tiny.py', f'--workdir={workdir}',
+                *[f'--config.{key}={value}' for key, value in OVERRIDES.items()])
+  return job, log.replace('%j', job)
+
+
+def _read(path) -> str:
+  with open(path, errors='replace') as f:
+    return f.read()
+
+
+def _params(workdir, step):
+  """The params of a checkpoint, read with plain orbax as numpy arrays (independent reader)."""
+  item = os.path.join(workdir, 'checkpoints', str(step), 'state')
+  checkpointer = ocp.PyTreeCheckpointer()
+  saved = checkpointer.metadata(item).item_metadata.tree['params']
+  args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), saved)
+  restored = checkpointer.restore(item, args=ocp.args.PyTreeRestore(
+      item={'params': saved}, restore_args={'params': args}, partial_restore=True))
+  return restored['params']
+
+
+def _train_losses(workdir):
+  losses = scalar_events(workdir)['train/loss']
+  return [losses[step] for step in sorted(losses)]
+
+
+def _wait_for(predicate, what, timeout=JOB_TIMEOUT):
+  deadline = time.monotonic() + timeout
+  while time.monotonic() < deadline:
+    if value := predicate():
+      return value
+    time.sleep(0.2)
+  raise TimeoutError(f'no {what} after {timeout} s')
+
+
+@pytest.fixture(scope='module')
+def two_task_run(slurm, tmp_path_factory):
+  """An uninterrupted 2-task job of launch/slurm.sbatch: its workdir, log and final job fields."""
+  workdir = str(tmp_path_factory.mktemp('straight') / 'run')
+  job, log = _sbatch_two_tasks(slurm, workdir)
+  fields = slurm.wait_done(job, JOB_TIMEOUT)
+  return workdir, _read(log), fields
+
+
+def test_a_lock_from_an_earlier_run_of_the_same_slurm_job_is_taken_over(tmp_path, monkeypatch):
+  # The requeued job may start on another node while the lost node's heartbeat looks fresh.
+  lost = workdir_lock.Holder('lost-node', 4242, None, '2024-01-01 00:00:00', '77', 0)
+  lock_path = tmp_path / workdir_lock.LOCK_FILE
+  for job, restart, taken in (('77', '1', True), ('77', '0', False), ('78', '1', False)):
+    lock_path.write_text(json.dumps(dataclasses.asdict(lost)))
+    monkeypatch.setenv('SLURM_JOB_ID', job)
+    monkeypatch.setenv('SLURM_RESTART_COUNT', restart)
+    if taken:
+      with workdir_lock.WorkdirLock(str(tmp_path)):
+        assert json.loads(lock_path.read_text())['slurm_restart'] == 1
+      assert not lock_path.exists()
+    else:  # The same allocation, or another job: a live run elsewhere, as before.
+      with pytest.raises(workdir_lock.WorkdirLocked, match='in use by PID 4242 on host lost-node'):
+        workdir_lock.WorkdirLock(str(tmp_path)).acquire()
+
+
+@pytest.mark.slow
+def test_two_task_sbatch_job_trains_like_one_process(two_task_run, tiny_config, tmp_path):
+  workdir, log, fields = two_task_run
+  assert (fields['JobState'], fields['ExitCode'], fields['NumTasks']) == ('COMPLETED', '0:0',
+                                                                          '2'), log[-3000:]
+  # jax.distributed found the topology in SLURM's environment, not in T2T_* variables.
+  for process in (0, 1):
+    assert (f'Process {process} of 2 joined the coordinator detected from the SLURM/TPU '
+            'environment; 1 local / 2 global devices') in log
+  final = json.loads(_read(os.path.join(workdir, 'final.json')))
+  assert final['step'] == STEPS
+  assert sorted(os.listdir(os.path.join(workdir, 'checkpoints'))) == ['10', '20', '30']
+  assert not os.path.exists(os.path.join(workdir, workdir_lock.LOCK_FILE))
+
+  for key, value in OVERRIDES.items():  # The same config in this process, on 8 CPU devices.
+    section, name = key.split('.')
+    tiny_config[section][name] = value
+  one = train.train_and_evaluate(tiny_config, str(tmp_path / 'one'))
+  np.testing.assert_allclose(_train_losses(workdir), _train_losses(tmp_path / 'one'), rtol=1e-5)
+  np.testing.assert_allclose(final['eval_loss'], one['eval_loss'], rtol=1e-5)
+  slurm_params, local_params = _params(workdir, STEPS), _params(tmp_path / 'one', STEPS)
+  assert jax.tree.structure(slurm_params) == jax.tree.structure(local_params)
+  for a, b in zip(jax.tree.leaves(slurm_params), jax.tree.leaves(local_params)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)  # Sums in another order only.
+
+
+@pytest.mark.slow
+def test_sigterm_requeues_the_job_which_resumes_to_the_uninterrupted_result(
+    slurm, two_task_run, tmp_path):
+  workdir = str(tmp_path / 'run')
+  job, log = _sbatch_two_tasks(slurm, workdir)
+  _wait_for(lambda: os.path.exists(log) and 'step 2:' in _read(log), 'step 2 in the log')
+  # What --signal=TERM@300 does before the time limit: SIGTERM to every task, not the script.
+  slurm.run('scancel', '--signal=TERM', job)
+  _wait_for(lambda: slurm.job_state(job)['Restarts'] == '1' and
+            slurm.job_state(job)['JobState'] == 'PENDING', 'requeued job')
+  # As if the old allocation's node died holding the lock, its heartbeat still fresh: the
+  # requeued job (SLURM ends an allocation before requeueing it) must take the lock over.
+  lost = workdir_lock.Holder('lost-node', 4242, None, 'then', job, 0)
+  with open(os.path.join(workdir, workdir_lock.LOCK_FILE), 'w') as f:
+    json.dump(dataclasses.asdict(lost), f)
+  fields = slurm.wait_done(job, JOB_TIMEOUT)
+  text = _read(log)  # --open-mode=append: both allocations' output.
+  assert (fields['JobState'], fields['ExitCode'], fields['Restarts']) == ('COMPLETED', '0:0',
+                                                                          '1'), text[-3000:]
+  saved = [int(step) for step in re.findall(r'preempted \(SIGTERM\): saved a checkpoint at '
+                                            r'step (\d+)', text)]
+  assert len(saved) == 2 and saved[0] == saved[1] and 2 <= saved[0] < STEPS, text[-3000:]
+  assert f'slurm_step.sh: preempted (exit status 143): requeueing job {job}' in text
+  assert f'slurm_step.sh: job {job}, restart 1, 2 task(s)' in text
+  assert f'Restored checkpoint {workdir}/checkpoints/{saved[0]}' in text
+  assert (f'from PID 4242 on host lost-node: it is from run 0 of SLURM job {job}, which SLURM '
+          'ended before requeueing the job') in text
+  assert json.loads(_read(os.path.join(workdir, 'final.json')))['step'] == STEPS
+  assert not os.path.exists(os.path.join(workdir, workdir_lock.LOCK_FILE))
+  straight = _params(two_task_run[0], STEPS)
+  resumed = _params(workdir, STEPS)
+  assert jax.tree.structure(straight) == jax.tree.structure(resumed)
+  assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(straight),
+                                                  jax.tree.leaves(resumed)))
+
+
+@pytest.mark.slow
+def test_a_sweep_is_one_job_array_and_its_failed_element_is_reported(slurm, tmp_path):
+  sweep_file = tmp_path / 'two.py'
+  # The second point's warmup is out of range: its run stops with a config error.
+  sweep_file.write_text("def get_sweep():\n  return {'zip': {'opt.warmup_steps': [10, -1]}}\n")
+  root = tmp_path / 'sweep'
+  submit = slurm.run(sys.executable, 'launch/sweep.py', '--mode=slurm', str(sweep_file), '--',
+                     sys.executable, '-m', 't2t_jax.main', '--config=configs/tiny.py',
+                     f'--workdir={root}', '--config.train.num_steps=3',
+                     '--config.train.eval_every=3', '--config.ckpt.every=0',
+                     '--config.eval.bleu_sentences=0', cwd=ROOT, env=_job_env(slurm),
+                     check=False)
+  assert submit.returncode == 0, submit.stderr
+  job = re.fullmatch(r'Submitted batch job (\d+)\n', submit.stdout).group(1)
+  slurm.wait_done(job, JOB_TIMEOUT)
+  states = {index: slurm.job_state(f'{job}_{index}') for index in (0, 1)}
+  assert [states[i]['JobState'] for i in (0, 1)] == ['COMPLETED', 'FAILED']
+  assert states[0]['ArrayJobId'] == states[1]['ArrayJobId'] == job
+
+  ok, failed = root / 'warmup_steps=10', root / 'warmup_steps=-1'
+  assert json.loads(_read(ok / 'final.json'))['step'] == 3
+  assert not os.path.exists(ok / 'sweep_status.json')
+  status = json.loads(_read(failed / 'sweep_status.json'))
+  assert status['job'] == f'{job}_1' and status['exit_status'] != 0
+  assert 'config.opt.warmup_steps=-1 is outside the allowed range' in _read(
+      root / f'slurm-{job}_1.out')
+  table = slurm.run(sys.executable, 'launch/sweep.py', '--summarize', str(root),
+                    cwd=ROOT).stdout.splitlines()
+  assert table[0].split()[:3] == ['run', 'warmup_steps', 'step']
+  rows = {line.split()[0]: line for line in table[1:]}
+  assert set(rows) == {'warmup_steps=10', 'warmup_steps=-1'}
+  assert rows['warmup_steps=10'].split()[1:3] == ['10', '3']
+  assert (f'(failed: exit status {status["exit_status"]}, SLURM job {job}_1; see '
+          f'slurm-{job}_1.out)') in rows['warmup_steps=-1']
