@@ -18,6 +18,7 @@ import numpy as np
 import optax
 import tensorboardX
 
+from t2t_jax import NonFiniteLoss
 from t2t_jax import checkpoint
 from t2t_jax import cli
 from t2t_jax import config_check
@@ -386,7 +387,7 @@ class _MetricLog:
     metrics = jax.device_get(metrics)
     loss = float(metrics['loss']) / max(float(metrics['weight']), 1.0)
     if not math.isfinite(loss):
-      raise FloatingPointError(
+      raise NonFiniteLoss(
           f'training loss is {loss} at step {step}; stopping. Parameters after step '
           f'{self.last_good_step} were finite and the last checkpoint is intact: lower '
           'config.opt.lr_scale or set config.opt.grad_clip, then rerun to resume.')
@@ -451,14 +452,12 @@ def _model_flops(model_config: TransformerConfig, host_batch: dict) -> float:
 def train_and_evaluate(config, workdir: str, force_unlock: bool = False) -> dict[str, Any]:
   """Trains `config` in `workdir` (resuming if it holds a checkpoint); returns final figures.
 
-  Process 0 holds the workdir's lock throughout: a second launch on it is refused while this
-  one lives (`force_unlock` takes the lock regardless).
+  Process 0 holds the workdir's lock throughout: a second launch on it is refused, on every
+  process, while this one lives (`force_unlock` takes the lock regardless).
   """
   config_check.check(config)
-  os.makedirs(workdir, exist_ok=True)
-  if jax.process_index() != 0:
-    return _train_and_evaluate(config, workdir)
-  with workdir_lock.WorkdirLock(workdir, force_unlock):
+  workdir_lock.make_workdir(workdir)
+  with workdir_lock.hold(workdir, force_unlock):
     return _train_and_evaluate(config, workdir)
 
 
@@ -498,7 +497,8 @@ def _train_and_evaluate(config, workdir: str) -> dict[str, Any]:
                           flops.devices_peak_flops_per_second(list(mesh.devices.flat),
                                                               setup.model_config.dtype))
   results, pending, train_start = {}, None, time.perf_counter()
-  sigterm, preempted = preemption.Preemption(config.ckpt.preemption_grace_seconds), False
+  sigterm, preempted = preemption.Preemption(config.ckpt.preemption_grace_seconds,
+                                             checkpointer.remove_unfinished), False
   logging.info('Training from step %d to %d', start_step, num_steps)
   seen_shapes = set()
   with hang_guard.HangGuard(config.train.step_timeout_seconds) as guard:
@@ -510,6 +510,7 @@ def _train_and_evaluate(config, workdir: str) -> dict[str, Any]:
         guard.disarm()
       state, metrics = setup.train_step(state, sharding.global_batch(host_batch, mesh),
                                         dropout_rng)
+      checkpointer.check()  # A save that failed in the background stops the run here.
       if pending:  # Read the previous step's metrics only now, so the device never waits.
         metric_log.add(*pending)
       pending = (step, metrics, _model_flops(setup.model_config, host_batch))
@@ -545,7 +546,7 @@ def _train_and_evaluate(config, workdir: str) -> dict[str, Any]:
   if preempted:
     checkpointer.close()
     writer.close()
-    raise preemption.Preempted(int(state.step), checkpointer.directory)
+    raise preemption.Preempted(int(state.step), checkpointer.directory, sigterm.signum)
   saved = _read_final(workdir, int(state.step)) if not results else None
   if not results and not saved:  # Resumed at the end, figures unsaved: evaluate again.
     results, _ = run_evaluation(setup, state.params, task, eval_batches, config, translator)

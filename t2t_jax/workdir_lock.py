@@ -7,6 +7,7 @@ taken over with a warning: on this host when the PID no longer runs (or is anoth
 the same number), from another host when its heartbeat is older than STALE_SECONDS.
 """
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -17,6 +18,7 @@ import threading
 import time
 
 from absl import logging
+import numpy as np
 
 LOCK_FILE = 'run.lock'
 HEARTBEAT_SECONDS = 30.0
@@ -26,6 +28,65 @@ SIGTERM_EXIT_CODE = 128 + signal.SIGTERM
 
 class WorkdirLocked(RuntimeError):
   """Another live run holds the workdir."""
+
+
+class WorkdirUnusable(RuntimeError):
+  """The workdir path names a file, or a directory that cannot be created."""
+
+
+def make_workdir(workdir: str) -> None:
+  """Creates `workdir` (and its parents), or raises WorkdirUnusable saying what to change."""
+  if os.path.exists(workdir) and not os.path.isdir(workdir):
+    raise WorkdirUnusable(f'--workdir={workdir} is a file, not a directory: choose another '
+                          'path (a new one is created)')
+  try:
+    os.makedirs(workdir, exist_ok=True)
+  except OSError as e:
+    raise WorkdirUnusable(f'cannot create --workdir={workdir}: {e.strerror}: choose a path '
+                          'you can write to') from None
+
+
+@contextlib.contextmanager
+def hold(workdir: str, force: bool = False):
+  """Process 0 holds the workdir's lock for the block; a refusal stops every process.
+
+  In a multi-process run process 0 tells the others whether it got the lock, so all of them
+  raise the same WorkdirLocked at once instead of waiting for process 0 at a collective.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  if jax.process_count() == 1:
+    with WorkdirLock(workdir, force):
+      yield
+    return
+  lock, refusal = None, ''
+  if jax.process_index() == 0:
+    lock = WorkdirLock(workdir, force)
+    try:
+      lock.acquire()
+    except WorkdirLocked as e:
+      lock, refusal = None, str(e)
+  refusal = _from_process_zero(refusal)
+  if refusal:
+    raise WorkdirLocked(refusal)
+  try:
+    yield
+  finally:
+    if lock:
+      lock.release()
+
+
+_MESSAGE_BYTES = 2048
+
+
+def _from_process_zero(text: str) -> str:
+  """Process 0's `text` on every process (a collective: all processes must call it)."""
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  encoded = text.encode()[:_MESSAGE_BYTES]
+  buffer = np.zeros(_MESSAGE_BYTES + 1, np.int32)  # The length, then the bytes.
+  buffer[0] = len(encoded)
+  buffer[1:1 + len(encoded)] = np.frombuffer(encoded, np.uint8)
+  received = np.asarray(multihost_utils.broadcast_one_to_all(buffer))
+  return bytes(received[1:1 + int(received[0])].astype(np.uint8)).decode(errors='replace')
 
 
 @dataclasses.dataclass(frozen=True)
