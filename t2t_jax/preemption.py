@@ -8,6 +8,8 @@ from absl import logging
 import jax
 from jax.experimental import multihost_utils
 
+from t2t_jax import workdir_lock
+
 EXIT_CODE = 128 + signal.SIGTERM  # What a shell reports for a process ended by SIGTERM.
 EXIT_CODES = {signal.SIGTERM: EXIT_CODE, signal.SIGINT: 128 + signal.SIGINT}
 _NAMES = {signal.SIGTERM: 'SIGTERM', signal.SIGINT: 'Ctrl-C (SIGINT)'}
@@ -28,8 +30,8 @@ class Preemption:
   """Turns SIGTERM and Ctrl-C into "save at the end of this step and stop".
 
   Single process: a Python signal handler sets a flag; a second Ctrl-C exits at once, after
-  removing the unfinished save (`remove_unfinished`, e.g. `checkpoint.remove_unfinished`), so
-  the checkpoints left are whole. Multi-process: JAX's preemption service (started by
+  removing the unfinished save (`remove_unfinished`, e.g. `Checkpointer.remove_unfinished`) and
+  the workdir lock, so the checkpoints left are whole and the next launch starts at once. Multi-process: JAX's preemption service (started by
   jax.distributed.initialize) catches SIGTERM on any process and agrees on one step at which
   all processes save; Ctrl-C there stays Python's KeyboardInterrupt. Either way a watchdog
   ends the process `grace_seconds` after the signal if the save has not finished; the
@@ -79,6 +81,7 @@ class Preemption:
     logging.flush()
     try:
       self.remove_unfinished()
+      workdir_lock.remove_held_locks()
     finally:
       os._exit(EXIT_CODES[signum])  # pylint: disable=protected-access
 

@@ -167,12 +167,14 @@ class WorkdirLock:
                           'one run per workdir')
     self._heartbeat = threading.Thread(target=self._beat, name='workdir-lock', daemon=True)
     self._heartbeat.start()
+    _HELD.add(self)
     if threading.current_thread() is threading.main_thread():
       # Without a handler SIGTERM ends Python at once and the lock would stay behind.
       self._previous_sigterm = signal.signal(signal.SIGTERM, _exit_on_sigterm)
 
   def release(self) -> None:
     """Removes the lock if it is still this process's."""
+    _HELD.discard(self)
     self._stop.set()
     if self._heartbeat:
       self._heartbeat.join()
@@ -229,6 +231,16 @@ class WorkdirLock:
         os.utime(self.path)
       except OSError as e:
         logging.warning('Could not refresh the workdir lock %s: %s', self.path, e)
+
+
+_HELD = set()  # The locks this process holds.
+
+
+def remove_held_locks() -> None:
+  """Removes this process's lock files at once, for a process about to end without unwinding
+  (os._exit after a second Ctrl-C or a grace period run out)."""
+  for lock in list(_HELD):
+    lock._remove_if(lock.holder)  # pylint: disable=protected-access
 
 
 def _exit_on_sigterm(signum, frame):
