@@ -164,11 +164,15 @@ class Checkpointer:
     save of it got as far as its final name; safe to call while a save is running."""
     if jax.process_index() != 0 or not os.path.isdir(self.directory):
       return
-    for name in os.listdir(self.directory):
-      unfinished = TMP_MARK in name or (step is not None and name == str(step) and
-                                        step not in self._existing)
-      if unfinished:
+    for _ in range(20):  # Writer threads of a failed save may still be finishing their files.
+      names = [name for name in os.listdir(self.directory)
+               if TMP_MARK in name or (step is not None and name == str(step) and
+                                       step not in self._existing)]
+      if not names:
+        return
+      for name in names:
         shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+      time.sleep(0.05)
 
   def restore(self, abstract_state, config: ml_collections.ConfigDict,
               rng_shape: tuple[int, ...] = (2,)) -> Restored | None:

@@ -7,6 +7,7 @@ import os
 import re
 import signal
 import sys
+import threading
 import traceback
 from typing import Any, Callable
 
@@ -180,13 +181,20 @@ def check_output_path(path: str, flag: str) -> None:
 def quiet_libraries() -> None:
   """Hides the libraries' INFO chatter (orbax's per-save lines, ...); warnings still show.
 
-  Orbax's tracebacks of a failed save are hidden too: the Checkpointer stops the run with one
-  line naming the checkpoint and the cause.
+  Tracebacks that libraries log, or that their background threads die with (orbax's and
+  tensorstore's after a failed save), are hidden too: the Checkpointer stops the run with one
+  line naming the checkpoint and the cause. --verbose shows them.
   """
   def shown(record) -> bool:
     if '/t2t_jax/' in record.pathname:
       return True
-    if '/orbax/' in record.pathname and record.exc_info:
+    if record.exc_info or 'Traceback (most recent call last)' in str(record.msg):
       return False
     return record.levelno >= std_logging.WARNING
   logging.get_absl_handler().addFilter(shown)
+
+  def thread_failed(hook_args) -> None:
+    logging.warning('Background thread %s ended with %s: %s (--verbose shows the traceback)',
+                    getattr(hook_args.thread, 'name', '?'), hook_args.exc_type.__name__,
+                    ' '.join(str(hook_args.exc_value).split())[:300])
+  threading.excepthook = thread_failed
