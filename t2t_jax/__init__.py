@@ -16,3 +16,7 @@ EOS_ID = 1
 
 class ConfigError(ValueError):
   """A config value (or a flag standing for one) that cannot work, named with what to do."""
+
+
+class NonFiniteLoss(FloatingPointError):
+  """Training stopped at a NaN or infinite loss; the message names the step and what to do."""

@@ -30,6 +30,7 @@ STATE, RNG, DATA, CONFIG = 'state', 'rng', 'data', 'config'
 PARAMS, INFO = 'params', 'info'
 # Config keys whose change on resume cannot alter the trained parameters' values.
 HARMLESS_PREFIXES = ('name', 'train.', 'eval.', 'ckpt.')
+TMP_MARK = '.orbax-checkpoint-tmp'  # In the name of a folder orbax has not finished writing.
 
 
 class CheckpointError(RuntimeError):
@@ -102,8 +103,7 @@ class Checkpointer:
     self.manager = ocp.CheckpointManager(self.directory, options=options,
                                          item_handlers=_handlers())
     self._in_flight = None  # Step of the asynchronous save not yet known to have finished.
-    self._last_attempt = None
-    self.failed_steps = []
+    self._existing = set()  # Steps saved before the save in flight started.
 
   def should_save(self, step: int) -> bool:
     return self.every > 0 and step % self.every == 0
@@ -114,11 +114,12 @@ class Checkpointer:
   def save(self, step: int, state, rng: jax.Array, data_state: dict, config_json: str) -> bool:
     """Starts an asynchronous save; returns once the arrays are copied off the device.
 
-    A failed save (full disk, lost permissions) is logged with the step and the cause and
-    leaves the previous checkpoint intact; training goes on and the next save tries again.
+    A failed save (full disk, lost permissions), whether it fails here or later in the
+    background (`check`), raises CheckpointError naming the directory and the cause, after
+    removing the unfinished checkpoint; the previous one is intact.
     """
     self._wait()
-    self._last_attempt = step
+    self._existing = set(self.manager.all_steps())
     try:
       self.manager.save(step, args=ocp.args.Composite(**{
           STATE: ocp.args.StandardSave(state),
@@ -128,26 +129,50 @@ class Checkpointer:
           CONFIG: ocp.args.JsonSave({'config': config_json})}), force=True)
     except Exception as e:  # pylint: disable=broad-exception-caught
       self._failed(step, e)
-      return False
     self._in_flight = step
     return True
 
+  def check(self) -> None:
+    """Raises CheckpointError if the save in flight has failed; never waits for one running."""
+    if self._in_flight is not None and not self.manager.is_saving_in_progress():
+      self._wait()
+
   def _wait(self) -> None:
-    """Blocks until the save in flight is written; a failure is logged, not raised."""
+    """Blocks until the save in flight is written; raises CheckpointError if it failed."""
+    step, self._in_flight = self._in_flight, None
     try:
       self.manager.wait_until_finished()
     except Exception as e:  # pylint: disable=broad-exception-caught
-      self._failed(self._in_flight, e)
-    self._in_flight = None
+      self._failed(step, e)
 
   def _failed(self, step, error: BaseException) -> None:
-    self.failed_steps.append(step)
+    self.remove_unfinished(step)
     self.manager.reload()
-    hint = (' The disk is full: free space.' if isinstance(error, OSError) and
-            error.errno == errno.ENOSPC else '')
-    logging.error('Saving checkpoint %s in %s failed (%s). The previous checkpoint (step %s) '
-                  'is intact; training continues and the next save tries again.%s', step,
-                  self.directory, _describe(error), self.manager.latest_step(), hint)
+    text = str(error)
+    full = ((isinstance(error, OSError) and error.errno == errno.ENOSPC) or
+            'No space left on device' in text)
+    cause = 'the disk is full (No space left on device)' if full else _describe(error)
+    raise CheckpointError(
+        f'saving checkpoint {step} in {self.directory} failed: {cause}. Training stopped; the '
+        f'unfinished checkpoint was removed and the newest intact one is step '
+        f'{self.manager.latest_step()}. {"Free space" if full else "Fix the cause"} (or use a '
+        '--workdir on another disk, copying the checkpoints) and rerun the same command to '
+        'resume from it.') from error
+
+  def remove_unfinished(self, step: int | None = None) -> None:
+    """Removes orbax's temporary folders of unfinished saves, and step `step` if a failed
+    save of it got as far as its final name; safe to call while a save is running."""
+    if jax.process_index() != 0 or not os.path.isdir(self.directory):
+      return
+    for _ in range(20):  # Writer threads of a failed save may still be finishing their files.
+      names = [name for name in os.listdir(self.directory)
+               if TMP_MARK in name or (step is not None and name == str(step) and
+                                       step not in self._existing)]
+      if not names:
+        return
+      for name in names:
+        shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+      time.sleep(0.05)
 
   def restore(self, abstract_state, config: ml_collections.ConfigDict,
               rng_shape: tuple[int, ...] = (2,)) -> Restored | None:
@@ -217,14 +242,11 @@ class Checkpointer:
     return average([load_params(path, abstract_params) for path in paths]), steps
 
   def close(self) -> None:
-    """Waits for the save in flight; raises CheckpointError if it (the last save) failed."""
-    self._wait()
-    self.manager.close()
-    if self.failed_steps and self.failed_steps[-1] == self._last_attempt:
-      raise CheckpointError(
-          f'the final checkpoint (step {self.failed_steps[-1]}) could not be written to '
-          f'{self.directory}; the newest intact one is step {self.manager.latest_step()}. Fix '
-          'the cause logged above and rerun the same command to resume from it.')
+    """Waits for the save in flight; raises CheckpointError if it failed."""
+    try:
+      self._wait()
+    finally:
+      self.manager.close()
 
 
 # Config compatibility on resume.

@@ -3,8 +3,11 @@
 import json
 import logging as std_logging
 import math
+import os
 import re
+import signal
 import sys
+import threading
 import traceback
 from typing import Any, Callable
 
@@ -14,7 +17,7 @@ from absl import logging
 
 USAGE_EXIT_CODE = 2  # Like argparse: a wrong command line, nothing was run.
 ERROR_EXIT_CODE = 1
-
+INTERRUPTED_EXIT_CODE = 128 + signal.SIGINT  # What a shell reports for a Ctrl-C'd command.
 
 
 def json_line(record: dict[str, Any], reasons: dict[str, str] | None = None) -> str:
@@ -44,9 +47,11 @@ def json_line(record: dict[str, Any], reasons: dict[str, str] | None = None) -> 
 def run(main: Callable[[list[str]], Any]) -> None:
   """absl's app.run with errors a user can act on: one `error: ...` line, no traceback.
 
-  The project's errors (config, data, checkpoint, a held workdir) and usage mistakes end the
-  program with one line on stderr; usage mistakes add the command's usage line instead of the
-  whole --help. Any other exception keeps its traceback. --verbose shows tracebacks always.
+  The project's errors (config, data, checkpoint, a held or unusable workdir, a non-finite
+  loss) and usage mistakes end the program with one line on stderr; usage mistakes add the
+  command's usage line instead of the whole --help. Ctrl-C outside training's own handling
+  ends with one line and status 130. Any other exception keeps its traceback. --verbose shows
+  tracebacks always.
   """
   if 'verbose' not in flags.FLAGS:  # Defined here, so importing this module defines no flag.
     flags.DEFINE_bool('verbose', False, 'Show the traceback of an error, and the INFO logs of '
@@ -56,10 +61,10 @@ def run(main: Callable[[list[str]], Any]) -> None:
 
 def _user_errors() -> tuple[type[Exception], ...]:
   """The error types whose message says what to do: no traceback needed."""
-  from t2t_jax import ConfigError  # pylint: disable=g-import-not-at-top
+  from t2t_jax import ConfigError, NonFiniteLoss  # pylint: disable=g-import-not-at-top
   from t2t_jax import checkpoint, sources, workdir_lock  # pylint: disable=g-import-not-at-top
-  return (ConfigError, sources.DataError, checkpoint.CheckpointError,
-          workdir_lock.WorkdirLocked)
+  return (ConfigError, NonFiniteLoss, sources.DataError, checkpoint.CheckpointError,
+          workdir_lock.WorkdirLocked, workdir_lock.WorkdirUnusable)
 
 
 def _guarded(main):
@@ -70,6 +75,11 @@ def _guarded(main):
       return main(argv)
     except app.UsageError as e:
       _fail(str(e), usage=True)
+    except KeyboardInterrupt:
+      if flags.FLAGS.verbose:
+        traceback.print_exc()
+      _fail('interrupted (Ctrl-C); checkpoints already written are intact', exit_code=
+            INTERRUPTED_EXIT_CODE)
     except Exception as e:  # pylint: disable=broad-except
       if not isinstance(e, _user_errors()):
         raise
@@ -81,11 +91,47 @@ def _guarded(main):
 
 def _parse_flags(argv: list[str]) -> list[str]:
   try:
-    return flags.FLAGS(argv)
+    remaining = flags.FLAGS(argv)
   except flags.Error as e:
-    _fail(str(e), usage=True)
+    _fail(_without_traceback(str(e)), usage=True)
   except (AttributeError, KeyError) as e:  # ml_collections: --config.<key> names no key.
     _fail(_unknown_config_key(e, argv), usage=True)
+  _check_config_files()
+  return remaining
+
+
+def _without_traceback(text: str) -> str:
+  """A flag error as its own message: ml_collections puts a config's whole traceback in it."""
+  head, marker, trace = text.partition('Traceback (most recent call last):')
+  if not marker:
+    return text
+  # The raised error is the last unindented line of the traceback ('ValueError: ...').
+  raised = [line for line in trace.splitlines() if line and not line[0].isspace()]
+  message = raised[-1] if raised else trace
+  message = re.sub(r'^\w+(Error|Exception): ', '', message)
+  return f'{head.replace("Error whilst parsing config file:", "").strip()} {message}'
+
+
+def _check_config_files() -> None:
+  """A config file that cannot be loaded, named now: ml_collections defers the error until
+  the config is first read, deep inside the program."""
+  from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
+  for name in list(flags.FLAGS):
+    flag = flags.FLAGS[name]
+    try:
+      path = config_flags.get_config_filename(flag).split(':', 1)[0]
+    except (TypeError, AttributeError):
+      continue  # Not a config file flag, or one not given.
+    try:
+      getattr(flag.value, 'lock')
+    except OSError as e:
+      if not os.path.isfile(path):
+        _fail(f'--{name}={path}: no such config file (relative paths start at '
+              f'{os.getcwd()}); configs/ holds the configs, e.g. configs/default.py',
+              usage=True)
+      cause = e.__cause__ or e
+      _fail(f'--{name}={path}: the config cannot be loaded: {" ".join(str(cause).split())}',
+            usage=True)
 
 
 def _unknown_config_key(error: Exception, argv: list[str]) -> str:
@@ -109,17 +155,46 @@ def _usage_line() -> str:
       'usage: see --helpshort')
 
 
-def _fail(message: str, usage: bool = False):
+def _fail(message: str, usage: bool = False, exit_code: int | None = None):
   logging.flush()
   message = ' '.join(message.split())  # One line, whatever the message held.
   print(f'error: {message}', file=sys.stderr)
   if usage:
     print(_usage_line(), file=sys.stderr)
   sys.stderr.flush()
-  sys.exit(USAGE_EXIT_CODE if usage else ERROR_EXIT_CODE)
+  sys.exit(exit_code or (USAGE_EXIT_CODE if usage else ERROR_EXIT_CODE))
+
+
+def check_output_path(path: str, flag: str) -> None:
+  """Refuses (as a usage mistake) an output file that cannot be created, before any work."""
+  directory = os.path.dirname(os.path.abspath(path))
+  if os.path.isdir(path):
+    raise app.UsageError(f'{flag}={path} is a directory: name a file in it')
+  if not os.path.isdir(directory):
+    raise app.UsageError(f'{flag}={path}: the directory {directory} does not exist: create it '
+                         'or choose another path')
+  if not os.access(directory, os.W_OK):
+    raise app.UsageError(f'{flag}={path}: the directory {directory} is not writable: choose '
+                         'another path')
 
 
 def quiet_libraries() -> None:
-  """Hides the libraries' INFO chatter (orbax's per-save lines, ...); warnings still show."""
-  logging.get_absl_handler().addFilter(
-      lambda record: record.levelno >= std_logging.WARNING or '/t2t_jax/' in record.pathname)
+  """Hides the libraries' INFO chatter (orbax's per-save lines, ...); warnings still show.
+
+  Tracebacks that libraries log, or that their background threads die with (orbax's and
+  tensorstore's after a failed save), are hidden too: the Checkpointer stops the run with one
+  line naming the checkpoint and the cause. --verbose shows them.
+  """
+  def shown(record) -> bool:
+    if '/t2t_jax/' in record.pathname:
+      return True
+    if record.exc_info or 'Traceback (most recent call last)' in str(record.msg):
+      return False
+    return record.levelno >= std_logging.WARNING
+  logging.get_absl_handler().addFilter(shown)
+
+  def thread_failed(hook_args) -> None:
+    logging.warning('Background thread %s ended with %s: %s (--verbose shows the traceback)',
+                    getattr(hook_args.thread, 'name', '?'), hook_args.exc_type.__name__,
+                    ' '.join(str(hook_args.exc_value).split())[:300])
+  threading.excepthook = thread_failed

@@ -54,7 +54,7 @@ def main(argv):
   except preemption.Preempted as e:
     logging.warning('%s', e)
     logging.flush()
-    sys.exit(preemption.EXIT_CODE)  # Not 0, so schedulers requeue rather than finish the job.
+    sys.exit(e.exit_code)  # 143 or 130, not 0, so schedulers requeue rather than finish.
   print(cli.json_line(results), flush=True)
 
 

@@ -9,6 +9,7 @@ from absl import logging
 import jax
 import numpy as np
 
+from t2t_jax import NonFiniteLoss
 from t2t_jax import flops
 from t2t_jax import optim
 from t2t_jax.model_config import TransformerConfig
@@ -33,7 +34,7 @@ class MetricLog:
     metrics = jax.device_get(metrics)
     loss = float(metrics['loss']) / max(float(metrics['weight']), 1.0)
     if not math.isfinite(loss):
-      raise FloatingPointError(
+      raise NonFiniteLoss(
           f'training loss is {loss} at step {step}; stopping. Parameters after step '
           f'{self.last_good_step} were finite and the last checkpoint is intact: lower '
           'config.opt.lr_scale or set config.opt.grad_clip, then rerun to resume.')

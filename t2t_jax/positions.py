@@ -58,6 +58,12 @@ class Embedder(nn.Module):
     cfg = self.config
     x_BLE = self.embedding(tokens_BL) * jnp.sqrt(cfg.d_model).astype(cfg.dtype)
     table_LE = self._table()
+    length = tokens_BL.shape[1]
+    if table_LE is not None and positions_BL is None and not (
+        cfg.decode and self.decode_step) and length > cfg.max_len:
+      raise ConfigError(f'a batch of {length} positions exceeds config.model.max_len='
+                        f'{cfg.max_len}, the longest sequence the position table covers: raise '
+                        f'config.model.max_len to at least {length}')
     if table_LE is None:
       pass  # Relative positions live in attention; 'none' has none.
     elif cfg.decode and self.decode_step:

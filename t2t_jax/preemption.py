@@ -1,4 +1,4 @@
-"""SIGTERM (preemption): save at the current step, then exit within a grace period."""
+"""SIGTERM (preemption) and Ctrl-C: save at the current step, then exit within a grace period."""
 
 import os
 import signal
@@ -8,44 +8,61 @@ from absl import logging
 import jax
 from jax.experimental import multihost_utils
 
+from t2t_jax import workdir_lock
+
 EXIT_CODE = 128 + signal.SIGTERM  # What a shell reports for a process ended by SIGTERM.
+EXIT_CODES = {signal.SIGTERM: EXIT_CODE, signal.SIGINT: 128 + signal.SIGINT}
+_NAMES = {signal.SIGTERM: 'SIGTERM', signal.SIGINT: 'Ctrl-C (SIGINT)'}
 
 
 class Preempted(Exception):
-  """Training stopped on SIGTERM after saving a checkpoint at `step`."""
+  """Training stopped on SIGTERM or Ctrl-C after saving a checkpoint at `step`."""
 
-  def __init__(self, step: int, directory: str):
-    super().__init__(f'preempted (SIGTERM): saved a checkpoint at step {step} in {directory}; '
-                     'run the same command to resume from it')
+  def __init__(self, step: int, directory: str, signum: int = signal.SIGTERM):
+    what = 'preempted (SIGTERM)' if signum == signal.SIGTERM else 'interrupted (Ctrl-C)'
+    super().__init__(f'{what}: saved a checkpoint at step {step} in {directory}; run the same '
+                     'command to resume from it')
     self.step = step
+    self.exit_code = EXIT_CODES[signum]
 
 
 class Preemption:
-  """Turns SIGTERM into "save at the end of this step and stop".
+  """Turns SIGTERM and Ctrl-C into "save at the end of this step and stop".
 
-  Single process: a Python signal handler sets a flag. Multi-process: JAX's preemption service
-  (started by jax.distributed.initialize) catches the signal on any process and agrees on one
-  step at which all processes save. Either way a watchdog ends the process `grace_seconds`
-  after the signal if the save has not finished; the previous checkpoint stays intact.
+  Single process: a Python signal handler sets a flag; a second Ctrl-C exits at once, after
+  removing the unfinished save (`remove_unfinished`, e.g. `Checkpointer.remove_unfinished`) and
+  the workdir lock, so the checkpoints left are whole and the next launch starts at once. Multi-process: JAX's preemption service (started by
+  jax.distributed.initialize) catches SIGTERM on any process and agrees on one step at which
+  all processes save; Ctrl-C there stays Python's KeyboardInterrupt. Either way a watchdog
+  ends the process `grace_seconds` after the signal if the save has not finished; the
+  previous checkpoint stays intact.
   """
 
-  def __init__(self, grace_seconds: float):
+  def __init__(self, grace_seconds: float, remove_unfinished=lambda: None):
     self.grace_seconds = grace_seconds
+    self.remove_unfinished = remove_unfinished
+    self.signum = signal.SIGTERM
     self._signalled = threading.Event()
     self._timer = None
     self._multi_process = jax.process_count() > 1
-    self._previous = None
+    self._previous = {}
     if not self._multi_process and threading.current_thread() is threading.main_thread():
-      self._previous = signal.signal(signal.SIGTERM, self._handle)
+      for signum in (signal.SIGTERM, signal.SIGINT):
+        self._previous[signum] = signal.signal(signum, self._handle)
 
   def _handle(self, signum, frame):
-    del signum, frame
+    del frame
     if self._signalled.is_set():
+      if signum == signal.SIGINT:  # The user insists: stop now, keep only whole checkpoints.
+        self._exit_now(signal.SIGINT, 'Second Ctrl-C: exiting without saving; the previous '
+                       'checkpoint is intact.')
       return
+    self.signum = signum
     self._signalled.set()
-    logging.warning('SIGTERM received: saving a checkpoint after the current step, exiting '
-                    'within %s seconds (config.ckpt.preemption_grace_seconds)',
-                    self.grace_seconds)
+    logging.warning('%s received: saving a checkpoint after the current step, exiting within '
+                    '%s seconds (config.ckpt.preemption_grace_seconds)%s', _NAMES[signum],
+                    self.grace_seconds,
+                    '; Ctrl-C again exits at once' if signum == signal.SIGINT else '')
     self._start_watchdog()
 
   def _start_watchdog(self):
@@ -54,12 +71,19 @@ class Preemption:
     self._timer.start()
 
   def _expire(self):
-    logging.error('The %s s grace period after SIGTERM ran out before the checkpoint was '
-                  'written; exiting now. The previous checkpoint is intact; raise '
-                  'config.ckpt.preemption_grace_seconds if the scheduler allows more time.',
-                  self.grace_seconds)
+    self._exit_now(self.signum, f'The {self.grace_seconds} s grace period after '
+                   f'{_NAMES[self.signum]} ran out before the checkpoint was written; exiting '
+                   'now. The previous checkpoint is intact; raise '
+                   'config.ckpt.preemption_grace_seconds if the scheduler allows more time.')
+
+  def _exit_now(self, signum: int, message: str):
+    logging.error('%s', message)
     logging.flush()
-    os._exit(EXIT_CODE)  # pylint: disable=protected-access
+    try:
+      self.remove_unfinished()
+      workdir_lock.remove_held_locks()
+    finally:
+      os._exit(EXIT_CODES[signum])  # pylint: disable=protected-access
 
   def requested(self, step: int) -> bool:
     """True at the step where every process should save and stop."""
@@ -75,6 +99,6 @@ class Preemption:
   def close(self):
     if self._timer is not None:
       self._timer.cancel()
-    if self._previous is not None:
-      signal.signal(signal.SIGTERM, self._previous)
-      self._previous = None
+    for signum, previous in self._previous.items():
+      signal.signal(signum, previous)
+    self._previous = {}

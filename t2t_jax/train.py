@@ -39,14 +39,12 @@ FINAL_JSON = 'final.json'  # The final figures of a finished run, one strict JSO
 def train_and_evaluate(config, workdir: str, force_unlock: bool = False) -> dict[str, Any]:
   """Trains `config` in `workdir` (resuming if it holds a checkpoint); returns final figures.
 
-  Process 0 holds the workdir's lock throughout: a second launch on it is refused while this
-  one lives (`force_unlock` takes the lock regardless).
+  Process 0 holds the workdir's lock throughout: a second launch on it is refused, on every
+  process, while this one lives (`force_unlock` takes the lock regardless).
   """
   config_check.check(config)
-  os.makedirs(workdir, exist_ok=True)
-  if jax.process_index() != 0:
-    return _train_and_evaluate(config, workdir)
-  with workdir_lock.WorkdirLock(workdir, force_unlock):
+  workdir_lock.make_workdir(workdir)
+  with workdir_lock.hold(workdir, force_unlock):
     return _train_and_evaluate(config, workdir)
 
 
@@ -76,11 +74,12 @@ def _train_and_evaluate(config, workdir: str) -> dict[str, Any]:
                                  list(launch.setup.mesh.devices.flat),
                                  launch.setup.model_config.dtype))
   logging.info('Training from step %d to %d', start_step, config.train.num_steps)
-  results, preempted = _train(launch, log)
-  if preempted:
+  results, stopped_by = _train(launch, log)
+  if stopped_by:
     launch.checkpointer.close()
     launch.writer.close()
-    raise preemption.Preempted(int(launch.state.step), launch.checkpointer.directory)
+    raise preemption.Preempted(int(launch.state.step), launch.checkpointer.directory,
+                               stopped_by)
   saved = _read_final(workdir, int(launch.state.step)) if not results else None
   if not results and not saved:  # Resumed at the end, figures unsaved: evaluate again.
     results, _ = run_evaluation(launch.setup, launch.state.params, launch.task,
@@ -133,15 +132,17 @@ def _start(config, workdir: str) -> _Launch:
                  writer, config_json)
 
 
-def _train(launch: _Launch, log: metric_log.MetricLog) -> tuple[dict, bool]:
+def _train(launch: _Launch, log: metric_log.MetricLog) -> tuple[dict, int | None]:
   """Steps from the state's step to config.train.num_steps, saving and evaluating on the way.
 
-  Returns the last evaluation's figures and whether a preemption signal stopped the loop
-  (after saving the step it arrived in). `launch.state` follows the steps.
+  Returns the last evaluation's figures and the signal (SIGTERM, SIGINT) that stopped the loop
+  after saving the step it arrived in, or None. `launch.state` follows the steps.
   """
   config, setup = launch.config, launch.setup
   num_steps, results, pending, seen_shapes = config.train.num_steps, {}, None, set()
-  sigterm, preempted = preemption.Preemption(config.ckpt.preemption_grace_seconds), False
+  sigterm = preemption.Preemption(config.ckpt.preemption_grace_seconds,
+                                  launch.checkpointer.remove_unfinished)
+  preempted = False
   with hang_guard.HangGuard(config.train.step_timeout_seconds) as guard:
     for step in range(int(launch.state.step) + 1, num_steps + 1):
       guard.arm(f'training step {step} (or reading the metrics of step {step - 1})')
@@ -151,6 +152,7 @@ def _train(launch: _Launch, log: metric_log.MetricLog) -> tuple[dict, bool]:
         guard.disarm()
       launch.state, metrics = setup.train_step(
           launch.state, sharding.global_batch(host_batch, setup.mesh), launch.dropout_rng)
+      launch.checkpointer.check()  # A save that failed in the background stops the run here.
       if pending:  # Read the previous step's metrics only now, so the device never waits.
         log.add(*pending)
       pending = (step, metrics, metric_log.step_flops(setup.model_config, host_batch))
@@ -170,7 +172,7 @@ def _train(launch: _Launch, log: metric_log.MetricLog) -> tuple[dict, bool]:
       if evaluate_now:
         results = _evaluate(launch, step, save_now)
   sigterm.close()
-  return results, preempted
+  return results, sigterm.signum if preempted else None
 
 
 def _evaluate(launch: _Launch, step: int, saved_now: bool) -> dict[str, float]:

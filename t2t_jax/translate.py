@@ -225,6 +225,8 @@ def main(argv):
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
   if not FLAGS.workdir:
     raise app.UsageError('--workdir is required')
+  if FLAGS.output:
+    cli.check_output_path(FLAGS.output, '--output')
   lines = _read_input(FLAGS.input)
   run = load(FLAGS.workdir, FLAGS.checkpoint, FLAGS.beam_size, FLAGS.alpha, FLAGS.batch_tokens,
              FLAGS.dtype)
@@ -255,7 +257,7 @@ def _define_flags():
   flags.DEFINE_string('input', '', 'Source sentences, one per line; empty: stdin.')
   flags.DEFINE_string('output', '', 'Where translations go, one per line; empty: stdout.')
   flags.DEFINE_integer('beam_size', None, "Beam width; 1 is greedy. Default: the run's "
-                       'config.eval.beam_size.')
+                       'config.eval.beam_size.', lower_bound=1)
   flags.DEFINE_float('alpha', None, 'Length penalty exponent. Default: config.eval.alpha.')
   flags.DEFINE_integer('batch_tokens', None, 'Tokens per decoding batch, counted over all '
                        'beams (rows x beam x padded source length); docs/translation.md '

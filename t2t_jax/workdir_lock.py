@@ -8,6 +8,7 @@ the same number), from another host when its heartbeat is older than STALE_SECON
 an earlier run of the same SLURM job (requeued, perhaps onto another node) at once.
 """
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -19,6 +20,7 @@ import threading
 import time
 
 from absl import logging
+import numpy as np
 
 LOCK_FILE = 'run.lock'
 HEARTBEAT_SECONDS = 30.0
@@ -28,6 +30,65 @@ SIGTERM_EXIT_CODE = 128 + signal.SIGTERM
 
 class WorkdirLocked(RuntimeError):
   """Another live run holds the workdir."""
+
+
+class WorkdirUnusable(RuntimeError):
+  """The workdir path names a file, or a directory that cannot be created."""
+
+
+def make_workdir(workdir: str) -> None:
+  """Creates `workdir` (and its parents), or raises WorkdirUnusable saying what to change."""
+  if os.path.exists(workdir) and not os.path.isdir(workdir):
+    raise WorkdirUnusable(f'--workdir={workdir} is a file, not a directory: choose another '
+                          'path (a new one is created)')
+  try:
+    os.makedirs(workdir, exist_ok=True)
+  except OSError as e:
+    raise WorkdirUnusable(f'cannot create --workdir={workdir}: {e.strerror}: choose a path '
+                          'you can write to') from None
+
+
+@contextlib.contextmanager
+def hold(workdir: str, force: bool = False):
+  """Process 0 holds the workdir's lock for the block; a refusal stops every process.
+
+  In a multi-process run process 0 tells the others whether it got the lock, so all of them
+  raise the same WorkdirLocked at once instead of waiting for process 0 at a collective.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  if jax.process_count() == 1:
+    with WorkdirLock(workdir, force):
+      yield
+    return
+  lock, refusal = None, ''
+  if jax.process_index() == 0:
+    lock = WorkdirLock(workdir, force)
+    try:
+      lock.acquire()
+    except WorkdirLocked as e:
+      lock, refusal = None, str(e)
+  refusal = _from_process_zero(refusal)
+  if refusal:
+    raise WorkdirLocked(refusal)
+  try:
+    yield
+  finally:
+    if lock:
+      lock.release()
+
+
+_MESSAGE_BYTES = 2048
+
+
+def _from_process_zero(text: str) -> str:
+  """Process 0's `text` on every process (a collective: all processes must call it)."""
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  encoded = text.encode()[:_MESSAGE_BYTES]
+  buffer = np.zeros(_MESSAGE_BYTES + 1, np.int32)  # The length, then the bytes.
+  buffer[0] = len(encoded)
+  buffer[1:1 + len(encoded)] = np.frombuffer(encoded, np.uint8)
+  received = np.asarray(multihost_utils.broadcast_one_to_all(buffer))
+  return bytes(received[1:1 + int(received[0])].astype(np.uint8)).decode(errors='replace')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,12 +172,14 @@ class WorkdirLock:
                           'one run per workdir')
     self._heartbeat = threading.Thread(target=self._beat, name='workdir-lock', daemon=True)
     self._heartbeat.start()
+    _HELD.add(self)
     if threading.current_thread() is threading.main_thread() and not _jax_catches_sigterm():
       # Without a handler SIGTERM ends Python at once and the lock would stay behind.
       self._previous_sigterm = signal.signal(signal.SIGTERM, _exit_on_sigterm)
 
   def release(self) -> None:
     """Removes the lock if it is still this process's."""
+    _HELD.discard(self)
     self._stop.set()
     if self._heartbeat:
       self._heartbeat.join()
@@ -184,6 +247,16 @@ def _jax_catches_sigterm() -> bool:
   ends through Python, releasing the lock, and a handler here would replace JAX's."""
   jax = sys.modules.get('jax')
   return jax is not None and jax.process_count() > 1
+
+
+_HELD = set()  # The locks this process holds.
+
+
+def remove_held_locks() -> None:
+  """Removes this process's lock files at once, for a process about to end without unwinding
+  (os._exit after a second Ctrl-C or a grace period run out)."""
+  for lock in list(_HELD):
+    lock._remove_if(lock.holder)  # pylint: disable=protected-access
 
 
 def _exit_on_sigterm(signum, frame):

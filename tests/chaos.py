@@ -1,7 +1,9 @@
 """Chaos: a tiny text run killed at random moments, then completed, equals an uninterrupted run.
 
 Kills land during vocabulary training, token-cache building, training steps and checkpoint
-saves (SIGKILL), plus one SIGTERM; the moments come from a seeded RNG. The completed run's
+saves (SIGKILL), plus one SIGTERM, one Ctrl-C (SIGINT) and, where a tmpfs can be mounted (root),
+one full disk during training (the launch must stop with one error line; the disk is then
+freed); the moments come from a seeded RNG. The completed run's
 final parameters, dropout key and data-iterator state must equal an uninterrupted run's bit
 for bit, and no scratch file may remain. tests/test_checkpoint.py runs a few kills in CI;
 `python tests/chaos.py --kills=20 --seed=N` runs many and prints one JSON line.
@@ -56,12 +58,31 @@ def command(workdir: str, corpus: dict[str, str], num_steps: int) -> list[str]:
           '--config.train.eval_every=100000', '--config.eval.bleu_sentences=0']
 
 
-def launch(args: list[str], kind: str | None, rng: random.Random) -> dict:
-  """Runs one launch, interrupting it as `kind` says (None: to the end); what happened."""
+EXIT_CODES = {None: 0, 'sigterm': 128 + signal.SIGTERM, 'sigint': 128 + signal.SIGINT,
+              'diskfull': 1}
+FILLER = 'filler'  # The file that fills the disk of a 'diskfull' launch.
+
+
+def fill_disk(directory: str) -> None:
+  """Writes `directory`/FILLER until the file system holding it is full."""
+  with open(os.path.join(directory, FILLER), 'wb') as f:
+    try:
+      while True:
+        f.write(b'\0' * (1 << 20))
+        f.flush()
+    except OSError:
+      pass
+
+
+def launch(args: list[str], kind: str | None, rng: random.Random, disk: str = '') -> dict:
+  """Runs one launch, interrupting it as `kind` says (None: to the end); what happened.
+
+  'diskfull' fills `disk` (the file system of the workdir) and frees it after the launch.
+  """
   env = dict(os.environ, PYTHONPATH=ROOT)
   process = subprocess.Popen(args, cwd=ROOT, env=env, stderr=subprocess.PIPE,
                              stdout=subprocess.DEVNULL, stdin=subprocess.DEVNULL, text=True)
-  sig = signal.SIGTERM if kind == 'sigterm' else signal.SIGKILL
+  sig = {'sigterm': signal.SIGTERM, 'sigint': signal.SIGINT}.get(kind, signal.SIGKILL)
   trigger, delay, target, armed, sent = None, 0.0, None, False, {}
   if kind in EARLY:
     trigger, longest = EARLY[kind]
@@ -71,7 +92,10 @@ def launch(args: list[str], kind: str | None, rng: random.Random) -> dict:
   def send(moment):
     if process.poll() is None and not sent:
       sent.update(moment=moment)
-      process.send_signal(sig)
+      if kind == 'diskfull':
+        fill_disk(disk)
+      else:
+        process.send_signal(sig)
 
   for line in process.stderr:
     lines.append(line)
@@ -84,7 +108,9 @@ def launch(args: list[str], kind: str | None, rng: random.Random) -> dict:
       first = int(start.group(1)) + 1
       target = {'step': first + rng.randrange(2 * SAVE_EVERY),
                 'save': first + (-first % SAVE_EVERY),
-                'sigterm': first + rng.randrange(2 * SAVE_EVERY)}[kind]
+                'sigterm': first + rng.randrange(2 * SAVE_EVERY),
+                'sigint': first + rng.randrange(2 * SAVE_EVERY),
+                'diskfull': first + rng.randrange(SAVE_EVERY)}[kind]
       trigger, delay = rf'\] step {target}: loss', rng.uniform(0, 0.1) if kind == 'save' else 0
     elif start:  # An early phase was already done (its output exists): kill now instead.
       send('startup')
@@ -93,6 +119,8 @@ def launch(args: list[str], kind: str | None, rng: random.Random) -> dict:
       moment = kind if target is None else f'{kind} at step {target}'
       threading.Timer(delay, send, (f'{moment} +{delay:.3f}s',)).start()
   returncode = process.wait(timeout=300)
+  if kind == 'diskfull' and os.path.exists(os.path.join(disk, FILLER)):
+    os.remove(os.path.join(disk, FILLER))
   return {'kind': kind, 'returncode': returncode, 'moment': sent.get('moment'),
           'log': ''.join(lines)}
 
@@ -106,37 +134,58 @@ def leftovers(workdir: str) -> list[str]:
   return sorted(found)
 
 
-def plan(kills: int, rng: random.Random) -> list[str]:
-  """Kill kinds in launch order: vocabulary, cache, then steps and saves, one SIGTERM."""
+def plan(kills: int, rng: random.Random, disk_full: bool = True) -> list[str]:
+  """Kill kinds in launch order: vocabulary, cache, then steps and saves, one SIGTERM, one
+  Ctrl-C and (with `disk_full`) one full disk, each at a random place after the early ones."""
   kinds = ['vocab', 'cache'][:kills]
   offset = rng.randrange(2)
   kinds += [('step', 'save')[(i + offset) % 2] for i in range(kills - len(kinds))]
-  kinds.insert(rng.randint(min(2, kills), kills), 'sigterm')
+  for kind in ('sigterm', 'sigint') + (('diskfull',) if disk_full else ()):
+    kinds.insert(rng.randint(min(2, kills), len(kinds)), kind)
   return kinds
 
 
+def mount_tmpfs(directory: str, size: str = '512m') -> bool:
+  """Mounts a tmpfs on `directory`; False where that is not allowed (not root, a container)."""
+  os.makedirs(directory, exist_ok=True)
+  return subprocess.run(['mount', '-t', 'tmpfs', '-o', f'size={size}', 'tmpfs', directory],
+                        capture_output=True).returncode == 0
+
+
 def run(kills: int, seed: int, root: str, pairs: int = 20_000) -> dict:
-  """An uninterrupted run and one interrupted `kills` + 1 times, compared; the result."""
+  """An uninterrupted run and one interrupted `kills` + 2 or 3 times, compared; the result."""
   from t2t_jax import checkpoint  # pylint: disable=g-import-not-at-top
   rng = random.Random(seed)
   corpus = write_corpus(root, pairs)
-  num_steps = 12 + 6 * kills  # Room for every kill to land before the end.
-  straight, interrupted = (os.path.join(root, name) for name in ('straight', 'interrupted'))
-  outcome = launch(command(straight, corpus, num_steps), None, rng)
-  problems = [] if outcome['returncode'] == 0 else [
-      f'uninterrupted run failed: {outcome["log"][-2000:]}']
-  launches = []
-  for kind in plan(kills, rng) + [None]:
-    outcome = launch(command(interrupted, corpus, num_steps), kind, rng)
-    launches.append({key: outcome[key] for key in ('kind', 'moment', 'returncode')})
-    launches[-1]['left_behind'] = leftovers(interrupted)
-    expected = {None: 0, 'sigterm': 128 + signal.SIGTERM}.get(kind, -signal.SIGKILL)
-    if outcome['returncode'] != expected or (kind and not outcome['moment']):
-      problems.append(f'launch {len(launches)} ({kind}) ended with {outcome["returncode"]}, '
-                      f'signalled at {outcome["moment"]}: {outcome["log"][-2000:]}')
-  if not problems:
-    problems += compare(straight, interrupted, num_steps, checkpoint)
+  num_steps = 12 + 6 * (kills + 2)  # Room for every kill to land before the end.
+  disk = os.path.join(root, 'disk')
+  disk_full = mount_tmpfs(disk)
+  straight = os.path.join(root, 'straight')
+  interrupted = os.path.join(disk if disk_full else root, 'interrupted')
+  try:
+    outcome = launch(command(straight, corpus, num_steps), None, rng)
+    problems = [] if outcome['returncode'] == 0 else [
+        f'uninterrupted run failed: {outcome["log"][-2000:]}']
+    launches = []
+    for kind in plan(kills, rng, disk_full) + [None]:
+      outcome = launch(command(interrupted, corpus, num_steps), kind, rng, disk)
+      launches.append({key: outcome[key] for key in ('kind', 'moment', 'returncode')})
+      launches[-1]['left_behind'] = leftovers(interrupted)
+      expected = EXIT_CODES.get(kind, -signal.SIGKILL)
+      errors = [line for line in outcome['log'].splitlines() if line.startswith('error: ')]
+      if outcome['returncode'] != expected or (kind and not outcome['moment']) or (
+          kind == 'diskfull' and not (len(errors) == 1 and 'disk is full' in errors[0])):
+        problems.append(f'launch {len(launches)} ({kind}) ended with {outcome["returncode"]}, '
+                        f'signalled at {outcome["moment"]}: {outcome["log"][-2000:]}')
+      if kind in ('sigint', 'diskfull') and launches[-1]['left_behind']:
+        problems.append(f'launch {len(launches)} ({kind}) left {launches[-1]["left_behind"]}')
+    if not problems:
+      problems += compare(straight, interrupted, num_steps, checkpoint)
+  finally:
+    if disk_full:
+      subprocess.run(['umount', disk], check=False)
   return {'seed': seed, 'kills': kills, 'num_steps': num_steps, 'ok': not problems,
+          'disk_full': disk_full or 'skipped: a tmpfs cannot be mounted here',
           'problems': problems, 'launches': launches}
 
 
@@ -175,7 +224,8 @@ def _leaves(tree) -> list[np.ndarray]:
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument('--kills', type=int, default=20, help='SIGKILLs (one SIGTERM more)')
+  parser.add_argument('--kills', type=int, default=20,
+                      help='SIGKILLs (one SIGTERM, one Ctrl-C and one full disk more)')
   parser.add_argument('--seed', type=int, default=random.SystemRandom().randrange(2**31))
   parser.add_argument('--keep', action='store_true', help='keep the workdirs (printed)')
   options = parser.parse_args()

@@ -184,31 +184,61 @@ def test_dropout_prng_with_another_key_size_is_refused_not_called_damaged(traine
   assert not os.path.exists(os.path.join(workdir, 'damaged_checkpoints'))
 
 
-def test_failed_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch, caplog):
+def _disk_full_in_background(monkeypatch):
+  """Makes orbax's background writer of JSON items fail as a full disk does."""
+  async def disk_full(self, x, directory):
+    raise OSError(errno.ENOSPC, 'No space left on device')
+  monkeypatch.setattr(ocp.JsonCheckpointHandler, '_save_fn', disk_full)
+
+
+def test_failed_save_stops_with_the_cause_and_keeps_the_previous_checkpoint(tmp_path,
+                                                                             monkeypatch):
   config = _config()
   checkpointer = checkpoint.Checkpointer(str(tmp_path), config.ckpt)
   state = {'w': jnp.arange(4.0)}
   assert checkpointer.save(1, state, jax.random.PRNGKey(0), {'next_index': 1}, '{}')
   checkpointer.manager.wait_until_finished()
 
-  async def disk_full(self, x, directory):
-    raise OSError(errno.ENOSPC, 'No space left on device')
-
-  monkeypatch.setattr(ocp.JsonCheckpointHandler, '_save_fn', disk_full)
-  caplog.set_level(std_logging.ERROR)
+  _disk_full_in_background(monkeypatch)
   checkpointer.save(2, {'w': jnp.arange(4.0) + 1}, jax.random.PRNGKey(0), {'next_index': 2},
                     '{}')
-  with pytest.raises(checkpoint.CheckpointError, match=r'final checkpoint \(step 2\).*step 1'):
-    checkpointer.close()
-  messages = _absl_messages(caplog)
-  assert 'Saving checkpoint 2' in messages and 'No space left on device' in messages
-  assert 'previous checkpoint (step 1) is intact' in messages
+  deadline = time.monotonic() + 60
+  with pytest.raises(checkpoint.CheckpointError) as raised:
+    while time.monotonic() < deadline:  # check() never waits: poll as the loop does per step.
+      checkpointer.check()
+      time.sleep(0.01)
+  message = str(raised.value)
+  assert (f'saving checkpoint 2 in {tmp_path}/checkpoints failed: the disk is full' in message
+          and 'newest intact one is step 1' in message and 'Free space' in message), message
+  assert sorted(os.listdir(tmp_path / 'checkpoints')) == ['1']  # The partial save is gone.
+  checkpointer.close()  # Nothing more in flight: closes without raising again.
   monkeypatch.undo()
   reopened = checkpoint.Checkpointer(str(tmp_path), config.ckpt)
   assert reopened.manager.all_steps() == [1]
   restored = reopened.manager.restore(1, args=ocp.args.Composite(
       state=ocp.args.StandardRestore(state)))
   assert np.array_equal(restored['state']['w'], np.arange(4.0))
+
+
+def test_failed_final_save_raises_at_close(tmp_path, monkeypatch):
+  checkpointer = checkpoint.Checkpointer(str(tmp_path), _config().ckpt)
+  _disk_full_in_background(monkeypatch)
+  checkpointer.save(7, {'w': jnp.arange(4.0)}, jax.random.PRNGKey(0), {'next_index': 7}, '{}')
+  with pytest.raises(checkpoint.CheckpointError, match=r'saving checkpoint 7 .* newest intact '
+                     r'one is step None'):
+    checkpointer.close()
+  assert os.listdir(tmp_path / 'checkpoints') == []
+
+
+def test_a_synchronous_save_failure_stops_too(tmp_path, monkeypatch):
+  checkpointer = checkpoint.Checkpointer(str(tmp_path), _config().ckpt)
+
+  def refused(*args, **kwargs):
+    raise PermissionError(errno.EACCES, 'Permission denied', str(tmp_path / 'checkpoints'))
+  monkeypatch.setattr(checkpointer.manager, 'save', refused)
+  with pytest.raises(checkpoint.CheckpointError, match=r'saving checkpoint 3 .*PermissionError'
+                     r'.*Fix the cause'):
+    checkpointer.save(3, {'w': jnp.arange(4.0)}, jax.random.PRNGKey(0), {}, '{}')
 
 
 @pytest.fixture(scope='module')
@@ -407,14 +437,115 @@ def test_sigterm_saves_at_the_signalled_step_and_exits_in_time(tmp_path):
   assert saved in restored
 
 
+def _unfinished(workdir) -> list[str]:
+  """What only an unfinished save or a live run leaves: orbax temporaries and the lock."""
+  return sorted(glob.glob(f'{workdir}/checkpoints/*{checkpoint.TMP_MARK}*') +
+                glob.glob(f'{workdir}/run.lock'))
+
+
 @pytest.mark.slow
-def test_chaos_kills_during_vocab_cache_steps_and_saves_then_sigterm_equal_a_straight_run(
+def test_ctrl_c_saves_the_step_and_the_resumed_run_equals_a_straight_one(tmp_path):
+  steps = ['--config.train.num_steps=24', '--config.ckpt.every=0']
+  env = dict(os.environ, PYTHONPATH=ROOT)
+  subprocess.run(_command(tmp_path / 'straight', *steps), cwd=ROOT, env=env, check=True,
+                 capture_output=True, timeout=300)
+  interrupted = tmp_path / 'interrupted'
+  rc, log, signalled_at = _run_until(_command(interrupted, *steps), 6, signal.SIGINT)
+  assert rc == 128 + signal.SIGINT, log[-3000:]
+  assert 'KeyboardInterrupt' not in log and 'Traceback' not in log, log[-3000:]
+  saved = int(re.search(r'interrupted \(Ctrl-C\): saved a checkpoint at step (\d+)',
+                        log).group(1))
+  assert signalled_at <= saved <= signalled_at + 3
+  assert os.listdir(interrupted / 'checkpoints') == [str(saved)]
+  assert _unfinished(interrupted) == []
+  rc, log, _ = _run_until(_command(interrupted, *steps), 10**9)
+  assert rc == 0 and f'Training from step {saved} to 24' in log, log[-3000:]
+  assert _leaves_equal(_numpy_params(f'{tmp_path}/straight/checkpoints/24'),
+                       _numpy_params(f'{interrupted}/checkpoints/24'))
+
+
+@pytest.mark.slow
+def test_a_second_ctrl_c_exits_at_once_leaving_only_whole_checkpoints(tmp_path):
+  command = _command(tmp_path, '--config.train.num_steps=100000', '--config.ckpt.every=2')
+  process = subprocess.Popen(command, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
+                             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+  lines = []
+  for line in process.stderr:
+    lines.append(line)
+    if re.search(r'\] step 7: loss', line):  # Saves of steps 2, 4, 6 started; 8 is next.
+      process.send_signal(signal.SIGINT)
+      time.sleep(0.05)
+      process.send_signal(signal.SIGINT)
+      break
+  lines += process.stderr.readlines()
+  log = ''.join(lines)
+  assert process.wait(timeout=60) == 128 + signal.SIGINT, log[-3000:]
+  assert 'Second Ctrl-C: exiting without saving' in log and 'Traceback' not in log, log[-3000:]
+  assert _unfinished(tmp_path) == []
+  # Every checkpoint left is whole: the latest restores, and training resumes from it.
+  latest = max(int(name) for name in os.listdir(tmp_path / 'checkpoints'))
+  _numpy_params(f'{tmp_path}/checkpoints/{latest}')
+  command[command.index('--config.train.num_steps=100000')] = f'--config.train.num_steps={latest + 2}'
+  rc, log, _ = _run_until(command, 10**9)
+  assert rc == 0 and f'Training from step {latest} to {latest + 2}' in log, log[-3000:]
+
+
+def _mount_tmpfs(directory, size_bytes: int) -> bool:
+  """Mounts a tmpfs of `size_bytes` on `directory`; False where mounting is not allowed."""
+  os.makedirs(directory, exist_ok=True)
+  return subprocess.run(['mount', '-t', 'tmpfs', '-o', f'size={size_bytes}', 'tmpfs',
+                         str(directory)], capture_output=True).returncode == 0
+
+
+@pytest.mark.slow
+def test_a_full_disk_stops_the_run_and_a_disk_with_room_resumes_it(tmp_path):
+  """A real full disk: a tmpfs with room for the first checkpoint but not the second."""
+  steps = ['--config.train.num_steps=40', '--config.ckpt.every=4', '--config.ckpt.keep=10']
+  env = dict(os.environ, PYTHONPATH=ROOT)
+  straight = tmp_path / 'straight'
+  subprocess.run(_command(straight, *steps), cwd=ROOT, env=env, check=True,
+                 capture_output=True, timeout=300)
+  checkpoint_bytes = sum(os.stat(path).st_blocks * 512 for path in  # Whole blocks, as tmpfs.
+                         glob.glob(f'{straight}/checkpoints/4/**', recursive=True))
+  disk = tmp_path / 'disk'
+  # Room for the events, the config and one checkpoint, not two.
+  # (Orbax needs more than the finished size while it writes.)
+  if not _mount_tmpfs(disk, int(2.5 * checkpoint_bytes) + 256 * 1024):
+    pytest.skip('mounting a tmpfs is not allowed here (not root?)')
+  try:
+    workdir = disk / 'run'
+    rc, log, _ = _run_until(_command(workdir, *steps), 10**9)
+    errors = [line for line in log.splitlines() if line.startswith('error: ')]
+    assert rc == 1 and len(errors) == 1, log[-3000:]
+    assert 'Traceback' not in log and 'Event loop is closed' not in log, log[-3000:]
+    failed = int(re.search(r'saving checkpoint (\d+) in ', errors[0]).group(1))
+    assert failed >= 8, errors[0]  # The first checkpoint fitted.
+    assert f'in {workdir}/checkpoints failed: the disk is full' in errors[0], errors[0]
+    assert f'newest intact one is step {failed - 4}' in errors[0], errors[0]
+    last_step = max(int(step) for step in re.findall(r'\] step (\d+): loss', log))
+    # Found by the per-step check once the background write failed, at the latest by the next
+    # save, which waits for it: never trained on to the end.
+    assert last_step <= failed + 4 < 40, (failed, last_step)
+    assert os.listdir(workdir / 'checkpoints') == [str(failed - 4)]
+    assert _unfinished(workdir) == []
+    subprocess.run(['mount', '-o', 'remount,size=64m', str(disk)], check=True)
+    rc, log, _ = _run_until(_command(workdir, *steps), 10**9)
+    assert rc == 0 and f'Training from step {failed - 4} to 40' in log, log[-3000:]
+    assert _leaves_equal(_numpy_params(f'{straight}/checkpoints/40'),
+                         _numpy_params(f'{workdir}/checkpoints/40'))
+  finally:
+    subprocess.run(['umount', str(disk)], check=False)
+
+
+@pytest.mark.slow
+def test_chaos_kills_sigterm_ctrl_c_and_a_full_disk_then_resume_equal_a_straight_run(
     tmp_path):
   seed = random.randrange(2**31)
   result = chaos.run(kills=4, seed=seed, root=str(tmp_path))
   # Rerun with `python tests/chaos.py --kills=4 --seed=<seed>`.
   assert result['ok'], (f'seed {seed}', result['problems'], result['launches'])
   kinds = [launch['kind'] for launch in result['launches']]
-  assert sorted(kinds, key=str) == sorted(['vocab', 'cache', 'step', 'save', 'sigterm', None],
-                                          key=str)
+  expected = ['vocab', 'cache', 'step', 'save', 'sigterm', 'sigint', None] + (
+      ['diskfull'] if result['disk_full'] is True else [])
+  assert sorted(kinds, key=str) == sorted(expected, key=str)
   assert result['launches'][-1]['left_behind'] == []  # No run.lock after a clean exit either.

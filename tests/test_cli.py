@@ -51,12 +51,20 @@ def _one_line_error(stderr: str, *parts: str) -> str:
     ('translate', [], ['--workdir is required']),
     ('evaluate', ['--workdir=W', '--src=a'], ['both --src and --ref']),
     ('plot', ['--workdir=W'], ['no TensorBoard event files']),
+    ('main', ['--config=configs/nope.py', '--workdir=W'],
+     ['--config=configs/nope.py: no such config file', 'e.g. configs/default.py']),
+    ('main', ['--config=configs/multi30k.py:nonsense', '--workdir=W'],
+     ["configs/multi30k.py:nonsense: the variant must be one of ['raw', 'tok']"]),
+    ('translate', ['--workdir=W', '--beam_size=0'], ['--beam_size=0', 'not a positive integer']),
+    ('translate', ['--workdir=W', '--output=/missing/dir/out.txt'],
+     ['--output=/missing/dir/out.txt', 'the directory /missing/dir does not exist']),
 ])
 def test_usage_mistakes_are_one_line_and_a_usage_line(tmp_path, module, args, parts):
   args = [arg.replace('=W', f'={tmp_path}') for arg in args]
   returncode, stderr = _cli(module, *args)
   assert returncode == cli.USAGE_EXIT_CODE
-  _one_line_error(stderr, *parts)
+  error = _one_line_error(stderr, *parts)
+  assert 'File "' not in error  # A config's own message, not its flattened traceback.
   assert stderr.splitlines()[-1].startswith(f'usage: python -m t2t_jax.{module} ')
   assert len(stderr.splitlines()) <= 3, stderr  # Not the whole --help.
 
@@ -84,3 +92,42 @@ def test_config_errors_are_one_line_before_any_work(tmp_path, flag, parts):
   assert returncode == cli.ERROR_EXIT_CODE
   _one_line_error(stderr, *parts)
   assert os.listdir(tmp_path) == []  # Refused before anything was written.
+
+
+def test_a_workdir_that_is_a_file_is_one_line(tmp_path):
+  path = tmp_path / 'a_file'
+  path.write_text('not a directory')
+  returncode, stderr = _cli('main', '--config=configs/tiny.py', f'--workdir={path}')
+  assert returncode == cli.ERROR_EXIT_CODE
+  _one_line_error(stderr, f'--workdir={path} is a file, not a directory', 'another path')
+  assert path.read_text() == 'not a directory'
+
+
+def test_a_batch_smaller_than_the_mesh_is_one_line_before_any_work(tmp_path):
+  # conftest gives 8 devices: 64 tokens are 2 rows of the 32-token longest batch.
+  returncode, stderr = _cli('main', '--config=configs/tiny.py', f'--workdir={tmp_path}',
+                            '--config.data.batch_tokens=64')
+  assert returncode == cli.ERROR_EXIT_CODE
+  _one_line_error(stderr, 'config.data.batch_tokens=64 gives 2 rows of 32 tokens, fewer than '
+                  'the 8 data shards', 'at least 256')
+  assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.slow
+def test_a_model_shorter_than_the_batches_is_one_line(tmp_path):
+  returncode, stderr = _cli('main', '--config=configs/tiny.py', f'--workdir={tmp_path}',
+                            '--config.model.max_len=2')
+  assert returncode == cli.ERROR_EXIT_CODE
+  # The copy task's pairs (up to 9 tokens) are padded to the 16-token bucket.
+  _one_line_error(stderr, 'a batch of 16 positions exceeds config.model.max_len=2',
+                  'raise config.model.max_len to at least 16')
+
+
+@pytest.mark.slow
+def test_a_nan_loss_is_one_line_and_releases_the_workdir(tmp_path):
+  returncode, stderr = _cli('main', '--config=configs/tiny.py', f'--workdir={tmp_path}',
+                            '--config.opt.schedule=constant', '--config.opt.lr_scale=1e30',
+                            '--config.ckpt.every=0')
+  assert returncode == cli.ERROR_EXIT_CODE
+  _one_line_error(stderr, 'training loss is', 'at step', 'the last checkpoint is intact')
+  assert not os.path.exists(tmp_path / 'run.lock')

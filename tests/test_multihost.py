@@ -73,3 +73,30 @@ def test_a_peer_that_never_joins_gives_a_clear_error(tmp_path):
   assert run.returncode == 2
   assert ('within --distributed_timeout=3 s: a peer never joined. Start every process with '
           'the same --coordinator_address') in run.stderr
+
+
+@pytest.mark.multihost
+def test_a_refused_lock_on_process_0_stops_every_process_with_its_message(tmp_path):
+  """Launched as separate hosts would be (no launcher stopping the others for them)."""
+  from t2t_jax import workdir_lock  # pylint: disable=g-import-not-at-top
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    port = s.getsockname()[1]
+  with workdir_lock.WorkdirLock(str(tmp_path)):  # A live run (this test) holds the workdir.
+    processes = []
+    for index in range(2):
+      env = dict(_env(), T2T_COORDINATOR_ADDRESS=f'127.0.0.1:{port}', T2T_NUM_PROCESSES='2',
+                 T2T_PROCESS_ID=str(index), JAX_PLATFORMS='cpu',
+                 XLA_FLAGS='--xla_force_host_platform_device_count=4')
+      processes.append(subprocess.Popen(
+          [sys.executable, '-m', 't2t_jax.main', '--config=configs/tiny.py',
+           f'--workdir={tmp_path}', '--config.mesh.dcn_data=2'], cwd=ROOT, env=env,
+          stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True))
+    # Far below the 300 s a waiting process would otherwise spend before a timeout.
+    errors = [process.communicate(timeout=120)[1] for process in processes]
+  for process, stderr in zip(processes, errors):
+    assert process.returncode == 1, stderr[-3000:]
+    assert 'Traceback' not in stderr, stderr[-3000:]
+    lines = [line for line in stderr.splitlines() if line.startswith('error: ')]
+    assert len(lines) == 1 and f'{tmp_path} is in use by PID {os.getpid()}' in lines[0], stderr
+  assert errors[0].splitlines()[-1] == errors[1].splitlines()[-1]
