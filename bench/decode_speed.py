@@ -49,7 +49,6 @@ import common  # pylint: disable=g-import-not-at-top
 import flax_reference  # pylint: disable=g-import-not-at-top
 import floor  # pylint: disable=g-import-not-at-top
 
-from t2t_jax import checkpoint
 from t2t_jax import cli
 from t2t_jax import EOS_ID
 from t2t_jax import data
@@ -61,6 +60,7 @@ from t2t_jax import translate
 from t2t_jax.model import Transformer, TransformerConfig
 from t2t_jax import setup as setup_lib
 from t2t_jax import translator as translator_lib
+from t2t_jax import saved_params
 
 _MODE = flags.DEFINE_enum('mode', 'reference', ['reference', 'text', 'random'],
                           'What to measure (module docstring).')
@@ -253,7 +253,7 @@ def _text_run(directory: str, config, lines: list[str], batch_tokens: int) -> tr
     mesh = sharding.make_mesh(config.mesh)
     model_config = TransformerConfig.from_config(config.model, _VOCAB_SIZE.value)
     params = _random_params(model_config, mesh, sharding.rules(config.mesh))
-    checkpoint.write_params(params_dir, params, config.to_json_best_effort(),
+    saved_params.write_params(params_dir, params, config.to_json_best_effort(),
                             {'kind': 'random', 'source': 'bench/decode_speed.py'})
   return translate.load(directory, params_dir)
 

@@ -20,3 +20,7 @@ class ConfigError(ValueError):
 
 class NonFiniteLoss(FloatingPointError):
   """Training stopped at a NaN or infinite loss; the message names the step and what to do."""
+
+
+class CheckpointError(RuntimeError):
+  """A checkpoint that cannot be used, naming it and saying what to do."""

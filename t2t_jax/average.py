@@ -14,13 +14,14 @@ from absl import app
 from absl import flags
 from absl import logging
 
-from t2t_jax import checkpoint
+from t2t_jax import CheckpointError
 from t2t_jax import cli
+from t2t_jax import saved_params
 
 def available_steps(workdir: str) -> list[int]:
   directory = os.path.join(os.path.abspath(workdir), 'checkpoints')
   if not os.path.isdir(directory):
-    raise checkpoint.CheckpointError(f'{directory} does not exist: is --workdir a training '
+    raise CheckpointError(f'{directory} does not exist: is --workdir a training '
                                      'workdir?')
   return sorted(int(name) for name in os.listdir(directory) if name.isdigit())
 
@@ -31,7 +32,7 @@ def choose_steps(available: list[int], last: int, steps: list[str]) -> list[int]
     raise app.UsageError('pass exactly one of --last=N and --steps=a,b,c')
   if last:
     if last < 1 or last > len(available):
-      raise checkpoint.CheckpointError(f'--last={last}, but the workdir holds '
+      raise CheckpointError(f'--last={last}, but the workdir holds '
                                        f'{len(available)} checkpoints: {available}')
     return available[-last:]
   try:
@@ -39,7 +40,7 @@ def choose_steps(available: list[int], last: int, steps: list[str]) -> list[int]
   except ValueError:
     raise app.UsageError(f'--steps must be integers, got {",".join(steps)}') from None
   if missing := [step for step in chosen if step not in available]:
-    raise checkpoint.CheckpointError(f'no checkpoint of steps {missing}; the workdir holds '
+    raise CheckpointError(f'no checkpoint of steps {missing}; the workdir holds '
                                      f'{available}')
   return chosen
 
@@ -47,15 +48,15 @@ def choose_steps(available: list[int], last: int, steps: list[str]) -> list[int]
 def average_checkpoints(workdir: str, steps: list[int], output: str = '',
                         dtype: str = '') -> str:
   """Averages `steps` of `workdir` on the host; returns the directory written."""
-  paths = [checkpoint.resolve(workdir, str(step)) for step in steps]
+  paths = [saved_params.resolve(workdir, str(step)) for step in steps]
   output = output or os.path.join(os.path.abspath(workdir), 'averaged',
                                   f'avg{len(steps)}_{steps[0]}-{steps[-1]}')
   logging.info('Averaging steps %s of %s', steps, workdir)
-  params = checkpoint.average([checkpoint.load_params(path) for path in paths])
+  params = saved_params.average([saved_params.load_params(path) for path in paths])
   if dtype:
-    params = checkpoint.cast(params, dtype)
-  config_json = checkpoint.read_json_item(paths[-1], checkpoint.CONFIG)['config']
-  return checkpoint.write_params(output, params, config_json,
+    params = saved_params.cast(params, dtype)
+  config_json = saved_params.read_json_item(paths[-1], saved_params.CONFIG)['config']
+  return saved_params.write_params(output, params, config_json,
                                  {'kind': 'average', 'workdir': os.path.abspath(workdir),
                                   'steps': steps, 'dtype': dtype or 'as saved'})
 

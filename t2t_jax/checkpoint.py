@@ -1,16 +1,16 @@
-"""Orbax checkpoints: async saves, exact resume, damaged-checkpoint fallback, params-only files.
+"""Training checkpoints: async saves, exact resume, damaged-checkpoint fallback, failed saves.
 
 A training checkpoint is `<workdir>/checkpoints/<step>/` with four orbax items:
 `state` (TrainState: step, params, opt_state), `rng` (the dropout key), `data` (the grain
 iterator state, JSON) and `config` (the resolved config, JSON). A params-only checkpoint
-(averaged or exported) is a directory with the items `params`, `config` and `info`.
+(averaged or exported) is a directory with the items `params`, `config` and `info`; reading
+params from either kind, averaging and writing them is saved_params.py's.
 """
 
 import dataclasses
 import errno
 import json
 import os
-import re
 import shutil
 import time
 from typing import Any
@@ -24,17 +24,15 @@ import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers
 
+from t2t_jax import CheckpointError
 from t2t_jax import ConfigError
+from t2t_jax import saved_params
+from t2t_jax.saved_params import CONFIG, STATE
 
-STATE, RNG, DATA, CONFIG = 'state', 'rng', 'data', 'config'
-PARAMS, INFO = 'params', 'info'
+RNG, DATA = 'rng', 'data'  # Items of a training checkpoint beside STATE and CONFIG.
 # Config keys whose change on resume cannot alter the trained parameters' values.
 HARMLESS_PREFIXES = ('name', 'train.', 'eval.', 'ckpt.')
 TMP_MARK = '.orbax-checkpoint-tmp'  # In the name of a folder orbax has not finished writing.
-
-
-class CheckpointError(RuntimeError):
-  """A checkpoint that cannot be used, naming it and saying what to do."""
 
 
 @dataclasses.dataclass
@@ -63,24 +61,6 @@ def _all_processes_agree(ok: bool) -> bool:
   if jax.process_count() == 1:
     return ok
   return bool(np.all(multihost_utils.process_allgather(np.array(ok))))
-
-
-# Library detail in error texts that says nothing to a reader: cut from the first line.
-_LIBRARY_NOISE = (re.compile(r'\s*\[tensorstore_spec=.*'),  # The JSON spec of the file read.
-                  re.compile(r'\s*<(bound|built-in) method .*'),  # A pybind11 method's repr.
-                  re.compile(r'\s*<[^<>]* object at 0x[0-9a-f]+>'))
-
-
-def _describe(error: BaseException) -> str:
-  """'ValueError: NOT_FOUND: ...': the error's type and first line, without library reprs."""
-  lines = str(error).strip().splitlines()
-  text = lines[0] if lines else ''
-  for noise in _LIBRARY_NOISE:
-    text = noise.sub('', text)
-  text = text.strip().rstrip('.:,;(')
-  if len(text) > 300:
-    text = text[:297] + '...'
-  return f'{type(error).__name__}: {text}' if text else type(error).__name__
 
 
 class Checkpointer:
@@ -151,7 +131,7 @@ class Checkpointer:
     text = str(error)
     full = ((isinstance(error, OSError) and error.errno == errno.ENOSPC) or
             'No space left on device' in text)
-    cause = 'the disk is full (No space left on device)' if full else _describe(error)
+    cause = 'the disk is full (No space left on device)' if full else saved_params.describe_error(error)
     raise CheckpointError(
         f'saving checkpoint {step} in {self.directory} failed: {cause}. Training stopped; the '
         f'unfinished checkpoint was removed and the newest intact one is step '
@@ -190,8 +170,8 @@ class Checkpointer:
       try:
         saved_config = self.manager.restore(step, args=ocp.args.Composite(**{
             CONFIG: ocp.args.JsonRestore()}))[CONFIG]['config']
-        saved_tree = {**_saved_tree(os.path.join(path, STATE)),
-                      **_saved_tree(os.path.join(path, RNG))}
+        saved_tree = {**saved_params.saved_shapes(os.path.join(path, STATE)),
+                      **saved_params.saved_shapes(os.path.join(path, RNG))}
         check_compatible(path, saved_tree, (abstract_state, rng_abstract), saved_config, config)
         restored = self.manager.restore(step, args=ocp.args.Composite(**{
             STATE: ocp.args.StandardRestore(abstract_state),
@@ -212,7 +192,7 @@ class Checkpointer:
       fallback = (f'falling back to step {steps[index + 1]}' if index + 1 < len(steps) else
                   'no older checkpoint is left')
       logging.warning('Checkpoint %s is damaged (%s); %s.', path,
-                      _describe(error) if error else 'unreadable on another process', fallback)
+                      saved_params.describe_error(error) if error else 'unreadable on another process', fallback)
     if steps:
       raise CheckpointError(
           f'every checkpoint in {self.directory} is unreadable (steps {steps}; causes logged '
@@ -239,7 +219,7 @@ class Checkpointer:
       logging.info('Averaging %d checkpoints (%d asked for): only these exist', len(steps),
                    count)
     paths = [os.path.join(self.directory, str(step)) for step in steps]
-    return average([load_params(path, abstract_params) for path in paths]), steps
+    return saved_params.average([saved_params.load_params(path, abstract_params) for path in paths]), steps
 
   def close(self) -> None:
     """Waits for the save in flight; raises CheckpointError if it failed."""
@@ -268,29 +248,6 @@ def config_differences(saved_json: str, config) -> dict[str, tuple[Any, Any]]:
           if saved.get(key) != current.get(key)}
 
 
-def _path_name(path) -> str:
-  """'opt_state/0/mu/embedding' for dict keys, sequence indices and attributes alike."""
-  return '/'.join(str(getattr(k, 'key', getattr(k, 'idx', getattr(k, 'name', k))))
-                  for k in path)
-
-
-def _shapes(tree) -> dict[str, tuple]:
-  """{path: (shape, dtype)} of the array leaves of a tree (arrays, structs or metadata)."""
-  return {_path_name(path): (tuple(leaf.shape), np.dtype(leaf.dtype))
-          for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
-
-
-def _saved_tree(item_path: str) -> dict[str, tuple]:
-  """{path: (shape, dtype)} of the arrays saved in an orbax pytree item."""
-  return _shapes(_saved_metadata(item_path))
-
-
-def _saved_metadata(item_path: str):
-  """The tree of array metadata (shape, dtype) saved in an orbax pytree item."""
-  metadata = ocp.StandardCheckpointHandler().metadata(ocp.path.step.epath.Path(item_path))
-  return metadata.tree if hasattr(metadata, 'tree') else metadata
-
-
 def _format(shape_dtype) -> str:
   return 'nothing' if shape_dtype is None else f'{shape_dtype[1].name}{list(shape_dtype[0])}'
 
@@ -302,7 +259,7 @@ def check_compatible(path: str, saved_tree: dict, abstract_trees: tuple, saved_c
   `abstract_trees` are the items saved side by side (train state, dropout key).
   """
   differences = config_differences(saved_config_json, config)
-  expected = {name: value for tree in abstract_trees for name, value in _shapes(tree).items()}
+  expected = {name: value for tree in abstract_trees for name, value in saved_params.array_shapes(tree).items()}
   mismatched = [f'{key}: saved {_format(saved_tree.get(key))}, config gives '
                 f'{_format(expected.get(key))}'
                 for key in sorted(set(saved_tree) | set(expected))
@@ -327,140 +284,3 @@ def check_compatible(path: str, saved_tree: dict, abstract_trees: tuple, saved_c
 
 
 # Params-only loading, averaging and writing.
-
-def _replicated(abstract):
-  """Gives leaves without a sharding one replicated over all devices."""
-  mesh = jax.sharding.Mesh(np.array(jax.devices()), ('all',))
-  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  return jax.tree.map(
-      lambda x: x if getattr(x, 'sharding', None) is not None else
-      jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), abstract)
-
-
-def params_item(path: str) -> tuple[str, bool]:
-  """(directory of the saved params tree, whether it is wrapped in a TrainState)."""
-  if os.path.isdir(os.path.join(path, STATE)):
-    return os.path.join(path, STATE), True
-  if os.path.isdir(os.path.join(path, PARAMS)):
-    return os.path.join(path, PARAMS), False
-  raise CheckpointError(f'{path} is not a t2t_jax checkpoint: it has neither a "{STATE}" '
-                        f'(training checkpoint) nor a "{PARAMS}" (averaged or exported) '
-                        'subdirectory.')
-
-
-def load_params(path: str, abstract_params=None):
-  """The params of a checkpoint directory (a training step or a params-only checkpoint).
-
-  With `abstract_params` (ShapeDtypeStructs, with or without shardings) they come back as
-  jax.Arrays of those dtypes; without, as numpy arrays of the saved dtypes.
-  """
-  item, wrapped = params_item(path)
-  saved = _saved_tree(item)
-  prefix = 'params/' if wrapped else ''
-  if abstract_params is None:
-    target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype),
-                          _metadata_params(item, wrapped))
-    restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), target)
-  else:
-    target = _replicated(abstract_params)
-    expected = {f'{prefix}{key}': value for key, value in _shapes(target).items()}
-    shapes = {k: v[0] for k, v in saved.items() if k.startswith(prefix)}
-    wrong = [f'{key}: saved {shapes.get(key)}, expected {shape}'
-             for key, (shape, _) in expected.items() if shapes.get(key) != shape]
-    if wrong or len(shapes) != len(expected):
-      raise CheckpointError(
-          f'the params in {path} do not fit this model ({len(wrong)} of {len(expected)} '
-          f'arrays differ, e.g. {wrong[0] if wrong else "a different set of arrays"}): use '
-          'the config the checkpoint was trained with.')
-    restore_args = ocp.checkpoint_utils.construct_restore_args(target)
-  if wrapped:
-    target = {'params': target}
-    restore_args = {'params': restore_args}
-  restored = ocp.PyTreeCheckpointer().restore(item, args=ocp.args.PyTreeRestore(
-      item=target, restore_args=restore_args, partial_restore=True))
-  return restored['params'] if wrapped else restored
-
-
-def _metadata_params(item: str, wrapped: bool):
-  tree = _saved_metadata(item)
-  return tree['params'] if wrapped else tree
-
-
-def resolve(workdir: str, checkpoint: str | None = None) -> str:
-  """The directory named by `checkpoint`: None the latest step, digits a step, else a path."""
-  directory = os.path.join(os.path.abspath(workdir), 'checkpoints')
-  if checkpoint and not checkpoint.isdigit():
-    if not os.path.isdir(checkpoint):
-      raise CheckpointError(f'checkpoint directory {checkpoint} does not exist')
-    return checkpoint
-  steps = sorted(int(name) for name in (os.listdir(directory) if os.path.isdir(directory)
-                                        else []) if name.isdigit())
-  if not steps:
-    raise CheckpointError(f'no checkpoint in {directory}: train first, or pass a checkpoint '
-                          'directory (e.g. an averaged one)')
-  if checkpoint is None:
-    return os.path.join(directory, str(steps[-1]))
-  if int(checkpoint) not in steps:
-    raise CheckpointError(f'no checkpoint of step {checkpoint} in {directory}; it holds '
-                          f'steps {steps}')
-  return os.path.join(directory, str(int(checkpoint)))
-
-
-def restore_params(workdir: str, abstract_params, checkpoint: str | None = None):
-  """Params only, for translate/evaluate: latest step (None), a step ('1000') or a path.
-
-  Without an explicit checkpoint a damaged latest step is skipped with a warning.
-  """
-  path = resolve(workdir, checkpoint)
-  if checkpoint is not None:
-    return load_params(path, abstract_params)
-  steps = sorted((int(n) for n in os.listdir(os.path.dirname(path)) if n.isdigit()),
-                 reverse=True)
-  for step in steps:
-    path = os.path.join(os.path.dirname(path), str(step))
-    try:
-      return load_params(path, abstract_params)
-    except CheckpointError:
-      raise
-    except Exception as e:  # pylint: disable=broad-exception-caught
-      logging.warning('Checkpoint %s is damaged (%s); trying the previous one.', path,
-                      _describe(e))
-  raise CheckpointError(f'every checkpoint in {os.path.dirname(path)} is damaged')
-
-
-def average(trees: list):
-  """Elementwise mean of parameter trees (numpy or jax), summed in float32, in the first
-  tree's dtypes."""
-  if not trees:
-    raise ValueError('no checkpoints to average')
-  total = jax.tree.map(lambda x: x.astype(np.float32), trees[0])
-  for tree in trees[1:]:
-    total = jax.tree.map(lambda t, x: t + x.astype(np.float32), total, tree)
-  return jax.tree.map(lambda t, x: (t / np.float32(len(trees))).astype(x.dtype), total,
-                      trees[0])
-
-
-def cast(params, dtype: str):
-  """Floating-point leaves cast to `dtype` ('float32' or 'bfloat16'); others unchanged."""
-  target = jax.numpy.dtype(dtype)
-  return jax.tree.map(lambda x: x.astype(target) if jax.numpy.issubdtype(
-      x.dtype, jax.numpy.floating) else x, params)
-
-
-def write_params(path: str, params, config_json: str, info: dict) -> str:
-  """Writes a params-only checkpoint (items params, config, info) that load_params reads."""
-  path = os.path.abspath(path)
-  if os.path.exists(path):
-    raise CheckpointError(f'{path} already exists: remove it or choose another --output')
-  with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
-    checkpointer.save(path, args=ocp.args.Composite(**{
-        PARAMS: ocp.args.StandardSave(params),
-        CONFIG: ocp.args.JsonSave({'config': config_json}),
-        INFO: ocp.args.JsonSave(info)}))
-  return path
-
-
-def read_json_item(path: str, name: str) -> dict:
-  with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
-    return checkpointer.restore(path, args=ocp.args.Composite(**{
-        name: ocp.args.JsonRestore()}))[name]

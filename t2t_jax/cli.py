@@ -61,9 +61,9 @@ def run(main: Callable[[list[str]], Any]) -> None:
 
 def _user_errors() -> tuple[type[Exception], ...]:
   """The error types whose message says what to do: no traceback needed."""
-  from t2t_jax import ConfigError, NonFiniteLoss  # pylint: disable=g-import-not-at-top
-  from t2t_jax import checkpoint, sources, workdir_lock  # pylint: disable=g-import-not-at-top
-  return (ConfigError, NonFiniteLoss, sources.DataError, checkpoint.CheckpointError,
+  from t2t_jax import CheckpointError, ConfigError, NonFiniteLoss  # pylint: disable=g-import-not-at-top
+  from t2t_jax import sources, workdir_lock  # pylint: disable=g-import-not-at-top
+  return (ConfigError, NonFiniteLoss, sources.DataError, CheckpointError,
           workdir_lock.WorkdirLocked, workdir_lock.WorkdirUnusable)
 
 

@@ -12,18 +12,18 @@ import os
 from absl import app
 from absl import flags
 
-from t2t_jax import checkpoint
 from t2t_jax import cli
+from t2t_jax import saved_params
 
 def export(workdir: str, checkpoint_name: str | None = None, dtype: str = 'float32',
            output: str = '') -> str:
   """Writes the params of one checkpoint in `dtype`; returns the directory written."""
-  path = checkpoint.resolve(workdir, checkpoint_name)
-  params = checkpoint.cast(checkpoint.load_params(path), dtype)
+  path = saved_params.resolve(workdir, checkpoint_name)
+  params = saved_params.cast(saved_params.load_params(path), dtype)
   output = output or os.path.join(os.path.abspath(workdir), 'export',
                                   f'{os.path.basename(os.path.normpath(path))}_{dtype}')
-  config_json = checkpoint.read_json_item(path, checkpoint.CONFIG)['config']
-  return checkpoint.write_params(output, params, config_json,
+  config_json = saved_params.read_json_item(path, saved_params.CONFIG)['config']
+  return saved_params.write_params(output, params, config_json,
                                  {'kind': 'export', 'source': path, 'dtype': dtype})
 
 

@@ -31,6 +31,7 @@ from t2t_jax import prng
 from t2t_jax import sharding
 from t2t_jax import translator as translator_lib
 from t2t_jax import workdir_lock
+from t2t_jax import saved_params
 from t2t_jax.setup import Setup, build, count_params  # pylint: disable=unused-import
 
 FINAL_JSON = 'final.json'  # The final figures of a finished run, one strict JSON line.
@@ -118,7 +119,7 @@ def _start(config, workdir: str) -> _Launch:
   else:
     state = setup.init(init_rng)
     if config.ckpt.init_from:  # Fine-tune from averaged, exported or other run's params.
-      state = state.replace(params=checkpoint.restore_params(
+      state = state.replace(params=saved_params.restore_params(
           workdir, setup.abstract_state.params, config.ckpt.init_from))
   config_json = _write_config(config, workdir)
   # A resumed run logs again the steps after its checkpoint: TensorBoard drops the earlier

@@ -19,11 +19,12 @@ import ml_collections
 import numpy as np
 import tqdm
 
+from t2t_jax import CheckpointError
 from t2t_jax import ConfigError
 from t2t_jax import EOS_ID
-from t2t_jax import checkpoint as checkpoint_lib
 from t2t_jax import cli
 from t2t_jax import data
+from t2t_jax import saved_params
 from t2t_jax import setup
 from t2t_jax import sharding
 from t2t_jax import tokenizer
@@ -50,7 +51,7 @@ def load_config(workdir: str) -> ml_collections.ConfigDict:
     with open(path) as f:
       return ml_collections.ConfigDict(json.load(f))
   except OSError as e:
-    raise checkpoint_lib.CheckpointError(f'cannot read {path} ({e.strerror}): --workdir must '
+    raise CheckpointError(f'cannot read {path} ({e.strerror}): --workdir must '
                                          'be the directory of a training run') from None
 
 
@@ -59,7 +60,7 @@ def load_vocabulary(config, workdir: str) -> tokenizer.Vocabulary:
     return data.synthetic_vocabulary(config.data)
   path = data.vocab_path(config, workdir)
   if not os.path.exists(path):
-    raise checkpoint_lib.CheckpointError(f'the vocabulary {path} of this run is missing: '
+    raise CheckpointError(f'the vocabulary {path} of this run is missing: '
                                          'restore it, or set --workdir to the run that has it')
   return tokenizer.SentencePieceVocabulary(path)
 
@@ -76,7 +77,7 @@ def load(workdir: str, checkpoint: str | None = None, beam_size: int | None = No
   mesh = sharding.make_mesh(config.mesh)
   axis_rules = sharding.rules(config.mesh)
   model_config = TransformerConfig.from_config(config.model, vocab.vocab_size)
-  params = checkpoint_lib.restore_params(
+  params = saved_params.restore_params(
       workdir, setup.abstract_params(model_config, mesh, axis_rules), checkpoint)
   translator = translator_lib.from_config(config, model_config, mesh, axis_rules, beam_size,
                                           alpha, batch_tokens or None, dtype)

@@ -28,6 +28,7 @@ from t2t_jax import data
 from t2t_jax import export
 from t2t_jax import train
 from t2t_jax import translator as translator_lib
+from t2t_jax import saved_params
 
 
 def _config():
@@ -113,7 +114,7 @@ def test_damaged_latest_checkpoint_falls_back_with_warning(trained, tmp_path, ca
   else:
     os.remove(path)
   caplog.set_level(std_logging.WARNING)
-  params = checkpoint.restore_params(str(workdir), setup.abstract_state.params)  # translate's way
+  params = saved_params.restore_params(str(workdir), setup.abstract_state.params)  # translate's way
   assert _leaves_equal(params, _numpy_params(f'{workdir}/checkpoints/15'))
   restored = checkpoint.Checkpointer(workdir, config.ckpt).restore(setup.abstract_state, config)
   assert restored.step == 15 and restored.data_state['batch'] == 15
@@ -135,13 +136,13 @@ def test_damage_description_is_a_sentence_without_pybind_or_spec_text():
   import tensorstore as ts  # pylint: disable=g-import-not-at-top
   method = ts.array(np.zeros(2)).read  # Its repr spans lines: '<bound method pybind11_...'.
   error = ValueError(f'NOT_FOUND: Error reading "params/w" via {method!r}')
-  assert checkpoint._describe(error) == (  # pylint: disable=protected-access
+  assert saved_params.describe_error(error) == (
       'ValueError: NOT_FOUND: Error reading "params/w" via')
   spec = ValueError('NOT_FOUND: Metadata at "w/.zarray" does not exist '
                     '[tensorstore_spec=\'{"context":{}}\']')
-  assert checkpoint._describe(spec) == (  # pylint: disable=protected-access
+  assert saved_params.describe_error(spec) == (
       'ValueError: NOT_FOUND: Metadata at "w/.zarray" does not exist')
-  assert checkpoint._describe(OSError()) == 'OSError'  # pylint: disable=protected-access
+  assert saved_params.describe_error(OSError()) == 'OSError'
 
 
 def test_all_checkpoints_damaged_is_an_error_not_a_fresh_start(trained, tmp_path):
@@ -259,19 +260,19 @@ def test_averaged_params_equal_the_numpy_mean(trained, averaged):
   workdir = trained[0]
   inputs = [_numpy_params(f'{workdir}/checkpoints/{step}') for step in (10, 15, 20)]
   expected = jax.tree.map(lambda *xs: np.mean(np.stack(xs).astype(np.float64), 0), *inputs)
-  result = checkpoint.load_params(averaged)  # numpy, as saved
+  result = saved_params.load_params(averaged)  # numpy, as saved
   for got, want in zip(jax.tree.leaves(result), jax.tree.leaves(expected), strict=True):
     assert got.dtype == np.float32
     np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-7)
-  assert checkpoint.read_json_item(averaged, 'info')['steps'] == [10, 15, 20]
+  assert saved_params.read_json_item(averaged, 'info')['steps'] == [10, 15, 20]
   with pytest.raises(checkpoint.CheckpointError, match=r'no checkpoint of steps \[7\]'):
     average.choose_steps([5, 10, 15, 20], 0, ['7', '10'])
 
 
 def test_averaged_checkpoint_loads_translates_and_starts_training(trained, averaged, tmp_path):
   workdir, config, setup, _ = trained
-  params = checkpoint.restore_params(workdir, setup.abstract_state.params, averaged)
-  assert _leaves_equal(params, checkpoint.load_params(averaged))
+  params = saved_params.restore_params(workdir, setup.abstract_state.params, averaged)
+  assert _leaves_equal(params, saved_params.load_params(averaged))
   assert jax.tree.leaves(params)[0].sharding == jax.tree.leaves(
       setup.abstract_state.params)[0].sharding
   task = data.load(config, '')
@@ -286,26 +287,26 @@ def test_averaged_checkpoint_loads_translates_and_starts_training(trained, avera
   fresh.train.num_steps, fresh.ckpt.every, fresh.eval.bleu_sentences = 1, 1, 0
   train.train_and_evaluate(fresh, str(tmp_path / 'fresh'))
   assert _leaves_equal(_numpy_params(f'{tmp_path}/fresh/checkpoints/1'),
-                       checkpoint.load_params(averaged))
+                       saved_params.load_params(averaged))
 
 
 def test_restore_params_by_step_and_its_errors(trained, tmp_path):
   workdir, _, setup, _ = trained
-  params = checkpoint.restore_params(workdir, setup.abstract_state.params, '10')
+  params = saved_params.restore_params(workdir, setup.abstract_state.params, '10')
   assert _leaves_equal(params, _numpy_params(f'{workdir}/checkpoints/10'))
-  latest = checkpoint.restore_params(workdir, setup.abstract_state.params)
+  latest = saved_params.restore_params(workdir, setup.abstract_state.params)
   assert _leaves_equal(latest, _numpy_params(f'{workdir}/checkpoints/20'))
   with pytest.raises(checkpoint.CheckpointError, match=r'no checkpoint of step 7 .*\[5, 10, '):
-    checkpoint.restore_params(workdir, setup.abstract_state.params, '7')
+    saved_params.restore_params(workdir, setup.abstract_state.params, '7')
   with pytest.raises(checkpoint.CheckpointError, match='is not a t2t_jax checkpoint'):
-    checkpoint.restore_params(workdir, setup.abstract_state.params, str(tmp_path))
+    saved_params.restore_params(workdir, setup.abstract_state.params, str(tmp_path))
   with pytest.raises(checkpoint.CheckpointError, match='no checkpoint in'):
-    checkpoint.restore_params(str(tmp_path), setup.abstract_state.params)
+    saved_params.restore_params(str(tmp_path), setup.abstract_state.params)
   wider = _config()
   wider.model.d_model = 64
   wider_params = train.build(wider, data.vocab_size(wider)).abstract_state.params
   with pytest.raises(checkpoint.CheckpointError, match='do not fit this model'):
-    checkpoint.restore_params(workdir, wider_params)
+    saved_params.restore_params(workdir, wider_params)
 
 
 def test_bf16_export_holds_only_cast_params(trained):
@@ -314,12 +315,12 @@ def test_bf16_export_holds_only_cast_params(trained):
   assert path == os.path.join(workdir, 'export', '20_bfloat16')
   assert sorted(os.listdir(path)) == sorted(
       ['params', 'config', 'info', '_CHECKPOINT_METADATA', 'commit_success.txt'])
-  exported = checkpoint.load_params(path)
+  exported = saved_params.load_params(path)
   original = _numpy_params(f'{workdir}/checkpoints/20')
   for got, want in zip(jax.tree.leaves(exported), jax.tree.leaves(original), strict=True):
     assert got.dtype == jnp.bfloat16
     assert np.array_equal(got, want.astype(jnp.bfloat16))
-  as_float32 = checkpoint.restore_params(workdir, setup.abstract_state.params, path)
+  as_float32 = saved_params.restore_params(workdir, setup.abstract_state.params, path)
   assert jax.tree.leaves(as_float32)[0].dtype == jnp.float32
 
 
@@ -354,7 +355,7 @@ def test_readme_snippet_restores_params_with_plain_orbax(trained, caplog, capfd)
   assert said.out == "{'embedding': (10, 32)}\n"  # The tiny copy task: 8 symbols, pad and EOS.
   assert 'WARNING' not in caplog.text + said.err, caplog.text + said.err
   assert _leaves_equal(namespace['params'], _numpy_params(f'{workdir}/checkpoints/20'))
-  assert _leaves_equal(namespace['exported'], checkpoint.load_params(f'{workdir}/export/snippet'))
+  assert _leaves_equal(namespace['exported'], saved_params.load_params(f'{workdir}/export/snippet'))
 
 
 # End to end through the CLI, in subprocesses.

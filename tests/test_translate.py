@@ -17,6 +17,7 @@ from conftest import ROOT, write_lines
 from t2t_jax import checkpoint
 from t2t_jax import model as model_lib
 from t2t_jax import translate
+from t2t_jax import saved_params
 
 
 @pytest.fixture(scope='module')
@@ -53,7 +54,7 @@ def test_restore_params_reads_the_checkpointed_parameters(workdir):
   with pytest.raises(checkpoint.CheckpointError, match=r'no checkpoint of step 7 .* \[10, 20\]'):
     translate.load(workdir, checkpoint='7')
   with pytest.raises(checkpoint.CheckpointError, match='no checkpoint in'):
-    checkpoint.restore_params(os.path.join(workdir, 'nothing'), run.params)
+    saved_params.restore_params(os.path.join(workdir, 'nothing'), run.params)
 
 
 def test_translate_cli_keeps_order_blank_lines_and_warns_on_truncation(workdir, tmp_path):
