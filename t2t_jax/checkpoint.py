@@ -12,6 +12,7 @@ import errno
 import json
 import os
 import shutil
+import sys
 import time
 from typing import Any
 
@@ -126,6 +127,7 @@ class Checkpointer:
       self._failed(step, e)
 
   def _failed(self, step, error: BaseException) -> None:
+    _drop_late_writer_callbacks()
     self.remove_unfinished(step)
     self.manager.reload()
     text = str(error)
@@ -227,6 +229,27 @@ class Checkpointer:
       self._wait()
     finally:
       self.manager.close()
+
+
+def _drop_late_writer_callbacks() -> None:
+  """After a failed save, the writes still in flight finish on tensorstore's threads and try to
+  wake orbax's event loop, which asyncio has already closed: each prints a traceback of
+  RuntimeError('Event loop is closed') through sys.excepthook, dozens in all. They say nothing
+  the failed save's error does not; drop exactly those, and pass every other exception on."""
+  previous = sys.excepthook
+  if getattr(previous, 'drops_late_writer_callbacks', False):
+    return
+
+  def hook(kind, value, traceback):
+    last = traceback
+    while last is not None and last.tb_next is not None:
+      last = last.tb_next
+    if (kind is RuntimeError and str(value) == 'Event loop is closed' and last is not None
+        and last.tb_frame.f_code.co_name == '_check_closed'):
+      return
+    previous(kind, value, traceback)
+  hook.drops_late_writer_callbacks = True
+  sys.excepthook = hook
 
 
 # Config compatibility on resume.
