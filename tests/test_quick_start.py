@@ -11,8 +11,10 @@ import pytest
 from conftest import ROOT
 
 # How far a run may land from the README's figures (same code, another CPU or XLA build).
+# The default cools down to lr 0 (configs/default.py), so its final figures sit at their ceiling
+# and seeds or rounding move them by far less than this (docs/training.md, "The default run").
 TOLERANCE = {'exact_match': 1.0, 'bleu': 0.5, 'eval_accuracy': 0.002}  # Lower bounds, absolute.
-EVAL_LOSS_FACTOR = 2.0  # eval_loss at most this many times the README's.
+EVAL_LOSS_MARGIN = 0.001  # eval_loss at most this much above the README's.
 
 
 def readme_final_line() -> dict:
@@ -36,4 +38,5 @@ def test_the_default_run_ends_at_the_readmes_figures(tmp_path):
   assert final['step'] == expected['step']
   for key, below in TOLERANCE.items():
     assert final[key] >= expected[key] - below, (key, final, expected)
-  assert final['eval_loss'] <= EVAL_LOSS_FACTOR * expected['eval_loss'], (final, expected)
+  assert final['eval_loss'] <= expected['eval_loss'] + EVAL_LOSS_MARGIN, (final, expected)
+  assert expected['exact_match'] >= 99.0  # The promise itself: the default learns the task.
