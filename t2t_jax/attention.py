@@ -109,6 +109,20 @@ def self_attention_mask(valid_BL: Array, segments_BL: Array | None, positions_BL
   return SelfMask(full_B1LL, valid_BL, segments_BL, positions_BL)
 
 
+class FusedLengths(NamedTuple):
+  """Right-padded rows as fused attention takes them: real queries and keys per row [B]
+  (None: every query), and whether a query sees only keys up to its own position."""
+  query_B: Array | None
+  key_B: Array
+  causal: bool
+
+
+def fused_lengths(key_valid_BK: Array, queries_too: bool, causal: bool) -> FusedLengths:
+  """The lengths of rows whose real tokens come first (a bucketed, not packed, batch)."""
+  key_B = key_valid_BK.sum(-1).astype(jnp.int32)
+  return FusedLengths(key_B if queries_too else None, key_B, causal)
+
+
 def attention_kinds(pattern: str) -> tuple[str, ...]:
   """config.model.attention_pattern as a tuple of kinds, repeated over the layers of a stack."""
   kinds = tuple(kind.strip() for kind in pattern.split(','))
@@ -153,20 +167,31 @@ class _Attention(nn.Module):
     return nn.Dropout(self.config.attention_dropout)(weights, self.config.deterministic)
 
   def _full_attention(self, q_BQHD, k_BKHD, v_BKHD, mask_B1QK, relative=None,
-                      buckets_BQKR=None) -> Array:
+                      buckets_BQKR=None, lengths=None) -> Array:
     """Every query over every unmasked key: the explicit product (with dropout on the weights,
-    and relative positions), or a fused kernel."""
+    and relative positions), or a fused kernel (see `_fused_attention` for `lengths`)."""
     if self.config.attention_impl == 'einsum' or relative is not None:
       out_BQHD, weights_BHQK = attention_variants.dense_attention(
           q_BQHD, k_BKHD, v_BKHD, mask_B1QK, self._drop, relative, buckets_BQKR)
       self.sow('intermediates', 'attention_weights', weights_BHQK)
       return out_BQHD
-    return self._fused_attention(q_BQHD, k_BKHD, v_BKHD, mask_B1QK)
+    return self._fused_attention(q_BQHD, k_BKHD, v_BKHD, mask_B1QK, lengths)
 
-  def _fused_attention(self, q_BQHD, k_BKHD, v_BKHD, mask_B1QK):
-    """jax.nn.dot_product_attention: XLA's or cuDNN's, no dropout on the weights."""
+  def _fused_attention(self, q_BQHD, k_BKHD, v_BKHD, mask_B1QK, lengths=None):
+    """jax.nn.dot_product_attention: XLA's or cuDNN's, no dropout on the weights.
+
+    `lengths` (FusedLengths), given for right-padded rows, replaces the mask by sequence
+    lengths: cuDNN then skips the padding itself, where a boolean mask would become a
+    -2^41 bias over both sequence axes (with fully masked query rows a known source of wrong
+    gradients in cuDNN before 9.26 on Hopper). Packed rows keep the mask.
+    """
     # One query per decoding step is no work for a flash kernel: XLA's path serves it.
     impl = 'xla' if self.config.decode else self.config.attention_impl
+    if lengths is not None and not self.config.decode:
+      return jax.nn.dot_product_attention(
+          q_BQHD, k_BKHD, v_BKHD, scale=1.0, is_causal=lengths.causal,
+          query_seq_lengths=lengths.query_B, key_value_seq_lengths=lengths.key_B,
+          implementation=impl)
     if impl == 'cudnn' and mask_B1QK is not None:  # cuDNN takes it as a [.., Q, K] bias.
       mask_B1QK = jnp.broadcast_to(mask_B1QK, mask_B1QK.shape[:2] + (q_BQHD.shape[1],
                                                                      k_BKHD.shape[1]))
@@ -195,7 +220,12 @@ class CrossAttention(_Attention):
       self.sow('intermediates', 'attention_weights', weights_BHQK)
       return self._output(out_BQHD)
     k_BKHD, v_BKHD = self._project('key', memory_BKE), self._project('value', memory_BKE)
-    return self._output(self._full_attention(q_BQHD, k_BKHD, v_BKHD, mask_B1QK))
+    lengths = None
+    if (self.config.attention_impl != 'einsum' and mask_B1QK is not None
+        and mask_B1QK.shape[2] == 1):  # Source padding only: not packed.
+      lengths = fused_lengths(mask_B1QK[:, 0, 0, :], queries_too=False, causal=False)
+    return self._output(self._full_attention(q_BQHD, k_BKHD, v_BKHD, mask_B1QK,
+                                             lengths=lengths))
 
 
 class SelfAttention(_Attention):
@@ -244,7 +274,12 @@ class SelfAttention(_Attention):
           positions_BL = jnp.arange(q_BQHD.shape[1])[None]
         buckets_BQKR = attention_variants.relative_buckets(
             positions_BL, positions_BL, relative.max_distance, cfg.dtype)
-      out_BQHD = self._full_attention(q_BQHD, k, v, mask.full_B1LL, relative, buckets_BQKR)
+      lengths = None
+      if (cfg.attention_impl != 'einsum' and mask.segments_BL is None
+          and cfg.kind == 'encoder_decoder'):  # Right-padded rows.
+        lengths = fused_lengths(mask.valid_BL, queries_too=True, causal=self.causal)
+      out_BQHD = self._full_attention(q_BQHD, k, v, mask.full_B1LL, relative, buckets_BQKR,
+                                      lengths)
     return self._output(out_BQHD)
 
   def _relative_tables(self) -> attention_variants.Relative:

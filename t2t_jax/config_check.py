@@ -128,6 +128,11 @@ def check(config, mesh: bool = True) -> None:
     problems.append(f'config.data.vocab_size={config.data.vocab_size} must exceed the '
                     f'{tokenizer.RESERVED_IDS} reserved ids (pad, EOS, unknown)')
   problems += _decoder_only_problems(config)
+  if config.model.attention_impl == 'cudnn' and config.data.batching == 'packed':
+    problems.append("config.model.attention_impl='cudnn' cannot read packed rows "
+                    "(config.data.batching='packed'): cuDNN is given sequence lengths, which "
+                    "cannot separate the segments of a row. Use data.batching='buckets', or "
+                    "attention_impl 'xla' (exact with packed rows), 'einsum' or 'auto'")
   if problems:  # Checks below need the values above to be sane.
     raise ConfigError('; '.join(problems))
   for call in (lambda: TransformerConfig.from_config(config.model, data.vocab_size(config)),
