@@ -74,3 +74,15 @@ def test_pages_link_to_each_other():
   orphans = [os.path.relpath(page, ROOT) for page in PAGES
              if os.path.dirname(page).endswith('docs') and page != index and page not in linked]
   assert not orphans, f'docs/README.md does not link {orphans}'
+
+
+def test_readme_layout_names_every_module_and_only_modules_that_exist():
+  readme = open(os.path.join(ROOT, 'README.md')).read()
+  layout = readme[readme.index('## Layout'):]
+  block = layout[layout.index('```') + 3:]
+  block = block[:block.index('```')]
+  listed = set(re.findall(r'^\s+(\w+\.py)\b', block, re.MULTILINE))
+  modules = {name for name in os.listdir(os.path.join(ROOT, 't2t_jax'))
+             if name.endswith('.py') and name != '__init__.py'}
+  assert not modules - listed, f'missing from the README layout: {sorted(modules - listed)}'
+  assert not listed - modules, f'in the README layout but not in t2t_jax/: {sorted(listed - modules)}'
