@@ -94,7 +94,7 @@ def get_config():
   # Self-attention kind per layer, comma-separated, repeated over each stack's layers: 'full',
   # 'local' (restricted to a window) or 'compressed' (Liu et al. 2018), e.g. 'local,compressed'.
   model.attention_pattern = 'full'
-  model.local_window = 256  # Local attention: keys at most this many tokens away are seen.
+  model.local_half_width = 256  # Local: keys <= w away seen: 2w+1 keys (causal w+1); was local_window
   model.compression_stride = 3  # Compressed attention: kernel = stride of the key/value conv.
 
   opt = config.opt = ml_collections.ConfigDict()

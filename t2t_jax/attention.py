@@ -230,7 +230,7 @@ class SelfAttention(_Attention):
       out_BQHD = self._cached_attention(q_BQHD, k, v, mask, relative, compression_ZHDD)
     elif self.kind == 'local':
       out_BQHD = attention_variants.local_attention(
-          q_BQHD, k, v, mask.valid_BL, mask.segments_BL, mask.positions_BL, cfg.local_window,
+          q_BQHD, k, v, mask.valid_BL, mask.segments_BL, mask.positions_BL, cfg.local_half_width,
           self.causal, self._drop, relative)
     elif self.kind == 'compressed':
       out_BQHD = attention_variants.compressed_attention(
@@ -266,7 +266,7 @@ class SelfAttention(_Attention):
       return attention_variants.cached_attention(q_BQHD, k_BHKD, v_BHKD, None)[0]
     length = k_BHKD.shape[2]
     raw_QK, compressed_QM = attention_variants.cached_masks(
-        self.kind, query_index_Q, length, cfg.local_window, cfg.compression_stride)
+        self.kind, query_index_Q, length, cfg.local_half_width, cfg.compression_stride)
     mask_B1QK, key_valid_BK = raw_QK[None, None], None
     if prompt is not None:
       mask_B1QK, key_valid_BK = attention_cache.prompt_mask(raw_QK, prompt, self.kind,

@@ -2,6 +2,7 @@
 (shift invariance, clipping, cached decoding), and the checks of their keys."""
 
 import dataclasses
+import json
 import math
 
 import flax.linen as nn
@@ -95,7 +96,7 @@ def _packed_apply(config, params, offset):
 @pytest.mark.parametrize('pattern', ['full', 'local'])
 def test_relative_attention_ignores_a_shift_of_every_position(pattern):
   config = dataclasses.replace(CONFIG, positions='relative', attention_pattern=pattern,
-                               local_window=3, max_relative_distance=2)
+                               local_half_width=3, max_relative_distance=2)
   params = _init(config)
   logits, state = _packed_apply(config, params, 0)
   shifted_logits, shifted_state = _packed_apply(config, params, 9)
@@ -158,7 +159,7 @@ def _model_config(**changes):
     ({'positions': 'rotary'}, "config.model.positions='rotary' must be one of"),
     ({'attention_pattern': 'full,sparse'}, "config.model.attention_pattern='full,sparse' "
                                            r"names \['sparse'\]"),
-    ({'local_window': 0}, 'config.model.local_window=0 must be at least 1'),
+    ({'local_half_width': 0}, 'config.model.local_half_width=0 must be at least 1'),
     ({'compression_stride': 0}, 'config.model.compression_stride=0 must be at least 1'),
     ({'max_relative_distance': 0}, 'config.model.max_relative_distance=0 must be at least 1'),
     ({'positions': 'relative', 'attention_impl': 'xla'},
@@ -179,18 +180,36 @@ def test_family_keys_that_cannot_run_are_config_errors(changes, message):
 def test_config_check_names_an_unknown_position_kind(tiny_config):
   from t2t_jax import config_check  # pylint: disable=g-import-not-at-top
   tiny_config.model.positions = 'absolute'
-  tiny_config.model.local_window = 0
+  tiny_config.model.local_half_width = 0
   with pytest.raises(ConfigError) as error:
     config_check.check(tiny_config, mesh=False)
   assert "config.model.positions='absolute' must be one of" in str(error.value)
-  assert 'config.model.local_window=0 is outside the allowed range' in str(error.value)
+  assert 'config.model.local_half_width=0 is outside the allowed range' in str(error.value)
 
 
 def test_a_config_saved_before_the_keys_existed_means_the_paper_model():
   config = _model_config()
   legacy = ml_collections.ConfigDict({key: value for key, value in config.items()
                                       if key not in ('positions', 'max_relative_distance',
-                                                     'attention_pattern', 'local_window',
+                                                     'attention_pattern', 'local_half_width',
                                                      'compression_stride')})
   built = model_lib.TransformerConfig.from_config(legacy, VOCAB)
   assert (built.positions, built.attention_pattern) == ('sinusoidal', 'full')
+
+
+def test_a_config_saved_with_the_old_local_window_key_loads_under_the_new_name(tmp_path):
+  from t2t_jax import checkpoint  # pylint: disable=g-import-not-at-top
+  from t2t_jax import translate  # pylint: disable=g-import-not-at-top
+  from configs import tiny  # pylint: disable=g-import-not-at-top
+  config = tiny.get_config()
+  config.model.local_half_width = 5
+  saved = json.loads(config.to_json_best_effort())
+  saved['model']['local_window'] = saved['model'].pop('local_half_width')
+  legacy = ml_collections.ConfigDict(saved['model'])
+  assert model_lib.TransformerConfig.from_config(legacy, VOCAB).local_half_width == 5
+  assert checkpoint.config_differences(json.dumps(saved), config) == {}
+  (tmp_path / 'config.json').write_text(json.dumps(saved))
+  assert translate.load_config(str(tmp_path)).model.local_half_width == 5
+  config.model.local_half_width = 6  # A real change is still reported, under the new name.
+  assert checkpoint.config_differences(json.dumps(saved), config) == {
+      'model.local_half_width': (5, 6)}
