@@ -8,6 +8,7 @@ Shapes in names (`q_BQHD`, `logits_BLV`), one letter per axis, the same in every
   Z tokens per compressed block (the stride)   R relative distances (2k + 1)
   X experts             P experts per token    A expert capacity (slots per expert and row)
   W beam width          N = B * W beam rows    C candidates per search step (2W)
+  J rotary pairs of a head (D / 2)
 """
 
 PAD_ID = 0

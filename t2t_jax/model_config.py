@@ -118,7 +118,19 @@ def check_family(config) -> None:
     raise ConfigError(f"config.model.positions='relative' cannot be used with {pattern}: a "
                       "compressed key summarises several positions. Use 'full' or 'local' "
                       'layers, or other positions.')
+  if config.positions in ('rotary', 'alibi') and 'compressed' in kinds:
+    raise ConfigError(f'config.model.positions={config.positions!r} cannot be used with '
+                      f'{pattern}: a compressed key summarises several positions, so it has '
+                      "no one position to turn or measure from. Use 'full' or 'local' layers, "
+                      'or other positions.')
+  head_dim = config.d_model // config.num_heads
+  if config.positions == 'rotary' and head_dim % 2:
+    raise ConfigError(f"config.model.positions='rotary' turns pairs of head dimensions, and "
+                      f'd_model / num_heads = {head_dim} is odd: change d_model or num_heads.')
   fused = f'config.model.attention_impl={config.attention_impl!r}'
+  if config.attention_impl != 'einsum' and config.positions == 'alibi':
+    raise ConfigError(f"{fused} (fused) cannot add ALiBi's bias (config.model.positions="
+                      "'alibi'): set attention_impl to 'einsum' or 'auto'.")
   if config.attention_impl != 'einsum' and config.positions == 'relative':
     raise ConfigError(f"{fused} (fused) cannot add relative positions "
                       "(config.model.positions='relative'): set attention_impl to 'einsum' or "

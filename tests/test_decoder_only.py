@@ -353,6 +353,9 @@ def test_analytic_flops_equal_the_matmuls_of_the_train_step(tiny_config):
     ('compressed', 'learned', True),
     ('local', 'relative', False),
     ('full,local', 'relative', False),
+    ('full,local', 'rotary', False),
+    ('local', 'alibi', True),
+    ('full', 'alibi', False),
 ])
 def test_family_patterns_decode_from_the_prefill_cache_as_teacher_forcing(pattern, positions,
                                                                          scan_layers):
