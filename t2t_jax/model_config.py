@@ -56,6 +56,7 @@ class TransformerConfig:
   moe_top_k: int = 2
   moe_capacity_factor: float = 1.25
   moe_layers: str = 'every_other'
+  moe_group_size: int = 0  # Tokens per routing group; 0: each batch row is one group.
   deterministic: bool = False
   decode: bool = False
 
