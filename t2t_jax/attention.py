@@ -252,8 +252,8 @@ class SelfAttention(_Attention):
           cfg.local_half_width, self.causal, self._drop, relative, slopes_H)
     if self.kind == 'compressed':
       return attention_variants.compressed_attention(
-          q_BQHD, k_BKHD, v_BKHD, mask.valid_BL, mask.segments_BL, mask.positions_BL,
-          cfg.compression_stride, self.causal, *compression_ZHDD, self._drop)
+          q_BQHD, k_BKHD, v_BKHD, mask.valid_BL, mask.segments_BL, cfg.compression_stride,
+          self.causal, *compression_ZHDD, self._drop)
     buckets_BQKR = bias_BHQK = None
     if relative is not None:
       buckets_BQKR = attention_variants.relative_buckets(

@@ -160,8 +160,7 @@ def compress_cached(x_BHMZD: Array, kernel_ZHDF: Array) -> Array:
 
 
 def compressed_attention(q_BLHD: Array, k_BLHD: Array, v_BLHD: Array, valid_BL: Array,
-                         segments_BL: Array | None, positions_BL: Array | None, stride: int,
-                         causal: bool,
+                         segments_BL: Array | None, stride: int, causal: bool,
                          key_kernel_ZHDD: Array, value_kernel_ZHDD: Array,
                          drop: Callable[[Array], Array]) -> Array:
   """Memory-compressed attention (Liu et al. 2018): keys and values of each block of `stride`
