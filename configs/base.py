@@ -86,6 +86,7 @@ def get_config():
   model.moe_top_k = 2  # Experts each token goes to (1: Switch, 2: GShard); at most moe_experts.
   model.moe_capacity_factor = 1.25  # Slots = ceil(this x row length x top_k / experts); <=0: all.
   model.moe_layers = 'every_other'  # Per stack: 'all', 'every_other' (1, 3, ..) or '0,2' indices.
+  model.moe_group_size = 0  # Tokens per routing group (capacity is per group); 0: the batch row.
   model.moe_aux_loss_weight = 0.01  # Weight of the load-balancing loss in the training loss.
   # Positions: 'sinusoidal' (paper), 'predictive' (the lecture's sinusoids, p=0.883), 'learned',
   # 'relative' (Shaw et al. 2018, in self-attention; needs einsum attention) or 'none'.
@@ -94,7 +95,7 @@ def get_config():
   # Self-attention kind per layer, comma-separated, repeated over each stack's layers: 'full',
   # 'local' (restricted to a window) or 'compressed' (Liu et al. 2018), e.g. 'local,compressed'.
   model.attention_pattern = 'full'
-  model.local_window = 256  # Local attention: keys at most this many tokens away are seen.
+  model.local_half_width = 256  # Local: keys <= w away seen: 2w+1 keys (causal w+1); was local_window
   model.compression_stride = 3  # Compressed attention: kernel = stride of the key/value conv.
 
   opt = config.opt = ml_collections.ConfigDict()

@@ -48,7 +48,7 @@ def _predictive(config) -> None:
 def _local_compressed(config) -> None:
   """Local (window 8) and memory-compressed (stride 3) self-attention, layer by layer."""
   config.model.attention_pattern = 'local,compressed'
-  config.model.local_window = 8
+  config.model.local_half_width = 8
 
 
 def _moe(config) -> None:

@@ -8,10 +8,14 @@ Shapes in names (`q_BQHD`, `logits_BLV`), one letter per axis, the same in every
   Z tokens per compressed block (the stride)   R relative distances (2k + 1)
   X experts             P experts per token    A expert capacity (slots per expert and row)
   W beam width          N = B * W beam rows    C candidates per search step (2W)
+  J rotary pairs of a head (D / 2)
 """
 
 PAD_ID = 0
 EOS_ID = 1
+# Config keys that were renamed: old dotted key -> new one. A flag with the old key is refused
+# naming the new one; a config saved with the old key (config.json, checkpoints) still loads.
+RENAMED_KEYS = {'model.local_window': 'model.local_half_width'}
 
 
 class ConfigError(ValueError):
@@ -24,3 +28,16 @@ class NonFiniteLoss(FloatingPointError):
 
 class CheckpointError(RuntimeError):
   """A checkpoint that cannot be used, naming it and saying what to do."""
+
+
+def with_current_keys(tree: dict) -> dict:
+  """A saved config (nested dicts, as config.json holds it) with renamed keys under their new
+  names, so configs written before a rename still load and compare."""
+  tree = {key: with_current_keys(value) if isinstance(value, dict) else value
+          for key, value in tree.items()}
+  for old, new in RENAMED_KEYS.items():
+    (section, old_name), new_name = old.split('.'), new.split('.')[1]
+    part = tree.get(section)
+    if isinstance(part, dict) and old_name in part and new_name not in part:
+      part[new_name] = part.pop(old_name)
+  return tree

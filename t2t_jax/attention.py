@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from t2t_jax import ConfigError
 from t2t_jax import attention_cache
 from t2t_jax import attention_variants
+from t2t_jax import positions
 from t2t_jax.attention_variants import ATTENTION_KINDS
 
 Array = jax.Array
@@ -167,12 +168,14 @@ class _Attention(nn.Module):
     return nn.Dropout(self.config.attention_dropout)(weights, self.config.deterministic)
 
   def _full_attention(self, q_BQHD, k_BKHD, v_BKHD, mask_B1QK, relative=None,
-                      buckets_BQKR=None, lengths=None) -> Array:
+                      buckets_BQKR=None, bias_BHQK=None, lengths=None) -> Array:
     """Every query over every unmasked key: the explicit product (with dropout on the weights,
-    and relative positions), or a fused kernel (see `_fused_attention` for `lengths`)."""
-    if self.config.attention_impl == 'einsum' or relative is not None:
+    relative positions and ALiBi's bias), or a fused kernel (see `_fused_attention` for
+    `lengths`)."""
+    if (self.config.attention_impl == 'einsum' or relative is not None
+        or bias_BHQK is not None):
       out_BQHD, weights_BHQK = attention_variants.dense_attention(
-          q_BQHD, k_BKHD, v_BKHD, mask_B1QK, self._drop, relative, buckets_BQKR)
+          q_BQHD, k_BKHD, v_BKHD, mask_B1QK, self._drop, relative, buckets_BQKR, bias_BHQK)
       self.sow('intermediates', 'attention_weights', weights_BHQK)
       return out_BQHD
     return self._fused_attention(q_BQHD, k_BKHD, v_BKHD, mask_B1QK, lengths)
@@ -249,7 +252,8 @@ class SelfAttention(_Attention):
     cached = cfg.decode and self.cached
     # Decode caches are heads-major ([B, H, K, D]), the layout the step's products read:
     # stored [B, K, H, D], every step would transpose every layer's whole cache first.
-    layout = 'BHKD' if cached else 'BKHD'
+    # Rotary keys are turned first, in [B, K, H, D], then cached heads-major.
+    layout = 'BHKD' if cached and cfg.positions != 'rotary' else 'BKHD'
     k, v = self._project('key', x_BQE, layout), self._project('value', x_BQE, layout)
     relative = self._relative_tables() if self.relative else None
     compression_ZHDD = ([self._kernel(f'compress_{name}', (
@@ -258,29 +262,41 @@ class SelfAttention(_Attention):
                          for name in ('key', 'value')] if self.kind == 'compressed' else None)
     if cached:
       out_BQHD = self._cached_attention(q_BQHD, k, v, mask, relative, compression_ZHDD)
-    elif self.kind == 'local':
-      out_BQHD = attention_variants.local_attention(
-          q_BQHD, k, v, mask.valid_BL, mask.segments_BL, mask.positions_BL, cfg.local_window,
-          self.causal, self._drop, relative)
-    elif self.kind == 'compressed':
-      out_BQHD = attention_variants.compressed_attention(
-          q_BQHD, k, v, mask.valid_BL, mask.segments_BL, cfg.compression_stride, self.causal,
-          *compression_ZHDD, self._drop)
     else:
-      buckets_BQKR = None
-      if relative is not None:
-        positions_BL = mask.positions_BL
-        if positions_BL is None:  # Every row alike: one row of buckets, broadcast.
-          positions_BL = jnp.arange(q_BQHD.shape[1])[None]
-        buckets_BQKR = attention_variants.relative_buckets(
-            positions_BL, positions_BL, relative.max_distance, cfg.dtype)
-      lengths = None
-      if (cfg.attention_impl != 'einsum' and mask.segments_BL is None
-          and cfg.kind == 'encoder_decoder'):  # Right-padded rows.
-        lengths = fused_lengths(mask.valid_BL, queries_too=True, causal=self.causal)
-      out_BQHD = self._full_attention(q_BQHD, k, v, mask.full_B1LL, relative, buckets_BQKR,
-                                      lengths)
+      out_BQHD = self._training_attention(q_BQHD, k, v, mask, relative, compression_ZHDD)
     return self._output(out_BQHD)
+
+  def _training_attention(self, q_BQHD, k_BKHD, v_BKHD, mask: SelfMask, relative,
+                          compression_ZHDD) -> Array:
+    """Teacher forcing (and the encoder): this kind's attention over the whole sequence."""
+    cfg = self.config
+    positions_BL = mask.positions_BL
+    if positions_BL is None:  # Every row alike: one row of positions, broadcast.
+      positions_BL = jnp.arange(q_BQHD.shape[1])[None]
+    if cfg.positions == 'rotary':
+      q_BQHD = positions.rotary(q_BQHD, positions_BL)
+      k_BKHD = positions.rotary(k_BKHD, positions_BL)
+    slopes_H = positions.alibi_slopes(cfg.num_heads) if cfg.positions == 'alibi' else None
+    if self.kind == 'local':
+      return attention_variants.local_attention(
+          q_BQHD, k_BKHD, v_BKHD, mask.valid_BL, mask.segments_BL, mask.positions_BL,
+          cfg.local_half_width, self.causal, self._drop, relative, slopes_H)
+    if self.kind == 'compressed':
+      return attention_variants.compressed_attention(
+          q_BQHD, k_BKHD, v_BKHD, mask.valid_BL, mask.segments_BL, cfg.compression_stride,
+          self.causal, *compression_ZHDD, self._drop)
+    buckets_BQKR = bias_BHQK = None
+    if relative is not None:
+      buckets_BQKR = attention_variants.relative_buckets(
+          positions_BL, positions_BL, relative.max_distance, cfg.dtype)
+    if slopes_H is not None:
+      bias_BHQK = positions.alibi_bias(positions_BL, positions_BL, slopes_H)
+    lengths = None
+    if (cfg.attention_impl != 'einsum' and mask.segments_BL is None
+        and cfg.kind == 'encoder_decoder'):  # Right-padded rows.
+      lengths = fused_lengths(mask.valid_BL, queries_too=True, causal=self.causal)
+    return self._full_attention(q_BQHD, k_BKHD, v_BKHD, mask.full_B1LL, relative, buckets_BQKR,
+                                bias_BHQK, lengths)
 
   def _relative_tables(self) -> attention_variants.Relative:
     cfg = self.config
@@ -296,12 +312,23 @@ class SelfAttention(_Attention):
                         compression_ZHDD) -> Array:
     """Decode mode: this call's Q tokens go into the cache, then attend to it."""
     cfg = self.config
-    k_BHKD, v_BHKD, query_index_Q = self._update_cache(k_BHQD, v_BHQD)
+    turn = None
+    if cfg.positions == 'rotary':  # Keys are cached turned by their positions, heads-major.
+      def turn(k_BQHD, index_Q):
+        positions_BQ = attention_cache.cached_positions(index_Q, 0, prompt)[0]
+        return positions.rotary(k_BQHD, positions_BQ).transpose(0, 2, 1, 3)
+      v_BHQD = v_BHQD.transpose(0, 2, 1, 3)
+    k_BHKD, v_BHKD, query_index_Q = self._update_cache(k_BHQD, v_BHQD, turn)
     if query_index_Q is None:  # The init call, which only sizes the caches.
       return attention_variants.cached_attention(q_BQHD, k_BHKD, v_BHKD, None)[0]
     length = k_BHKD.shape[2]
+    if relative is not None or cfg.positions in ('rotary', 'alibi'):
+      query_positions_BQ, key_positions_BK = attention_cache.cached_positions(
+          query_index_Q, length, prompt)
+    if cfg.positions == 'rotary':
+      q_BQHD = positions.rotary(q_BQHD, query_positions_BQ)
     raw_QK, compressed_QM = attention_variants.cached_masks(
-        self.kind, query_index_Q, length, cfg.local_window, cfg.compression_stride)
+        self.kind, query_index_Q, length, cfg.local_half_width, cfg.compression_stride)
     mask_B1QK, key_valid_BK = raw_QK[None, None], None
     if prompt is not None:
       mask_B1QK, key_valid_BK = attention_cache.prompt_mask(raw_QK, prompt, self.kind,
@@ -315,27 +342,33 @@ class SelfAttention(_Attention):
       v_BHKD = jnp.concatenate([entries[1].value, v_BHKD], axis=2)
       mask_B1QK = attention_cache.with_compressed_keys(mask_B1QK, compressed_QM, key_valid_BK,
                                                        cfg.compression_stride)
-    buckets_BQKR = None
+    buckets_BQKR = bias_BHQK = None
     if relative is not None:
-      query_positions_BQ, key_positions_BK = attention_cache.relative_positions(
-          query_index_Q, length, prompt)
       buckets_BQKR = attention_variants.relative_buckets(
           query_positions_BQ, key_positions_BK, relative.max_distance, cfg.dtype)
+    if cfg.positions == 'alibi':
+      bias_BHQK = positions.alibi_bias(query_positions_BQ, key_positions_BK,
+                                       positions.alibi_slopes(cfg.num_heads))
     out_BQHD, weights_BHQK = attention_variants.cached_attention(
-        q_BQHD, k_BHKD, v_BHKD, mask_B1QK, relative, buckets_BQKR)
+        q_BQHD, k_BHKD, v_BHKD, mask_B1QK, relative, buckets_BQKR, bias_BHQK)
     self.sow('intermediates', 'attention_weights', weights_BHQK)
     return out_BQHD
 
-  def _update_cache(self, k_BHQD, v_BHQD):
+  def _update_cache(self, k_BHQD, v_BHQD, turn=None):
     """Writes this call's Q keys/values from the cache index on; returns the whole cache and
-    their indices, or, in the init call that only sizes the caches, the inputs and None."""
+    their indices, or, in the init call that only sizes the caches, the inputs and None.
+
+    `turn(k_BQHD, index_Q)`, given, makes the keys to cache from the projected [B, Q, H, D].
+    """
     initialised = self.has_variable('cache', 'key')
+    index = self.variable('cache', 'index', lambda: jnp.array(0, jnp.int32))
+    if turn is not None:
+      k_BHQD = turn(k_BHQD, index.value + jnp.arange(k_BHQD.shape[1]))
     length = attention_cache.cache_length(k_BHQD.shape[2], self.kind,
                                           self.config.compression_stride)
     shape = k_BHQD.shape[:2] + (length,) + k_BHQD.shape[3:]
     key = self.variable('cache', 'key', jnp.zeros, shape, k_BHQD.dtype)
     value = self.variable('cache', 'value', jnp.zeros, shape, v_BHQD.dtype)
-    index = self.variable('cache', 'index', lambda: jnp.array(0, jnp.int32))
     if not initialised:
       if self.kind == 'compressed':
         self._compressed_cache(shape)

@@ -83,9 +83,9 @@ def recompress(compressed_BHMD: Array, raw_BHKD: Array, query_index_Q: Array, ke
       block, 2)
 
 
-def relative_positions(query_index_Q: Array, length: int, prompt) -> tuple[Array, Array]:
-  """Positions of the queries [1 or B, Q] and of the cached keys [1 or B, K] for relative
-  attention: indices, except that after a right-padded prompt the tokens follow its last real
+def cached_positions(query_index_Q: Array, length: int, prompt) -> tuple[Array, Array]:
+  """Positions of the queries [1 or B, Q] and of the cached keys [1 or B, K] (relative, rotary,
+  ALiBi): indices, except that after a right-padded prompt the tokens follow its last real
   token."""
   query_positions_BQ, key_positions_BK = query_index_Q[None], jnp.arange(length)[None]
   if prompt is not None:

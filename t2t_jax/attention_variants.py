@@ -11,6 +11,8 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from t2t_jax import positions
+
 Array = jax.Array
 NEG_INF = -1e9  # Large but finite, so rows with no visible key stay NaN-free.
 ATTENTION_KINDS = ('full', 'local', 'compressed')
@@ -33,10 +35,12 @@ def relative_buckets(query_positions_xQ: Array, key_positions_xK: Array, max_dis
 
 def dense_attention(q_xQHD: Array, k_xKHD: Array, v_xKHD: Array, mask_x1QK: Array | None,
                     drop: Callable[[Array], Array], relative: Relative | None = None,
-                    buckets_xQKR: Array | None = None) -> tuple[Array, Array]:
-  """softmax(q k^T + relative) (v + relative): the output [..., Q, H, D] and the weights.
+                    buckets_xQKR: Array | None = None,
+                    bias_xHQK: Array | None = None) -> tuple[Array, Array]:
+  """softmax(q k^T + relative + bias) (v + relative): the output [..., Q, H, D] and the weights.
 
-  The batch axes of `buckets_xQKR` may be 1 where every row has the same positions.
+  The batch axes of `buckets_xQKR` may be 1 where every row has the same positions; `bias_xHQK`
+  (ALiBi's, float32) broadcasts likewise.
 
   The relative terms are computed as a one-hot contraction, so they cost about R/D of the
   query-key product and hold a [..., Q, K, R] one-hot.
@@ -46,6 +50,8 @@ def dense_attention(q_xQHD: Array, k_xKHD: Array, v_xKHD: Array, mask_x1QK: Arra
     q_xQHR = jnp.einsum('...QHD,RD->...QHR', q_xQHD, relative.key_RD)
     logits_xHQK += jnp.einsum('...QHR,...QKR->...HQK', q_xQHR,
                               buckets_xQKR).astype(jnp.float32)
+  if bias_xHQK is not None:
+    logits_xHQK += bias_xHQK
   if mask_x1QK is not None:
     logits_xHQK = jnp.where(mask_x1QK, logits_xHQK, NEG_INF)
   weights_xHQK = jax.nn.softmax(logits_xHQK).astype(q_xQHD.dtype)
@@ -58,8 +64,8 @@ def dense_attention(q_xQHD: Array, k_xKHD: Array, v_xKHD: Array, mask_x1QK: Arra
 
 
 def cached_attention(q_BQHD: Array, k_BHKD: Array, v_BHKD: Array, mask_B1QK: Array | None,
-                     relative: Relative | None = None,
-                     buckets_BQKR: Array | None = None) -> tuple[Array, Array]:
+                     relative: Relative | None = None, buckets_BQKR: Array | None = None,
+                     bias_BHQK: Array | None = None) -> tuple[Array, Array]:
   """dense_attention against heads-major decode caches [B, H, K, D]: the output and weights.
 
   Decoding is deterministic, so there is no dropout.
@@ -70,6 +76,8 @@ def cached_attention(q_BQHD: Array, k_BHKD: Array, v_BHKD: Array, mask_B1QK: Arr
     # The buckets' batch axis may be 1 (every row alike): '...' broadcasts it.
     logits_BHQK += jnp.einsum('...QHR,...QKR->...HQK', q_BQHR,
                               buckets_BQKR).astype(jnp.float32)
+  if bias_BHQK is not None:
+    logits_BHQK += bias_BHQK
   if mask_B1QK is not None:
     logits_BHQK = jnp.where(mask_B1QK, logits_BHQK, NEG_INF)
   weights_BHQK = jax.nn.softmax(logits_BHQK).astype(q_BQHD.dtype)
@@ -100,7 +108,7 @@ def _neighbour_blocks(x_BG: Array, causal: bool) -> Array:
 def local_attention(q_BLHD: Array, k_BLHD: Array, v_BLHD: Array, valid_BL: Array,
                     segments_BL: Array | None, positions_BL: Array | None, window: int,
                     causal: bool, drop: Callable[[Array], Array],
-                    relative: Relative | None = None) -> Array:
+                    relative: Relative | None = None, alibi_slopes_H=None) -> Array:
   """Restricted self-attention: key j is visible to query i iff |i - j| <= window, or
   0 <= i - j <= window when causal (row indices), and j is not padding and in i's segment.
 
@@ -126,16 +134,18 @@ def local_attention(q_BLHD: Array, k_BLHD: Array, v_BLHD: Array, valid_BL: Array
     key_segments_BGK = _neighbour_blocks(query_segments_BGQ, causal)
     mask_BGQK &= ((query_segments_BGQ[..., None] == key_segments_BGK[:, :, None, :])
                   | (query_segments_BGQ[..., None] == 0))
-  buckets_BGQKR = None
+  if positions_BL is None:  # Every row alike: one row of positions, broadcast.
+    positions_BL = jnp.arange(length)[None]
+  query_positions_BGQ = _to_blocks(positions_BL, size)
+  key_positions_BGK = _neighbour_blocks(query_positions_BGQ, causal)
+  buckets_BGQKR = bias_BGHQK = None
   if relative is not None:
-    if positions_BL is None:  # Every row alike: one row of buckets, broadcast.
-      positions_BL = jnp.arange(length)[None]
-    query_positions_BGQ = _to_blocks(positions_BL, size)
-    buckets_BGQKR = relative_buckets(query_positions_BGQ,
-                                     _neighbour_blocks(query_positions_BGQ, causal),
+    buckets_BGQKR = relative_buckets(query_positions_BGQ, key_positions_BGK,
                                      relative.max_distance, q_BLHD.dtype)
+  if alibi_slopes_H is not None:
+    bias_BGHQK = positions.alibi_bias(query_positions_BGQ, key_positions_BGK, alibi_slopes_H)
   out_BGQHD, _ = dense_attention(q_BGQHD, k_BGKHD, v_BGKHD, mask_BGQK[:, :, None], drop,
-                                 relative, buckets_BGQKR)
+                                 relative, buckets_BGQKR, bias_BGHQK)
   return out_BGQHD.reshape((batch, -1) + q_BLHD.shape[2:])[:, :length]
 
 

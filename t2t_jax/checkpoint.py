@@ -27,6 +27,7 @@ from orbax.checkpoint import checkpoint_managers
 
 from t2t_jax import CheckpointError
 from t2t_jax import ConfigError
+from t2t_jax import with_current_keys
 from t2t_jax import saved_params
 from t2t_jax.saved_params import CONFIG, STATE
 
@@ -265,7 +266,7 @@ def _flatten(tree, prefix='') -> dict[str, Any]:
 
 def config_differences(saved_json: str, config) -> dict[str, tuple[Any, Any]]:
   """{key: (saved value, current value)} for every key that differs."""
-  saved = _flatten(json.loads(saved_json))
+  saved = _flatten(with_current_keys(json.loads(saved_json)))
   current = _flatten(json.loads(config.to_json_best_effort()))
   return {key: (saved.get(key), current.get(key)) for key in sorted(set(saved) | set(current))
           if saved.get(key) != current.get(key)}

@@ -15,6 +15,8 @@ from absl import app
 from absl import flags
 from absl import logging
 
+from t2t_jax import RENAMED_KEYS
+
 USAGE_EXIT_CODE = 2  # Like argparse: a wrong command line, nothing was run.
 ERROR_EXIT_CODE = 1
 INTERRUPTED_EXIT_CODE = 128 + signal.SIGINT  # What a shell reports for a Ctrl-C'd command.
@@ -141,6 +143,9 @@ def _unknown_config_key(error: Exception, argv: list[str]) -> str:
   key = suggestion.group(2) if suggestion else (re.findall(r"(\w+)", text) or ['?'])[0]
   flag = next((arg for arg in argv[1:] if arg.startswith('--config.') and
                key in arg.split('=')[0].split('.')), '--config')
+  renamed = RENAMED_KEYS.get(flag.split('=')[0].removeprefix('--config.'))
+  if renamed:
+    return f'{flag}: config key {key!r} was renamed: use --config.{renamed}'
   return (f'{flag}: no such config key {key!r}' +
           (f'; did you mean "{suggestion.group(1)}"?' if suggestion else
            '; configs/base.py lists every key'))

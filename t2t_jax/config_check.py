@@ -47,8 +47,9 @@ RANGES = {
     'model.moe_top_k': (1, _INF, True),
     'model.moe_capacity_factor': (-_INF, _INF, True),  # <= 0: no capacity limit.
     'model.moe_aux_loss_weight': (0.0, _INF, True),
+    'model.moe_group_size': (0, _INF, True),
     'model.max_relative_distance': (1, _INF, True),
-    'model.local_window': (1, _INF, True),
+    'model.local_half_width': (1, _INF, True),
     'model.compression_stride': (1, _INF, True),
     'opt.lr_scale': (0.0, _INF, True),  # 0 freezes the weights.
     'opt.warmup_steps': (0, _INF, True),

@@ -138,7 +138,7 @@ class DecoderOnly(nn.Module):
     segments_BL = (None if targets_segments_BL is None else
                    jnp.concatenate([inputs_segments_BK, targets_segments_BL], axis=1))
     positions_BL = None
-    if cfg.positions == 'relative':  # Targets continue from their source's length.
+    if cfg.positions in ('relative', 'rotary', 'alibi'):  # Targets continue from the source.
       rows = targets_BL.shape[0]
       if inputs_positions_BK is None:
         inputs_positions_BK = jnp.arange(source_length)[None]

@@ -112,18 +112,67 @@ def decoder_only_flops_per_step(*, d_model: int, d_ff: int, num_layers: int, voc
 
 
 def train_step_flops(model_config, rows: int, source_length: int, target_length: int) -> float:
-  """`model_flops_per_step` of a model config (t2t_jax's TransformerConfig) on a batch shape."""
-  if model_config.kind == 'decoder_only':
-    return decoder_only_flops_per_step(
-        d_model=model_config.d_model, d_ff=model_config.d_ff,
-        num_layers=model_config.num_decoder_layers, vocab_size=model_config.vocab_size,
-        rows=rows, source_length=source_length, target_length=target_length)
-  return model_flops_per_step(
-      d_model=model_config.d_model, d_ff=model_config.d_ff,
-      num_encoder_layers=model_config.num_encoder_layers,
-      num_decoder_layers=model_config.num_decoder_layers, vocab_size=model_config.vocab_size,
-      source_tokens=rows * source_length, target_tokens=rows * target_length,
-      source_length=source_length, target_length=target_length)
+  """Analytic FLOPs of one training update of a model config (TransformerConfig), any member.
+
+  The paper's model gives `model_flops_per_step` (the decoder-only one
+  `decoder_only_flops_per_step`); the family changes these terms, layer by layer:
+    mixture of experts: the feed-forward term is the P experts a token is routed to,
+      P x 2 d d_ff, plus the router's d X (not the dense 2 d d_ff; capacity slack, empty
+      slots and the one-hot dispatch are not model FLOPs);
+    'local' layers: a query's scores and values cover min(2w + 1, n) keys (w =
+      local_half_width), not the n of full attention (the masked half counts in causal
+      layers, as for full attention);
+    'compressed' layers: ceil(n / Z) compressed keys plus the Z of its own block, and the
+      key and value convolutions, 2 x 2 d D per token (Z the stride, D the head size).
+  Cross-attention stays full.
+  """
+  cfg = model_config
+  if cfg.kind == 'decoder_only':
+    return float(3 * _stack_flops(cfg, cfg.num_decoder_layers, rows,
+                                  source_length + target_length)
+                 + 6 * rows * target_length * cfg.d_model * cfg.vocab_size)
+  d = cfg.d_model
+  encoder = _stack_flops(cfg, cfg.num_encoder_layers, rows, source_length)
+  decoder = _stack_flops(cfg, cfg.num_decoder_layers, rows, target_length)
+  source_tokens, target_tokens = rows * source_length, rows * target_length
+  cross = cfg.num_decoder_layers * (2 * (2 * d * d) * (source_tokens + target_tokens)
+                                    + 4 * d * target_tokens * source_length)
+  output = 2 * target_tokens * d * cfg.vocab_size
+  return float(3 * (encoder + decoder + cross + output))
+
+
+def _stack_flops(cfg, num_layers: int, rows: int, length: int) -> float:
+  """Forward FLOPs of a stack of self-attention + feed-forward layers over rows of `length`."""
+  d, tokens = cfg.d_model, rows * length
+  kinds = [kind.strip() for kind in cfg.attention_pattern.split(',')]
+  moe_layers = _moe_layers(cfg, num_layers)
+  total = 0
+  for layer in range(num_layers):
+    kind = kinds[layer % len(kinds)]
+    if kind == 'local':
+      keys = min(2 * cfg.local_half_width + 1, length)
+    elif kind == 'compressed':
+      keys = -(-length // cfg.compression_stride) + cfg.compression_stride
+      total += 2 * 2 * d * (d // cfg.num_heads) * tokens  # The key and value convolutions.
+    else:
+      keys = length
+    if layer in moe_layers:
+      ffn = cfg.moe_top_k * 2 * d * cfg.d_ff + d * cfg.moe_experts
+    else:
+      ffn = 2 * d * cfg.d_ff
+    total += 2 * (4 * d * d + ffn) * tokens + 4 * d * tokens * keys
+  return total
+
+
+def _moe_layers(cfg, num_layers: int) -> tuple[int, ...]:
+  """The MoE layers of a stack (moe.layer_indices, read here without importing the model)."""
+  if not cfg.moe_experts:
+    return ()
+  if cfg.moe_layers == 'all':
+    return tuple(range(num_layers))
+  if cfg.moe_layers == 'every_other':
+    return tuple(range(1, num_layers, 2))
+  return tuple(int(part) for part in cfg.moe_layers.split(','))
 
 
 def mfu(model_flops: float, seconds: float, peak: float) -> float:

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from t2t_jax import ConfigError
+from t2t_jax import with_current_keys
 from t2t_jax import moe
 from t2t_jax.attention import attention_kinds, resolve_attention_impl
 from t2t_jax.positions import check_positions
@@ -47,7 +48,7 @@ class TransformerConfig:
   positions: str = 'sinusoidal'
   max_relative_distance: int = 16
   attention_pattern: str = 'full'
-  local_window: int = 256
+  local_half_width: int = 256
   compression_stride: int = 3
   kind: str = 'encoder_decoder'  # Or 'decoder_only' (`DecoderOnly`); `make_model` picks.
   prefix_attention: str = 'causal'  # Decoder-only: how the source attends ('causal', 'full').
@@ -55,6 +56,7 @@ class TransformerConfig:
   moe_top_k: int = 2
   moe_capacity_factor: float = 1.25
   moe_layers: str = 'every_other'
+  moe_group_size: int = 0  # Tokens per routing group; 0: each batch row is one group.
   deterministic: bool = False
   decode: bool = False
 
@@ -66,8 +68,8 @@ class TransformerConfig:
                         f'config.model.num_heads={model_config.num_heads}')
     if model_config.norm not in ('post', 'pre'):
       raise ConfigError(f"config.model.norm must be 'post' or 'pre', got {model_config.norm!r}")
-    kwargs = {f.name: model_config[f.name] for f in dataclasses.fields(cls)
-              if f.name in model_config}
+    given = with_current_keys({'model': dict(model_config.items())})['model']
+    kwargs = {f.name: given[f.name] for f in dataclasses.fields(cls) if f.name in given}
     kwargs['dtype'] = compute_dtype(kwargs['dtype'], jax.devices()[0].platform)
     kwargs['param_dtype'] = jnp.dtype(kwargs['param_dtype'])
     if kwargs.get('kind', cls.kind) not in MODEL_KINDS:
@@ -109,7 +111,7 @@ def compute_dtype(name: str, platform: str):
 def check_family(config) -> None:
   """Raises ConfigError when the attention keys of a model.TransformerConfig cannot run together."""
   kinds = attention_kinds(config.attention_pattern)
-  for key in ('local_window', 'compression_stride', 'max_relative_distance'):
+  for key in ('local_half_width', 'compression_stride', 'max_relative_distance'):
     if getattr(config, key) < 1:
       raise ConfigError(f'config.model.{key}={getattr(config, key)!r} must be at least 1')
   pattern = f'config.model.attention_pattern={config.attention_pattern!r}'
@@ -117,7 +119,19 @@ def check_family(config) -> None:
     raise ConfigError(f"config.model.positions='relative' cannot be used with {pattern}: a "
                       "compressed key summarises several positions. Use 'full' or 'local' "
                       'layers, or other positions.')
+  if config.positions in ('rotary', 'alibi') and 'compressed' in kinds:
+    raise ConfigError(f'config.model.positions={config.positions!r} cannot be used with '
+                      f'{pattern}: a compressed key summarises several positions, so it has '
+                      "no one position to turn or measure from. Use 'full' or 'local' layers, "
+                      'or other positions.')
+  head_dim = config.d_model // config.num_heads
+  if config.positions == 'rotary' and head_dim % 2:
+    raise ConfigError(f"config.model.positions='rotary' turns pairs of head dimensions, and "
+                      f'd_model / num_heads = {head_dim} is odd: change d_model or num_heads.')
   fused = f'config.model.attention_impl={config.attention_impl!r}'
+  if config.attention_impl != 'einsum' and config.positions == 'alibi':
+    raise ConfigError(f"{fused} (fused) cannot add ALiBi's bias (config.model.positions="
+                      "'alibi'): set attention_impl to 'einsum' or 'auto'.")
   if config.attention_impl != 'einsum' and config.positions == 'relative':
     raise ConfigError(f"{fused} (fused) cannot add relative positions "
                       "(config.model.positions='relative'): set attention_impl to 'einsum' or "

@@ -2,9 +2,10 @@
 
 A router scores each token against X experts (Shazeer et al. 2017); the token goes to its P
 best (Switch Transformer: P=1, GShard: P=2), each expert a ReLU feed-forward network of
-width d_ff. Routing groups are the batch rows: an expert takes at most A tokens of a row,
-A = ceil(capacity_factor x L x P / X), and a choice past that is dropped (its share of the
-output is zero, so the residual connection carries the token). Dispatch and combine are
+width d_ff. Routing groups are the batch rows, or groups of `moe_group_size` tokens of a row:
+an expert takes at most A tokens of a group, A = ceil(capacity_factor x group x P / X), and a
+choice past that is dropped (its share of the output is zero, so the residual connection
+carries the token). Dispatch and combine are
 one-hot einsums as in GShard, so the experts' [X, ...] weights and their inputs split over an
 'expert' mesh axis through the logical-axis rules, like every other weight.
 
@@ -153,7 +154,12 @@ class MoeFeedForward(nn.Module):
     logits_BLX = jnp.einsum('BLE,EX->BLX', x_BLE.astype(jnp.float32),
                             router_EX.astype(jnp.float32))
     probs_BLX = jax.nn.softmax(logits_BLX)
-    capacity = expert_capacity(x_BLE.shape[1], experts, cfg.moe_top_k, cfg.moe_capacity_factor)
+    rows, length = x_BLE.shape[:2]
+    # Routing groups of config.model.moe_group_size tokens (0: the row) become the rows from
+    # here on, so the dispatch tensor [groups, group size, X, A] grows linearly with length.
+    group = cfg.moe_group_size or length
+    x_BLE, probs_BLX, valid_BL = (_groups(a, group) for a in (x_BLE, probs_BLX, valid_BL))
+    capacity = expert_capacity(group, experts, cfg.moe_top_k, cfg.moe_capacity_factor)
     dispatch_BLXA, combine_BLXA, expert_BLP, kept_BLP = route(probs_BLX, valid_BL,
                                                               cfg.moe_top_k, capacity)
 
@@ -187,7 +193,17 @@ class MoeFeedForward(nn.Module):
     y_XBAE = nn.with_logical_constraint(y_XBAE, ('expert', 'batch', None, 'embed'))
     # Empty slots hold bias-only outputs; their combine weight is zero.
     y_BLE = jnp.einsum('XBCE,BLXC->BLE', y_XBAE, combine_BLXA.astype(cfg.dtype))
+    y_BLE = y_BLE.reshape(rows, -1, width)[:, :length]  # The rows again, group padding cut.
     return nn.with_logical_constraint(y_BLE, ('batch', 'length', 'embed'))
+
+
+def _groups(x_BL: Array, group: int) -> Array:
+  """[B, L, ...] as routing groups [B * ceil(L / group), group, ...]; the padding added to fill
+  the last group is zero (False: not a valid token, so it takes no expert slot)."""
+  padding = -x_BL.shape[1] % group
+  if padding:
+    x_BL = jnp.pad(x_BL, [(0, 0), (0, padding)] + [(0, 0)] * (x_BL.ndim - 2))
+  return x_BL.reshape((-1, group) + x_BL.shape[2:])
 
 
 def metrics(collection) -> dict[str, Array]:

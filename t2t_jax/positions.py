@@ -2,10 +2,13 @@
 
 config.model.positions picks one: 'sinusoidal' (the paper), 'predictive' (the lecture's
 "predictive information" sinusoids), 'learned' (a trained table), 'relative' (Shaw et al.
-2018: nothing is added here; attention.py adds learned embeddings of clipped distances) or
-'none'. Shapes in names follow the package legend (t2t_jax/__init__.py).
+2018: nothing is added here; attention.py adds learned embeddings of clipped distances),
+'rotary' (RoFormer, Su et al. 2021: queries and keys rotated by position, `rotary`), 'alibi'
+(Press et al. 2022: a per-head linear distance bias on the scores, `alibi_bias`) or 'none'.
+The last four add nothing to the embeddings. Shapes in names follow the package legend (t2t_jax/__init__.py).
 """
 
+import math
 from typing import Any
 
 import flax.linen as nn
@@ -16,7 +19,8 @@ import numpy as np
 from t2t_jax import ConfigError
 
 Array = jax.Array
-POSITION_KINDS = ('sinusoidal', 'predictive', 'learned', 'relative', 'none')
+POSITION_KINDS = ('sinusoidal', 'predictive', 'learned', 'relative', 'rotary', 'alibi', 'none')
+ROTARY_BASE = 10000.0  # RoFormer's base: pair i turns by position x ROTARY_BASE^(-2i/D).
 # p of the predictive-information sinusoids, the value the lecture gives. A constant, not a key:
 # no one has asked to tune it, and the formula is only defined for p < 1.
 PREDICTIVE_P = 0.883
@@ -40,6 +44,41 @@ def predictive_positions(max_len: int, d_model: int, p: float = PREDICTIVE_P) ->
   table[:, 0::2] = np.sin(position * rate)
   table[:, 1::2] = np.cos(position * rate)[:, :d_model // 2]
   return table
+
+
+def rotary(x_BLHD: Array, positions_BL: Array) -> Array:
+  """RoFormer's rotary embedding: interleaved pairs (x[2i], x[2i+1]) of each head turned by the
+  angle position * 10000^(-2i/D), in float32. `positions_BL` may have a batch axis of 1.
+
+  A rotated query and key have the dot product of the unrotated ones turned by the difference
+  of their positions, so scores depend only on the offset between query and key.
+  """
+  head_dim = x_BLHD.shape[-1]
+  frequency_J = ROTARY_BASE ** (-np.arange(0, head_dim, 2, dtype=np.float32) / head_dim)
+  angle_BL1J = positions_BL.astype(jnp.float32)[..., None, None] * frequency_J
+  cos_BL1J, sin_BL1J = jnp.cos(angle_BL1J), jnp.sin(angle_BL1J)
+  x_BLHD2 = x_BLHD.astype(jnp.float32).reshape(x_BLHD.shape[:-1] + (head_dim // 2, 2))
+  even_BLHJ, odd_BLHJ = x_BLHD2[..., 0], x_BLHD2[..., 1]
+  turned_BLHJ2 = jnp.stack([even_BLHJ * cos_BL1J - odd_BLHJ * sin_BL1J,
+                            even_BLHJ * sin_BL1J + odd_BLHJ * cos_BL1J], axis=-1)
+  return turned_BLHJ2.reshape(x_BLHD.shape).astype(x_BLHD.dtype)
+
+
+def alibi_slopes(num_heads: int) -> np.ndarray:
+  """ALiBi's head slopes: 2^(-8h/n), h = 1..n, for n a power of two; otherwise those of the
+  closest lower power of two p, then every other slope of 2p (Press et al. 2022)."""
+  def geometric(count):
+    return [2.0 ** (-8.0 * h / count) for h in range(1, count + 1)]
+  lower = 2 ** int(math.floor(math.log2(num_heads)))
+  slopes = geometric(lower) + geometric(2 * lower)[0::2][:num_heads - lower]
+  return np.asarray(slopes, np.float32)
+
+
+def alibi_bias(query_positions_BQ: Array, key_positions_BK: Array, slopes_H) -> Array:
+  """-m_h |i - j|: the float32 bias [B, H, Q, K] ALiBi adds to the scores (causal layers mask
+  j > i, so there it is -m_h (i - j)). Batch axes of 1 broadcast."""
+  distance_BQK = jnp.abs(query_positions_BQ[..., :, None] - key_positions_BK[..., None, :])
+  return -jnp.asarray(slopes_H)[:, None, None] * distance_BQK[..., None, :, :].astype(jnp.float32)
 
 
 def check_positions(kind: str) -> None:

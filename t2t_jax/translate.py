@@ -22,6 +22,7 @@ import tqdm
 from t2t_jax import CheckpointError
 from t2t_jax import ConfigError
 from t2t_jax import EOS_ID
+from t2t_jax import with_current_keys
 from t2t_jax import cli
 from t2t_jax import data
 from t2t_jax import saved_params
@@ -49,7 +50,7 @@ def load_config(workdir: str) -> ml_collections.ConfigDict:
   path = os.path.join(workdir, 'config.json')
   try:
     with open(path) as f:
-      return ml_collections.ConfigDict(json.load(f))
+      return ml_collections.ConfigDict(with_current_keys(json.load(f)))
   except OSError as e:
     raise CheckpointError(f'cannot read {path} ({e.strerror}): --workdir must '
                                          'be the directory of a training run') from None

@@ -99,7 +99,7 @@ def test_local_attention_with_a_window_over_the_sequence_equals_full(kind):
   batch = tuple(jnp.asarray(x) for x in _batches()[kind])
   params = _init(CONFIG)  # Local attention has no parameters of its own.
   expected = _loss_and_grads(CONFIG, params, batch)
-  local = dataclasses.replace(CONFIG, attention_pattern='local', local_window=9)
+  local = dataclasses.replace(CONFIG, attention_pattern='local', local_half_width=9)
   actual = _loss_and_grads(local, params, batch)
   valid = np.asarray(batch[1]) != 0
   np.testing.assert_allclose(np.asarray(actual[1])[valid], np.asarray(expected[1])[valid],
@@ -128,7 +128,7 @@ def _embedding_gradients(config, side: str, position: int):
 @pytest.mark.parametrize('side', ['source_embedder', 'target_embedder'])
 def test_a_position_sees_nothing_outside_its_window(side):
   window, t = 2, 7
-  config = dataclasses.replace(CONFIG, attention_pattern='local', local_window=window,
+  config = dataclasses.replace(CONFIG, attention_pattern='local', local_half_width=window,
                                num_encoder_layers=1, num_decoder_layers=1)
   per_position = _embedding_gradients(config, side, t)
   j = np.arange(12)
@@ -143,7 +143,7 @@ def test_a_position_sees_nothing_outside_its_window(side):
 @pytest.mark.parametrize('pattern', ['compressed', 'local,compressed'])
 def test_compressed_attention_is_causal_through_gradients(pattern):
   config = dataclasses.replace(CONFIG, attention_pattern=pattern, compression_stride=3,
-                               local_window=2)
+                               local_half_width=2)
   for t in (0, 4, 8):
     per_position = _embedding_gradients(config, 'target_embedder', t)
     assert np.all(per_position[t + 1:] == 0.0), t
@@ -163,7 +163,7 @@ def test_compressed_attention_hides_padding():
 
 @pytest.mark.parametrize('pattern', ['local', 'compressed'])
 def test_packed_segments_do_not_see_each_other(pattern):
-  config = dataclasses.replace(CONFIG, attention_pattern=pattern, local_window=3,
+  config = dataclasses.replace(CONFIG, attention_pattern=pattern, local_half_width=3,
                                compression_stride=2)
   model = model_lib.Transformer(config)
   inputs, targets, in_positions, out_positions, in_segments, out_segments = (
@@ -184,7 +184,7 @@ def test_packed_segments_do_not_see_each_other(pattern):
 
 
 def test_a_packed_row_of_local_attention_equals_its_segments_one_by_one():
-  config = dataclasses.replace(CONFIG, attention_pattern='local', local_window=2)
+  config = dataclasses.replace(CONFIG, attention_pattern='local', local_half_width=2)
   params = _init(config)
   apply = jax.jit(model_lib.Transformer(config).apply)
   inputs, targets, in_positions, out_positions, in_segments, out_segments = (
@@ -206,7 +206,7 @@ def test_a_packed_row_of_local_attention_equals_its_segments_one_by_one():
 ])
 def test_cached_decoding_matches_teacher_forcing(pattern, positions, scan_layers):
   config = dataclasses.replace(CONFIG, attention_pattern=pattern, positions=positions,
-                               scan_layers=scan_layers, local_window=2, compression_stride=3,
+                               scan_layers=scan_layers, local_half_width=2, compression_stride=3,
                                norm='pre')
   params = _init(config)
   inputs, targets = _tokens(6, (2, 5)), _tokens(7, (2, 10))
@@ -221,7 +221,7 @@ def test_family_configs_train_evaluate_and_dry_run(tiny_config, tmp_path, patter
   from t2t_jax import train  # pylint: disable=g-import-not-at-top
   config = tiny_config
   config.model.attention_pattern, config.model.positions = pattern, positions
-  config.model.local_window, config.model.num_decoder_layers = 4, 2
+  config.model.local_half_width, config.model.num_decoder_layers = 4, 2
   config.train.num_steps, config.train.eval_every, config.ckpt.every = 4, 4, 0
   config.eval.bleu_sentences = 4
   results = train.train_and_evaluate(config, str(tmp_path))

@@ -48,6 +48,8 @@ def _one_line_error(stderr: str, *parts: str) -> str:
     ('main', ['--config=configs/tiny.py', '--workdir=W', '--config.model.d_modle=3'],
      ['--config.model.d_modle=3', "'d_modle'", 'did you mean "d_model"']),
     ('main', ['--config=configs/tiny.py', '--wrokdir=W'], ["'wrokdir'", 'workdir']),
+    ('main', ['--config=configs/tiny.py', '--workdir=W', '--config.model.local_window=4'],
+     ['--config.model.local_window=4', 'renamed', '--config.model.local_half_width']),
     ('translate', [], ['--workdir is required']),
     ('evaluate', ['--workdir=W', '--src=a'], ['both --src and --ref']),
     ('plot', ['--workdir=W'], ['no TensorBoard event files']),

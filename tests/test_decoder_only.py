@@ -353,11 +353,14 @@ def test_analytic_flops_equal_the_matmuls_of_the_train_step(tiny_config):
     ('compressed', 'learned', True),
     ('local', 'relative', False),
     ('full,local', 'relative', False),
+    ('full,local', 'rotary', False),
+    ('local', 'alibi', True),
+    ('full', 'alibi', False),
 ])
 def test_family_patterns_decode_from_the_prefill_cache_as_teacher_forcing(pattern, positions,
                                                                          scan_layers):
   config = dataclasses.replace(CONFIG, attention_pattern=pattern, positions=positions,
-                               scan_layers=scan_layers, local_window=2, compression_stride=3,
+                               scan_layers=scan_layers, local_half_width=2, compression_stride=3,
                                num_decoder_layers=2 if scan_layers else 4)
   params = _params(config)
   forced = decoder_only.make_model(config).apply({'params': params}, INPUTS, TARGETS)
@@ -374,7 +377,7 @@ def test_family_patterns_decode_from_the_prefill_cache_as_teacher_forcing(patter
 
 
 def test_local_and_compressed_layers_keep_the_decoder_only_model_causal():
-  config = dataclasses.replace(CONFIG, attention_pattern='local,compressed', local_window=2,
+  config = dataclasses.replace(CONFIG, attention_pattern='local,compressed', local_half_width=2,
                                compression_stride=3, num_decoder_layers=4)
   params = _params(config)
   for t in range(TARGETS.shape[1]):
@@ -392,7 +395,7 @@ def test_decoder_only_family_configs_train_and_dry_run(tiny_config, tmp_path, pa
                                                        positions):
   config = _tiny_decoder_only(tiny_config)
   config.model.attention_pattern, config.model.positions = pattern, positions
-  config.model.local_window, config.model.compression_stride = 4, 3
+  config.model.local_half_width, config.model.compression_stride = 4, 3
   config.train.num_steps, config.train.eval_every, config.ckpt.every = 4, 4, 0
   config.eval.bleu_sentences = 4
   results = train.train_and_evaluate(config, str(tmp_path))

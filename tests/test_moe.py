@@ -285,3 +285,37 @@ def test_a_tiny_moe_run_trains_end_to_end_and_logs_the_balance(tmp_path, scan_la
   events = scalar_events(tmp_path)
   assert set(events['train/moe_aux_loss']) == {3, 6}
   assert all(0.0 <= value < 1.0 for value in events['train/moe_dropped_fraction'].values())
+
+
+def _largest_intermediate(cfg, length, params):
+  """Elements of the largest array the layer's forward pass makes, for rows of `length`."""
+  x_BLE, valid_BL = _inputs(batch=2, length=length)
+  layer = moe.MoeFeedForward(cfg)
+  jaxpr = jax.make_jaxpr(lambda x, v: layer.apply({'params': params}, x, v,
+                                                  mutable=[moe.COLLECTION, 'intermediates']))(
+                                                      x_BLE, valid_BL)
+  return max(math.prod(var.aval.shape) for eqn in jaxpr.jaxpr.eqns for var in eqn.outvars)
+
+
+def test_routing_groups_of_a_row_length_are_the_rows_and_smaller_ones_route_alone():
+  x_BLE, valid_BL = _inputs(batch=3, length=8)
+  rows, params, _, _ = _run(_config(), x_BLE, valid_BL)
+  whole, _, _, _ = _run(_config(moe_group_size=8), x_BLE, valid_BL, params)
+  np.testing.assert_array_equal(whole, rows)
+  # Groups of 4: the same as routing each half row as a row of its own.
+  grouped, _, _, _ = _run(_config(moe_group_size=4), x_BLE, valid_BL, params)
+  halves, _, _, _ = _run(_config(), x_BLE.reshape(6, 4, 8), valid_BL.reshape(6, 4), params)
+  np.testing.assert_allclose(grouped, halves.reshape(3, 8, 8), atol=1e-6)
+  assert not np.allclose(grouped, rows, atol=1e-4)  # Capacity per group drops other tokens.
+  # A length that is no multiple of the group: the last group is filled with padding.
+  odd, _, _, _ = _run(_config(moe_group_size=3), x_BLE, valid_BL, params)
+  assert odd.shape == x_BLE.shape and np.all(np.isfinite(odd))
+
+
+def test_routing_groups_make_the_dispatch_memory_linear_in_length():
+  _, params, _, _ = _run(_config(), *_inputs(batch=2, length=8))
+  rows = [_largest_intermediate(_config(), length, params) for length in (64, 256)]
+  groups = [_largest_intermediate(_config(moe_group_size=16), length, params)
+            for length in (64, 256)]
+  assert rows[1] / rows[0] == pytest.approx(16, rel=0.05)  # [B, L, P, X, A], A ∝ L.
+  assert groups[1] / groups[0] == pytest.approx(4, rel=0.05)  # [B L / g, g, P, X, A].

@@ -2,6 +2,7 @@
 (shift invariance, clipping, cached decoding), and the checks of their keys."""
 
 import dataclasses
+import json
 import math
 
 import flax.linen as nn
@@ -95,7 +96,7 @@ def _packed_apply(config, params, offset):
 @pytest.mark.parametrize('pattern', ['full', 'local'])
 def test_relative_attention_ignores_a_shift_of_every_position(pattern):
   config = dataclasses.replace(CONFIG, positions='relative', attention_pattern=pattern,
-                               local_window=3, max_relative_distance=2)
+                               local_half_width=3, max_relative_distance=2)
   params = _init(config)
   logits, state = _packed_apply(config, params, 0)
   shifted_logits, shifted_state = _packed_apply(config, params, 9)
@@ -155,10 +156,16 @@ def _model_config(**changes):
 
 
 @pytest.mark.parametrize('changes, message', [
-    ({'positions': 'rotary'}, "config.model.positions='rotary' must be one of"),
+    ({'positions': 'rotary_v2'}, "config.model.positions='rotary_v2' must be one of"),
+    ({'positions': 'rotary', 'attention_pattern': 'local,compressed'},
+     "positions='rotary' cannot be used with config.model.attention_pattern"),
+    ({'positions': 'alibi', 'attention_pattern': 'compressed'},
+     "positions='alibi' cannot be used with config.model.attention_pattern"),
+    ({'positions': 'alibi', 'attention_impl': 'xla'}, "cannot add ALiBi's bias"),
+    ({'positions': 'rotary', 'd_model': 30, 'num_heads': 2}, 'is odd'),
     ({'attention_pattern': 'full,sparse'}, "config.model.attention_pattern='full,sparse' "
                                            r"names \['sparse'\]"),
-    ({'local_window': 0}, 'config.model.local_window=0 must be at least 1'),
+    ({'local_half_width': 0}, 'config.model.local_half_width=0 must be at least 1'),
     ({'compression_stride': 0}, 'config.model.compression_stride=0 must be at least 1'),
     ({'max_relative_distance': 0}, 'config.model.max_relative_distance=0 must be at least 1'),
     ({'positions': 'relative', 'attention_impl': 'xla'},
@@ -179,18 +186,127 @@ def test_family_keys_that_cannot_run_are_config_errors(changes, message):
 def test_config_check_names_an_unknown_position_kind(tiny_config):
   from t2t_jax import config_check  # pylint: disable=g-import-not-at-top
   tiny_config.model.positions = 'absolute'
-  tiny_config.model.local_window = 0
+  tiny_config.model.local_half_width = 0
   with pytest.raises(ConfigError) as error:
     config_check.check(tiny_config, mesh=False)
   assert "config.model.positions='absolute' must be one of" in str(error.value)
-  assert 'config.model.local_window=0 is outside the allowed range' in str(error.value)
+  assert 'config.model.local_half_width=0 is outside the allowed range' in str(error.value)
 
 
 def test_a_config_saved_before_the_keys_existed_means_the_paper_model():
   config = _model_config()
   legacy = ml_collections.ConfigDict({key: value for key, value in config.items()
                                       if key not in ('positions', 'max_relative_distance',
-                                                     'attention_pattern', 'local_window',
+                                                     'attention_pattern', 'local_half_width',
                                                      'compression_stride')})
   built = model_lib.TransformerConfig.from_config(legacy, VOCAB)
   assert (built.positions, built.attention_pattern) == ('sinusoidal', 'full')
+
+
+def test_a_config_saved_with_the_old_local_window_key_loads_under_the_new_name(tmp_path):
+  from t2t_jax import checkpoint  # pylint: disable=g-import-not-at-top
+  from t2t_jax import translate  # pylint: disable=g-import-not-at-top
+  from configs import tiny  # pylint: disable=g-import-not-at-top
+  config = tiny.get_config()
+  config.model.local_half_width = 5
+  saved = json.loads(config.to_json_best_effort())
+  saved['model']['local_window'] = saved['model'].pop('local_half_width')
+  legacy = ml_collections.ConfigDict(saved['model'])
+  assert model_lib.TransformerConfig.from_config(legacy, VOCAB).local_half_width == 5
+  assert checkpoint.config_differences(json.dumps(saved), config) == {}
+  (tmp_path / 'config.json').write_text(json.dumps(saved))
+  assert translate.load_config(str(tmp_path)).model.local_half_width == 5
+  config.model.local_half_width = 6  # A real change is still reported, under the new name.
+  assert checkpoint.config_differences(json.dumps(saved), config) == {
+      'model.local_half_width': (5, 6)}
+
+
+def test_rotary_turns_interleaved_pairs_by_position_times_the_base_frequencies():
+  x = np.random.default_rng(0).normal(size=(1, 3, 2, 8)).astype(np.float32)
+  positions_BL = np.array([[0, 1, 7]])
+  turned = np.asarray(positions.rotary(jnp.asarray(x), jnp.asarray(positions_BL)))
+  for l, p in enumerate(positions_BL[0]):
+    for i in range(4):  # Pair (2i, 2i+1) turns by p * 10000^(-2i/8).
+      angle = p * 10000.0 ** (-2 * i / 8)
+      a, b = x[0, l, :, 2 * i], x[0, l, :, 2 * i + 1]
+      np.testing.assert_allclose(turned[0, l, :, 2 * i],
+                                 a * math.cos(angle) - b * math.sin(angle), atol=1e-5)
+      np.testing.assert_allclose(turned[0, l, :, 2 * i + 1],
+                                 a * math.sin(angle) + b * math.cos(angle), atol=1e-5)
+
+
+@pytest.mark.parametrize('pattern', ['full', 'local'])
+def test_rotary_and_alibi_scores_depend_only_on_the_offset(pattern):
+  for kind in ('rotary', 'alibi'):
+    config = dataclasses.replace(CONFIG, positions=kind, attention_pattern=pattern,
+                                 local_half_width=3)
+    params = _init(config)
+    assert 'position_embedding' not in str(jax.tree_util.tree_structure(params))
+    logits, state = _packed_apply(config, params, 0)
+    shifted_logits, shifted_state = _packed_apply(config, params, 9)
+    np.testing.assert_allclose(shifted_logits, logits, atol=1e-4)
+    if pattern == 'full':  # The self-attention weights themselves are unchanged.
+      for layer in ('encoder_0', 'decoder_1'):
+        weights = state['intermediates'][layer]['self_attention']['attention_weights'][0]
+        shifted = shifted_state['intermediates'][layer]['self_attention']['attention_weights'][0]
+        np.testing.assert_allclose(shifted, weights, atol=1e-5)
+    # The positions do matter: the same rows with every position at 0 differ.
+    flat = dataclasses.replace(config)
+    inputs, targets = _tokens(4, (2, 8)), _tokens(5, (2, 7))
+    zeros_in, zeros_out = jnp.zeros((2, 8), jnp.int32), jnp.zeros((2, 7), jnp.int32)
+    positional = model_lib.Transformer(flat).apply({'params': params}, inputs, targets)
+    unplaced = model_lib.Transformer(flat).apply({'params': params}, inputs, targets, zeros_in,
+                                                 zeros_out)
+    assert not np.allclose(positional, unplaced, atol=1e-3)
+
+
+def _published_alibi_slopes(heads):
+  """Press et al.'s recipe, written out: 2^(-8/n) to the powers 1..n for n a power of two; else
+  the closest lower power of two's slopes and every other slope of twice that count."""
+  if heads & (heads - 1) == 0:
+    start = 2 ** (-8 / heads)
+    return [start ** h for h in range(1, heads + 1)]
+  lower = 1
+  while lower * 2 < heads:
+    lower *= 2
+  return _published_alibi_slopes(lower) + _published_alibi_slopes(2 * lower)[::2][:heads - lower]
+
+
+def test_alibi_slopes_and_biases_follow_the_paper():
+  np.testing.assert_allclose(positions.alibi_slopes(8), [2.0 ** -h for h in range(1, 9)])
+  for heads in (6, 12):
+    np.testing.assert_allclose(positions.alibi_slopes(heads), _published_alibi_slopes(heads),
+                               rtol=1e-6)
+  np.testing.assert_allclose(positions.alibi_slopes(6),
+                             [2 ** -2, 2 ** -4, 2 ** -6, 2 ** -8, 2 ** -1, 2 ** -3])
+  query, key = jnp.asarray([[0, 3, 5]]), jnp.asarray([[0, 1, 2, 3, 4, 5]])
+  bias = np.asarray(positions.alibi_bias(query, key, positions.alibi_slopes(8)))
+  assert bias.shape == (1, 8, 3, 6)
+  for h in range(8):
+    for i, qp in enumerate([0, 3, 5]):
+      for j in range(6):
+        assert bias[0, h, i, j] == pytest.approx(-(2.0 ** -(h + 1)) * abs(qp - j))
+
+
+@pytest.mark.parametrize('kind, pattern', [('rotary', 'full'), ('rotary', 'local'),
+                                           ('alibi', 'full'), ('alibi', 'full,local')])
+def test_rotary_and_alibi_cached_decoding_matches_teacher_forcing(kind, pattern):
+  config = dataclasses.replace(CONFIG, positions=kind, attention_pattern=pattern,
+                               local_half_width=2)
+  params = _init(config)
+  inputs, targets = _tokens(8, (2, 5)), _tokens(9, (2, 7))
+  assert_cached_decoding_matches_teacher_forcing(config, params, inputs, targets)
+
+
+def test_the_default_model_is_the_papers_sinusoidal_one():
+  # The fixture the code before these changes wrote (tests/test_compat.py) still gives its
+  # logits; here: the default adds the sinusoid table and has no position parameters.
+  assert CONFIG.positions == 'sinusoidal'
+  params = _init(CONFIG)
+  assert 'position' not in str(jax.tree_util.tree_structure(params))
+  tokens = _tokens(10, (1, 6))
+  embedded = model_lib.Transformer(CONFIG).apply(
+      {'params': params}, tokens, method=lambda m, t: m.source_embedder(t))
+  table = positions.sinusoidal_positions(CONFIG.max_len, CONFIG.d_model)[:6]
+  expected = np.asarray(params['embedding']['embedding'])[np.asarray(tokens[0])] * 4.0 + table
+  np.testing.assert_allclose(embedded[0], expected, atol=1e-6)
