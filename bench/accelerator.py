@@ -36,7 +36,6 @@ import dataclasses
 import datetime
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
