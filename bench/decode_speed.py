@@ -125,15 +125,19 @@ class _Search:
     return self.run()
 
 
-def _t2t_search(shape, sources, beam_size: int, steps: int) -> _Search:
-  config = common.t2t_config(shape, dict(dropout=0.0, attention_dropout=0.0, relu_dropout=0.0))
+def t2t_search(shape, sources, beam_size: int, steps: int, alpha: float,
+               dtype: str = 'float32') -> _Search:
+  """t2t_jax's jitted search (greedy at beam 1) of a random-weight `shape` model on `sources`,
+  compiled and run once; bench/accelerator.py reuses it."""
+  config = common.t2t_config(shape, dict(dropout=0.0, attention_dropout=0.0, relu_dropout=0.0),
+                             dtype=dtype)
   setup = train.build(config, shape.vocab, sharding.make_mesh(config.mesh, jax.devices()[:1]))
   params = setup.init(jax.random.PRNGKey(0)).params
   if beam_size == 1:
     search = functools.partial(decode.greedy_search, config=setup.model_config, max_len=steps)
   else:
     search = functools.partial(decode.beam_search, config=setup.model_config, max_len=steps,
-                               beam_size=beam_size, alpha=_ALPHA.value)
+                               beam_size=beam_size, alpha=alpha)
   jitted, inputs = jax.jit(search), jnp.asarray(sources)
 
   def run():
@@ -181,7 +185,7 @@ def _reference_line(reference, beam_size: int, matmul: common.Matmul) -> dict:
   shape, steps = common.SHAPES[_SHAPE.value], _OUTPUT_LENGTH.value
   rng = np.random.default_rng(0)
   sources = rng.integers(3, shape.vocab, (_SOURCES.value, _SOURCE_LENGTH.value)).astype(np.int32)
-  sides = [_t2t_search(shape, sources, beam_size, steps),
+  sides = [t2t_search(shape, sources, beam_size, steps, _ALPHA.value),
            _reference_search(reference, shape, sources, beam_size, steps)]
   if _PROFILE.value:
     sides.append(_matmul_floor(shape, sources.shape[0] * beam_size, sources.shape[1], steps))

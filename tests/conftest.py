@@ -1,4 +1,9 @@
-"""Eight simulated CPU devices and a persistent compilation cache, set before jax loads."""
+"""Eight simulated CPU devices and a persistent compilation cache, set before jax loads.
+
+The suite runs on the CPU backend, also on a machine with a GPU. T2T_TEST_GPU=1 runs the tests
+marked `gpu` instead, on the GPU with t2t_jax's XLA flags; either way the others are skipped
+with the reason (docs/development.md).
+"""
 
 import os
 import sys
@@ -7,6 +12,12 @@ os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
                            ' --xla_force_host_platform_device_count=8')
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # `configs` is importable from a plain checkout too.
+GPU_RUN = os.environ.get('T2T_TEST_GPU') == '1'
+if GPU_RUN:
+  from t2t_jax import xla_flags  # pylint: disable=g-import-not-at-top
+  xla_flags.apply()
+else:  # Subprocesses inherit it: they too see only the CPU.
+  os.environ['JAX_PLATFORMS'] = 'cpu'
 
 import numpy as np  # pylint: disable=g-import-not-at-top
 import jax  # pylint: disable=g-import-not-at-top
@@ -15,6 +26,25 @@ import pytest  # pylint: disable=g-import-not-at-top
 jax.config.update('jax_compilation_cache_dir',
                   os.path.expanduser(os.environ.get('T2T_JAX_TEST_CACHE', '~/.cache/t2t_jax/xla')))
 jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.5)
+
+
+def pytest_collection_modifyitems(items):
+  for item in items:
+    if 'gpu' in item.keywords and not GPU_RUN:
+      item.add_marker(pytest.mark.skip(reason='a GPU test: run T2T_TEST_GPU=1 python -m pytest '
+                                       '-m gpu tests on a machine with a GPU'))
+    elif GPU_RUN and 'gpu' not in item.keywords:
+      item.add_marker(pytest.mark.skip(reason='T2T_TEST_GPU=1 runs only the gpu tests; the '
+                                       'others need the 8 simulated CPU devices: run without it'))
+
+
+@pytest.fixture
+def gpu_device():
+  """The first GPU; the test is skipped where there is none."""
+  gpus = [device for device in jax.devices() if device.platform == 'gpu']
+  if not gpus:
+    pytest.skip(f'no GPU here: jax.devices() is {jax.devices()}')
+  return gpus[0]
 
 
 @pytest.fixture

@@ -6,6 +6,8 @@ import importlib.util
 import json
 import math
 import os
+import subprocess
+import sys
 
 from absl import flags
 import jax
@@ -253,3 +255,107 @@ def test_the_import_graph_sees_every_form_of_import(tmp_path):
   assert find_circle(graph) == ['pkg.a', 'pkg.b', 'pkg.c', 'pkg.d', 'pkg.a']
   del graph['pkg.d']
   assert find_circle(graph) == ['scripts.helper', 'scripts.run', 'scripts.helper']
+
+
+# bench/accelerator.py in its CPU mode (--size=auto is tiny on CPU), run as the command a GPU
+# session runs, in a subprocess: it applies XLA flags and starts subprocesses of its own.
+
+
+def _run_accelerator(tmp_path, *args) -> list[dict]:
+  """The command's printed lines, checked to be the lines it appended to its --out file."""
+  out = tmp_path / 'results' / 'accelerator.jsonl'
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_COMPILATION_CACHE_DIR=os.path.expanduser(
+      os.environ.get('T2T_JAX_TEST_CACHE', '~/.cache/t2t_jax/xla')))
+  env.pop('XLA_FLAGS', None)  # Not conftest's 8 simulated devices: one, as a user runs it.
+  process = subprocess.run([sys.executable, os.path.join(ROOT, 'bench', 'accelerator.py'),
+                            f'--out={out}', f'--anchor_dir={REFERENCE_DIR}', *args], cwd=ROOT,
+                           env=env, capture_output=True, text=True, timeout=600, check=False)
+  assert process.returncode == 0, process.stderr[-3000:]
+  printed = [json.loads(line) for line in process.stdout.splitlines() if line.startswith('{')]
+  assert [json.loads(line) for line in out.read_text().splitlines()] == printed
+  for line in printed:
+    assert 'error' not in line, line
+    assert (line['benchmark'], line['size'], line['platform'], line['device_count']) == (
+        'accelerator', 'tiny', 'cpu', 1)
+  return printed
+
+
+def _check_step(line, rows, length):
+  """A train-step line's figures agree with each other and with the batch it names."""
+  assert (line['rows'], line['length'], line['target_slots']) == (rows, length, rows * length)
+  # Rows are filled to more than half their length, the rest padding.
+  assert rows * length // 2 < line['target_tokens'] < rows * length
+  assert math.isclose(line['target_tokens_per_second'] * line['step_seconds'],
+                      line['target_tokens'], rel_tol=1e-9)
+  assert math.isclose(line['model_flops_per_second'] * line['step_seconds'],
+                      line['model_flops_per_step'], rel_tol=1e-9)
+  # The tiny shape (d 32, FFN 64, 1+1 layers, vocab 128), padding counted, by hand:
+  d, ff, vocab, tokens = 32, 64, 128, rows * length
+  dense = 6 * tokens * ((4 * d * d + 2 * d * ff) + 2 * d * d + (6 * d * d + 2 * d * ff) + d * vocab)
+  attention = 3 * 4 * d * (tokens * length + tokens * 2 * length)
+  assert line['model_flops_per_step'] == dense + attention
+  assert 1 < line['xla_flops_per_step'] / line['model_flops_per_step'] < 2
+  # No published peak for a CPU: MFU is null, with the reason.
+  assert line['peak_flops_per_second'] is None and line['mfu'] is None
+  assert "'cpu'" in line['null_reasons']['mfu']
+  assert line['dtype'] == 'bfloat16' and line['compile_seconds'] > 0
+
+
+@pytest.mark.slow
+def test_accelerator_command_measures_train_steps_and_attention_on_cpu(tmp_path):
+  lines = _run_accelerator(tmp_path, '--parts=train_step,attention')
+  steps = [line for line in lines if line['part'] == 'train_step']
+  assert [(line['model'], line['rows']) for line in steps] == [('tiny', 4), ('tiny', 8)]
+  for line in steps:
+    _check_step(line, line['rows'], 16)
+  attention = {line['impl']: line for line in lines if line['part'] == 'attention'}
+  assert list(attention) == ['einsum', 'xla', 'cudnn']
+  assert 'the platform is cpu, not gpu' in attention['cudnn']['skipped']
+  einsum, fused = attention['einsum'], attention['xla']
+  for line in (einsum, fused):
+    _check_step(line, 4, 32)
+    assert line['attention_impl'] == line['impl']
+    assert line['einsum_errors_against_float32_einsum'] == einsum['errors_against_float32_einsum']
+    for error in line['errors_against_float32_einsum'].values():
+      assert 0 < error < 0.2  # bfloat16 is not float32, and not far from it.
+  # XLA's attention on CPU computes einsum's arithmetic: no further from float32 than einsum.
+  assert einsum['equal_to_einsum'] and fused['equal_to_einsum']
+
+
+@pytest.mark.slow
+def test_accelerator_command_measures_flags_decoding_reference_and_speedrun_on_cpu(tmp_path):
+  lines = _run_accelerator(tmp_path, '--parts=xla_ab,decode,compare,speedrun',
+                           '--ab_sets=xla_defaults,no_triton_gemm')
+  by_part = {}
+  for line in lines:
+    by_part.setdefault(line['part'], []).append(line)
+  ab = {line['flag_set']: line for line in by_part['xla_ab']}
+  assert ab['xla_defaults']['xla_flags'] == []
+  assert ab['no_triton_gemm']['xla_flags'] == [
+      '--xla_gpu_enable_latency_hiding_scheduler=true', '--xla_gpu_enable_triton_gemm=false']
+  for line in ab.values():
+    _check_step(line, 4, 16)
+  [summary] = by_part['xla_ab_summary']
+  seconds = {name: line['step_seconds'] for name, line in ab.items()}
+  assert summary['step_seconds'] == seconds and summary['fastest'] == min(seconds, key=seconds.get)
+  for name, speedup in summary['speedup_over_xla_defaults'].items():
+    assert math.isclose(speedup, seconds['xla_defaults'] / seconds[name], rel_tol=1e-9)
+  greedy, beam = by_part['decode']
+  assert (greedy['beam_size'], beam['beam_size'], greedy['sentences']) == (1, 4, 4)
+  for line in (greedy, beam):
+    assert math.isclose(line['sentences_per_second'] * line['seconds'], line['sentences'],
+                        rel_tol=1e-9)
+  [side_by_side] = by_part['compare']
+  if os.path.isfile(os.path.join(REFERENCE_DIR, 'models.py')):
+    assert side_by_side['shape'] == 'tiny' and side_by_side['dtype'] == 'bfloat16'
+    assert (side_by_side['ratio_min'] <= side_by_side['ratio_median']
+            <= side_by_side['ratio_max'])
+    assert side_by_side['t2t_jax']['params'] == side_by_side['reference']['params']
+  else:
+    assert 'anchor_dir' in side_by_side['skipped']
+  [speedrun] = by_part['speedrun']
+  assert speedrun['config'] == 'tiny' and speedrun['timed_updates'] == 4
+  assert math.isclose(speedrun['updates_per_second'] * speedrun['seconds'], 4, rel_tol=1e-9)
+  assert math.isclose(speedrun['target_tokens_per_second'] * speedrun['seconds'],
+                      speedrun['target_tokens'], rel_tol=1e-9)
+  assert speedrun['target_tokens'] > 0

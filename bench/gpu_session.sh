@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# What one GPU session runs end to end (not run yet: no GPU was lent to this work).
+#
+#   bench/gpu_session.sh tests      # one device call (under 10 minutes): the suite's GPU part
+#   bench/gpu_session.sh bench      # a second call: bench/accelerator.py, about 8 minutes
+# on the GPU machine, from the repository root, $OUT set (the device tool's limit is 10
+# minutes a call, so the two halves are two calls).
+#
+# Prepare beside it, on a machine with PyPI (the image has jax, flax, optax, orbax and
+# sentencepiece but not these; /work/.library/device/KINDS.md):
+#   launch/wheelhouse.sh .whl --only 'ml_collections grain tensorboardX sacremoses array-record portpicker importlib_resources'
+# and, since ../shared does not travel to the GPU machine, copy the data and the reference in:
+#   mkdir -p .carry && cp -r ../shared/data/multi30k ../shared/anchor/flax_wmt .carry/
+# then run it with carry=['.whl', '.carry'] (both listed in .git/info/exclude).
+# Writes under $OUT: the suite's GPU tests (pytest log), bench/accelerator.py's lines, and
+# the environment; at most 8 files come back.
+set -uo pipefail
+: "${OUT:?set OUT to the folder whose files come back}"
+part=${1:?say tests or bench}
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
+
+# The packages the image lacks, from the carried wheelhouse, without an index.
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
+  --find-links .whl .whl/*.whl > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+export PYTHONPATH=/tmp/site:$PWD
+python3 -c 'import jax, flax, grain, ml_collections; print(jax.__version__, jax.devices())' \
+  >> "$OUT/gpu.txt" 2>&1
+
+if [[ $part == tests ]]; then
+# The suite's GPU tests on the GPU, then the GPU-relevant files on the 8 simulated CPU devices.
+T2T_TEST_GPU=1 timeout 300 python3 -m pytest -q -rs -m gpu tests 2>&1 | tee "$OUT/pytest_gpu.log"
+timeout 300 python3 -m pytest -q -rs tests/test_attention.py tests/test_xla_flags.py \
+  tests/test_flops.py 2>&1 | tail -5 | tee "$OUT/pytest_cpu.log"
+  exit 0
+fi
+
+# The measurements: about 8 minutes on one H100.
+timeout 570 python3 bench/accelerator.py --out="$OUT/accelerator.jsonl" \
+  --data_dir=.carry/multi30k --anchor_dir=.carry/flax_wmt 2> "$OUT/accelerator.log"
+echo "accelerator.py exit $?; $(wc -l < "$OUT/accelerator.jsonl") lines"

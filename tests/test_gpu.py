@@ -1,0 +1,132 @@
+"""The accelerator path on a GPU (T2T_TEST_GPU=1; skipped with the reason elsewhere): the model
+and the train step compute on the GPU what they compute on the CPU, within the rounding of the
+GPU's arithmetic, with t2t_jax's XLA flags in effect.
+
+Tolerances, from the arithmetic (relative L2 error, ||gpu - cpu|| / ||cpu||):
+  - float32 at 'highest' precision: true float32 products (unit roundoff u = 2^-24 = 6e-8)
+    summed in another order; a sum of K <= 64 terms moves by at most K u = 4e-6, and the
+    model chains a few dozen such sums: 1e-5.
+  - float32 at the default precision: NVIDIA GPUs since Ampere multiply float32 matrices in
+    TF32 (10-bit mantissa, u = 2^-11 = 4.9e-4). Each product rounds both operands once
+    (relative error up to 2u = 1e-3) and accumulates in float32; along the 2+2 layers a
+    logit passes through about 10 products, whose errors add in quadrature when independent:
+    sqrt(10) x 1e-3 = 3e-3, so 1e-2 for logits. Gradients take about twice the products
+    (forward and backward), and softmax's backward subtracts nearly equal terms, which
+    magnifies relative error: 3e-2.
+  - bfloat16 compute: 8-bit mantissa, u = 2^-9 = 2e-3, four times TF32's 2u: 4e-2 for logits,
+    1e-1 for gradients (the bound test_attention.py's cuDNN test uses for 2 layers is 5e-2).
+"""
+
+import contextlib
+import dataclasses
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import assert_cached_decoding_matches_teacher_forcing
+from t2t_jax import flops
+from t2t_jax import model as model_lib
+from t2t_jax import sharding
+from t2t_jax import train
+from t2t_jax import xla_flags
+
+pytestmark = pytest.mark.gpu
+
+VOCAB = 64
+CONFIG = model_lib.TransformerConfig(
+    vocab_size=VOCAB, d_model=32, d_ff=64, num_heads=4, num_encoder_layers=2,
+    num_decoder_layers=2, max_len=32, attention_dropout=0.0, deterministic=True)
+
+
+def _batch():
+  rng = np.random.default_rng(0)
+  inputs = rng.integers(2, VOCAB, (4, 12)).astype(np.int32)
+  targets = rng.integers(2, VOCAB, (4, 10)).astype(np.int32)
+  inputs[0, 7:], targets[1, 4:] = 0, 0
+  return inputs, targets
+
+
+def _params(device):
+  tokens = jnp.ones((1, 4), jnp.int32)
+  params = jax.jit(model_lib.Transformer(CONFIG).init)(jax.random.PRNGKey(0), tokens,
+                                                       tokens)['params']
+  return jax.device_put(params, device)
+
+
+def _logits_and_grads(config, device, precision=None):
+  inputs, targets = jax.device_put(_batch(), device)
+
+  def loss(params):
+    logits = model_lib.Transformer(config).apply({'params': params}, inputs, targets)
+    log_probs = jax.nn.log_softmax(logits.astype(jnp.float32))
+    nll = -jnp.take_along_axis(log_probs, targets[..., None], -1)[..., 0]
+    weights = (targets > 0).astype(jnp.float32)
+    return (nll * weights).sum() / weights.sum(), logits.astype(jnp.float32)
+
+  with jax.default_matmul_precision(precision) if precision else contextlib.nullcontext():
+    (_, logits), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(_params(device))
+  return jax.device_get((logits, grads))
+
+
+def _relative_error(tree, reference) -> float:
+  diff = sum(np.sum((np.asarray(a, np.float64) - np.asarray(b, np.float64))**2)
+             for a, b in zip(jax.tree.leaves(tree), jax.tree.leaves(reference)))
+  norm = sum(np.sum(np.asarray(b, np.float64)**2) for b in jax.tree.leaves(reference))
+  return float(np.sqrt(diff / norm))
+
+
+@pytest.mark.parametrize('dtype, precision, logits_bound, grads_bound', [
+    (jnp.float32, 'highest', 1e-5, 1e-5),
+    (jnp.float32, None, 1e-2, 3e-2),
+    (jnp.bfloat16, None, 4e-2, 1e-1),
+])
+def test_the_gpu_computes_the_cpus_logits_and_gradients(gpu_device, dtype, precision,
+                                                         logits_bound, grads_bound):
+  cpu = jax.devices('cpu')[0]
+  expected = _logits_and_grads(CONFIG, cpu, 'highest')
+  actual = _logits_and_grads(dataclasses.replace(CONFIG, dtype=dtype), gpu_device, precision)
+  assert _relative_error(actual[0], expected[0]) <= logits_bound
+  assert _relative_error(actual[1], expected[1]) <= grads_bound
+
+
+def test_cached_decoding_matches_teacher_forcing_on_the_gpu(gpu_device):
+  inputs, targets = _batch()
+  targets = np.where(targets == 0, 5, targets)  # Decoding emits no padding: compare no padding.
+  inputs, targets = jax.device_put((inputs, targets), gpu_device)
+  assert_cached_decoding_matches_teacher_forcing(CONFIG, _params(gpu_device), inputs, targets)
+
+
+def test_the_train_step_on_the_gpu_gives_the_cpus_first_loss(gpu_device, tiny_config):
+  """The tiny config's first update in bfloat16 on the GPU against float32 on the CPU.
+
+  At initialisation the loss is about ln(vocab) and the logits are O(1); the loss moves by at
+  most twice the largest logit error, 4e-2 x O(1) by the bound above, so 2e-2 relative.
+  """
+  tiny_config.model.dropout = tiny_config.model.relu_dropout = 0.0  # Same masks needn't hold.
+  tiny_config.mesh.shape = (1, 1, 1)
+  inputs, targets = _batch()
+  losses = {}
+  for side, device, dtype in (('cpu', jax.devices('cpu')[0], 'float32'),
+                              ('gpu', gpu_device, 'bfloat16')):
+    config = tiny_config.copy_and_resolve_references()
+    config.model.dtype = dtype
+    mesh = sharding.make_mesh(config.mesh, [device])
+    setup = train.build(config, VOCAB, mesh)
+    batch = sharding.global_batch({'inputs': inputs, 'targets': targets}, mesh)
+    state, metrics = setup.train_step(setup.init(jax.random.PRNGKey(0)), batch,
+                                      jax.random.PRNGKey(1))
+    assert jax.tree.leaves(state.params)[0].devices() == {device}
+    losses[side] = float(metrics['loss']) / float(metrics['weight'])
+  assert np.isfinite(losses['gpu'])
+  assert abs(losses['gpu'] - losses['cpu']) <= 2e-2 * losses['cpu']
+
+
+def test_the_gpu_runs_with_the_projects_xla_flags_and_a_known_peak(gpu_device):
+  for flag in xla_flags.GPU_DEFAULTS:
+    assert flag in os.environ['XLA_FLAGS'].split()
+  assert flops.device_family(gpu_device.device_kind), (
+      f'{gpu_device.device_kind!r} has no published peak in t2t_jax/flops.py: MFU would be '
+      'null; add its peak there')
