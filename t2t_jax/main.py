@@ -22,6 +22,8 @@ FLAGS = flags.FLAGS
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+  from t2t_jax import xla_flags  # pylint: disable=g-import-not-at-top
+  xla_flags.apply()  # Before anything starts a backend, which reads XLA_FLAGS once.
   if FLAGS.dry_run_devices:  # Before anything creates the devices.
     if not FLAGS.dry_run:
       raise app.UsageError('--dry_run_devices only applies with --dry_run')
