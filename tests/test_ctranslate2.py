@@ -217,8 +217,7 @@ def test_ctranslate2_scores_are_t2t_jax_log_probabilities(overrides, tmp_path):
   for row, (source, output) in enumerate(zip(sources, outputs)):
     inputs[row, :len(source) + 1] = [TOKENS.index(s) for s in source] + [EOS_ID]
     targets[row, :len(output) + 1] = [TOKENS.index(s) for s in output] + [EOS_ID]
-  model_params = params
-  logits = Transformer(config).apply({'params': model_params}, jnp.asarray(inputs),
+  logits = Transformer(config).apply({'params': params}, jnp.asarray(inputs),
                                      jnp.asarray(targets))
   log_probs = np.asarray(jax.nn.log_softmax(logits.at[..., PAD_ID].set(-jnp.inf)))
   for row, result in enumerate(results):
@@ -266,7 +265,7 @@ def _run_export(*args):
 
 
 def _random_run(workdir, overrides: dict) -> str:
-  """A run directory with config.json and a random-weight params checkpoint; its path."""
+  """A run directory holding only config.json (of `_config(overrides)`); that config."""
   config = _config(overrides)
   os.makedirs(workdir, exist_ok=True)
   with open(os.path.join(workdir, 'config.json'), 'w') as f:
