@@ -24,6 +24,14 @@ that text, in a temporary run directory. Random weights rarely emit EOS, so ever
 runs to its length limit (source + --max_extra_len tokens): target tokens/s is the figure to
 compare; sentences/s is that of outputs longer than a trained model's.
 
+With --ctranslate2=float32,int8 text mode also exports the same parameters to CTranslate2
+(t2t_jax/export_ctranslate2.py) and translates the same sentences with it, once per compute
+type and beam size, printing sentences/s beside BLEU against t2t_jax's own outputs (and against
+--references when given). CTranslate2 gets the same pieces (EOS appended by the model), the same
+per-sentence output limit (it is called once per limit) and --ctranslate2_threads threads; its
+length penalty is length^alpha where t2t_jax's is ((5 + length) / 6)^alpha, so beam outputs
+may differ at alpha > 0 (greedy ones should not).
+
 --mode=random: the Translator on random ids whose lengths follow --sentences, with --config's
 model, its batch_tokens and its max_extra_len.
 """
@@ -77,6 +85,12 @@ _BATCH_TOKENS = flags.DEFINE_list('batch_tokens', ['4096'],
 _MAX_EXTRA_LEN = flags.DEFINE_integer('max_extra_len', 50, 'text: output = source + this.')
 _VOCAB_SIZE = flags.DEFINE_integer('vocab_size', 8000, 'text: SentencePiece vocabulary size.')
 _DTYPE = flags.DEFINE_enum('dtype', 'auto', list(translator_lib.DECODE_DTYPES), 'text: eval.dtype.')
+_CTRANSLATE2 = flags.DEFINE_list('ctranslate2', [], 'text: CTranslate2 compute types to '
+                                 'measure beside t2t_jax (e.g. float32,int8); none by default.')
+_CTRANSLATE2_THREADS = flags.DEFINE_integer('ctranslate2_threads', 0, 'text: CTranslate2 '
+                                            'intra_threads; 0: all cores.')
+_REFERENCES = flags.DEFINE_string('references', '', 'text: reference translations of '
+                                  '--sentences (line for line) for a BLEU against them.')
 _REPEATS = flags.DEFINE_integer('repeats', 1, 'text/random: timed passes (median).')
 _SHAPE = flags.DEFINE_enum('shape', 'small', sorted(common.SHAPES), 'reference: model dims.')
 _SOURCES = flags.DEFINE_integer('sources', 32, 'reference: sentences per batch.')
@@ -263,19 +277,20 @@ def _text_run(directory: str, config, lines: list[str], batch_tokens: int) -> tr
 
 
 def _text_lines(run: translate.Run, lines: list[str], beam_size: int,
-                batch_tokens: int) -> dict:
+                batch_tokens: int) -> tuple[dict, list[str]]:
+  """The measurement, and the translations of the median pass."""
   passes = []
   for _ in range(max(1, _REPEATS.value)):
     run.translator.stats = translator_lib.TranslateStats()
     start = time.perf_counter()
-    _, inputs, outputs = translate.translate_lines(run, lines)
-    passes.append((time.perf_counter() - start, run.translator.stats, outputs, inputs))
+    texts, inputs, outputs = translate.translate_lines(run, lines)
+    passes.append((time.perf_counter() - start, run.translator.stats, outputs, inputs, texts))
     run.translator._compiled.clear()  # pylint: disable=protected-access  # Each pass compiles.
-  seconds, stats, outputs, inputs = sorted(passes, key=lambda p: p[0])[len(passes) // 2]
+  seconds, stats, outputs, inputs, texts = sorted(passes, key=lambda p: p[0])[len(passes) // 2]
   target_tokens = _output_tokens(outputs)
   outside = seconds - stats.search_seconds
   return {
-      'benchmark': 'decode', 'mode': 'text', 'config': run.config.name,
+      'benchmark': 'decode', 'mode': 'text', 'engine': 't2t_jax', 'config': run.config.name,
       **common.device_info(), 'search': 'greedy' if beam_size == 1 else 'beam',
       'beam_size': beam_size, 'alpha': _ALPHA.value, 'batch_tokens': batch_tokens,
       'dtype': jnp.dtype(run.translator.config.dtype).name,
@@ -289,7 +304,59 @@ def _text_lines(run: translate.Run, lines: list[str], beam_size: int,
       'search_only': {
           'sentences_per_second': round(len(lines) / stats.search_seconds, 2),
           'target_tokens_per_second': round(target_tokens / stats.search_seconds, 1)},
-      **stats.as_dict(), 'seconds_total': round(seconds, 2)}
+      **stats.as_dict(), 'seconds_total': round(seconds, 2)}, texts
+
+
+def _ctranslate2_line(run: translate.Run, directory: str, lines: list[str], beam_size: int,
+                      compute_type: str, t2t_texts: list[str], references: list[str]) -> dict:
+  """CTranslate2 on the exported parameters of `run`, on the same sentences."""
+  import ctranslate2  # pylint: disable=g-import-not-at-top  # Optional: only with --ctranslate2.
+  import sacrebleu  # pylint: disable=g-import-not-at-top
+  from t2t_jax import export_ctranslate2  # pylint: disable=g-import-not-at-top
+  model_dir = os.path.join(directory, 'ctranslate2')
+  if not os.path.exists(model_dir):
+    export_ctranslate2.export(directory, os.path.join(directory, 'random_params'), model_dir)
+  threads = _CTRANSLATE2_THREADS.value or os.cpu_count() or 1
+  translator = ctranslate2.Translator(model_dir, device='cpu', compute_type=compute_type,
+                                      inter_threads=1, intra_threads=threads)
+  max_tokens = min(run.config.data.max_len, run.model_config.max_len)
+  pieces = [[run.vocab.piece(i) for i in ids[:max_tokens - 1]]
+            for ids in run.vocab.encode(lines)]
+  ids_of = {run.vocab.piece(i): i for i in range(run.vocab.vocab_size)}
+  by_limit = {}  # t2t_jax's per-sentence limit: source + EOS + max_extra_len, capped.
+  for index, source in enumerate(pieces):
+    limit = decode.max_decode_length(len(source) + 1, _MAX_EXTRA_LEN.value,
+                                     run.model_config.max_len)
+    by_limit.setdefault(limit, []).append(index)
+  outputs = [None] * len(lines)
+  start = time.perf_counter()
+  for limit, members in sorted(by_limit.items()):
+    results = translator.translate_batch(
+        [pieces[i] for i in members], beam_size=beam_size, length_penalty=_ALPHA.value,
+        max_decoding_length=limit, min_decoding_length=0,
+        max_batch_size=int(_BATCH_TOKENS.value[0]) // max(1, beam_size), batch_type='tokens')
+    for index, result in zip(members, results):
+      outputs[index] = result.hypotheses[0]
+  seconds = time.perf_counter() - start
+  texts = [run.vocab.decode([ids_of[p] for p in output]) for output in outputs]
+  target_tokens = sum(len(o) + (len(o) < limit) for o, limit in zip(
+      outputs, [decode.max_decode_length(len(p) + 1, _MAX_EXTRA_LEN.value,
+                                         run.model_config.max_len) for p in pieces]))
+  bleu = {'bleu_vs_t2t_jax': round(sacrebleu.corpus_bleu(texts, [t2t_texts]).score, 2),
+          'same_output_share': round(sum(a == b for a, b in zip(texts, t2t_texts)) /
+                                     len(texts), 4)}
+  if references:
+    bleu['bleu_vs_references'] = round(sacrebleu.corpus_bleu(texts, [references]).score, 2)
+  return {
+      'benchmark': 'decode', 'mode': 'text', 'engine': 'ctranslate2',
+      'ctranslate2_version': ctranslate2.__version__, 'compute_type': compute_type,
+      'intra_threads': threads, 'config': run.config.name, **common.device_info(),
+      'search': 'greedy' if beam_size == 1 else 'beam', 'beam_size': beam_size,
+      'alpha': _ALPHA.value, 'length_penalty': 'length^alpha (t2t_jax: ((5+length)/6)^alpha)',
+      'sentences': len(lines), 'target_tokens': target_tokens,
+      'max_extra_len': _MAX_EXTRA_LEN.value, 'seconds': round(seconds, 2),
+      'sentences_per_second': round(len(lines) / seconds, 2),
+      'target_tokens_per_second': round(target_tokens / seconds, 1), **bleu}
 
 
 def _read_lines(path: str, count: int) -> list[str]:
@@ -355,7 +422,16 @@ def main(argv):
         run = _text_run(directory, _CONFIG.value, lines, batch_tokens)
         for beam_size in beam_sizes:
           run.translator.beam_size = beam_size
-          print(cli.json_line(_text_lines(run, lines, beam_size, batch_tokens)), flush=True)
+          record, t2t_texts = _text_lines(run, lines, beam_size, batch_tokens)
+          print(cli.json_line(record), flush=True)
+          if not _CTRANSLATE2.value or batch_tokens != int(_BATCH_TOKENS.value[0]):
+            continue
+          references = (_read_lines(_REFERENCES.value, _NUM_SENTENCES.value)
+                        if _REFERENCES.value else [])
+          for compute_type in _CTRANSLATE2.value:
+            print(cli.json_line(_ctranslate2_line(run, directory, lines, beam_size,
+                                                  compute_type, t2t_texts, references)),
+                  flush=True)
   else:
     for beam_size in beam_sizes:
       print(cli.json_line(_random_line(_CONFIG.value, beam_size)), flush=True)

@@ -1,10 +1,15 @@
-"""Exports the parameters of one checkpoint for inference: no optimiser state, optionally bf16.
+"""Exports one checkpoint for inference: no optimiser state, optionally bf16, or a CTranslate2
+model.
 
   python -m t2t_jax.export --workdir=/tmp/run                      # latest step
   python -m t2t_jax.export --workdir=/tmp/run --checkpoint=3000 --dtype=bfloat16
+  python -m t2t_jax.export --format=ctranslate2 --workdir=/tmp/run --output=/tmp/run_ct2
 
-Writes `<workdir>/export/<name>_<dtype>` (or --output): a params-only orbax checkpoint with
-the items `params`, `config` and `info`, readable with plain orbax (see docs/training.md).
+--format=orbax (the default) writes `<workdir>/export/<name>_<dtype>` (or --output): a
+params-only orbax checkpoint with the items `params`, `config` and `info`, readable with plain
+orbax (see docs/training.md). --format=ctranslate2 writes a CTranslate2 model directory
+(`<workdir>/export/<name>_ctranslate2_<quantization>` by default; export_ctranslate2.py,
+docs/translation.md).
 """
 
 import os
@@ -12,8 +17,11 @@ import os
 from absl import app
 from absl import flags
 
+from t2t_jax import ConfigError
 from t2t_jax import cli
 from t2t_jax import saved_params
+
+FORMATS = ('orbax', 'ctranslate2')
 
 def export(workdir: str, checkpoint_name: str | None = None, dtype: str = 'float32',
            output: str = '') -> str:
@@ -27,13 +35,31 @@ def export(workdir: str, checkpoint_name: str | None = None, dtype: str = 'float
                                  {'kind': 'export', 'source': path, 'dtype': dtype})
 
 
+def export_ctranslate2(workdir: str, checkpoint_name: str | None = None, output: str = '',
+                       quantization: str | None = None) -> str:
+  """Writes the CTranslate2 model of one checkpoint; returns the directory written."""
+  try:
+    from t2t_jax import export_ctranslate2 as ctranslate2_export  # pylint: disable=g-import-not-at-top
+  except ModuleNotFoundError as e:
+    if e.name != 'ctranslate2':
+      raise
+    raise ConfigError("--format=ctranslate2 needs the ctranslate2 package: pip install "
+                      "'t2t_jax[ctranslate2]'") from None
+  return ctranslate2_export.export(workdir, checkpoint_name, output, quantization)
+
+
 def _define_flags():
   """Defined only when run as a program, so importing this module defines no flags."""
+  flags.DEFINE_enum('format', 'orbax', list(FORMATS), 'orbax: a params-only checkpoint; '
+                    'ctranslate2: a CTranslate2 model directory.')
   flags.DEFINE_string('workdir', None, 'Training workdir holding checkpoints/.')
   flags.DEFINE_string('checkpoint', None, 'A step number or a checkpoint directory (e.g. an '
                       'averaged one); default: the latest step.')
   flags.DEFINE_enum('dtype', 'float32', ['float32', 'bfloat16'],
-                    'Storage dtype of the exported parameters.')
+                    'orbax: storage dtype of the exported parameters.')
+  flags.DEFINE_string('quantization', None, 'ctranslate2: weight type of the model (int8, '
+                      'int8_float16, float16, bfloat16, ...); default float32. The compute '
+                      'type is chosen when CTranslate2 loads it.')
   flags.DEFINE_string('output', '', 'Output directory; default '
                       '<workdir>/export/<step or name>_<dtype>.')
 
@@ -44,6 +70,15 @@ def main(argv):
   args = flags.FLAGS
   if not args.workdir:
     raise app.UsageError('--workdir is required')
+  if args.format == 'ctranslate2':
+    if args.dtype != 'float32':
+      raise app.UsageError('--dtype applies to --format=orbax; CTranslate2 models take '
+                           '--quantization')
+    print(export_ctranslate2(args.workdir, args.checkpoint, args.output, args.quantization),
+          flush=True)
+    return
+  if args.quantization:
+    raise app.UsageError('--quantization applies to --format=ctranslate2')
   print(export(args.workdir, args.checkpoint, args.dtype, args.output), flush=True)
 
 
