@@ -111,7 +111,11 @@ def _without_traceback(text: str) -> str:
   raised = [line for line in trace.splitlines() if line and not line[0].isspace()]
   message = raised[-1] if raised else trace
   message = re.sub(r'^\w+(Error|Exception): ', '', message)
-  return f'{head.replace("Error whilst parsing config file:", "").strip()} {message}'
+  head = head.replace('Error whilst parsing config file:', '').strip()
+  flag = re.match(r'flag (--\w+)=(\S+):$', head)
+  if flag and message.startswith(f'{flag.group(2)}: '):  # The config names itself: say it once.
+    return f'{flag.group(1)}={flag.group(2)}: {message[len(flag.group(2)) + 2:]}'
+  return f'{head} {message}'
 
 
 def _check_config_files() -> None:

@@ -56,7 +56,7 @@ def _one_line_error(stderr: str, *parts: str) -> str:
     ('main', ['--config=configs/nope.py', '--workdir=W'],
      ['--config=configs/nope.py: no such config file', 'e.g. configs/default.py']),
     ('main', ['--config=configs/multi30k.py:nonsense', '--workdir=W'],
-     ["configs/multi30k.py:nonsense: the variant must be one of ['raw', 'tok']"]),
+     ["error: --config=configs/multi30k.py:nonsense: the variant must be one of ['raw', 'tok']"]),
     ('translate', ['--workdir=W', '--beam_size=0'], ['--beam_size=0', 'not a positive integer']),
     ('translate', ['--workdir=W', '--output=/missing/dir/out.txt'],
      ['--output=/missing/dir/out.txt', 'the directory /missing/dir does not exist']),
