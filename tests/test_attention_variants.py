@@ -214,6 +214,7 @@ def test_cached_decoding_matches_teacher_forcing(pattern, positions, scan_layers
   assert greedy.shape == (2, 10)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('pattern, positions', [('local,compressed', 'learned'),
                                                 ('full,local', 'relative')])
 def test_family_configs_train_evaluate_and_dry_run(tiny_config, tmp_path, pattern, positions):

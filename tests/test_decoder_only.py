@@ -258,6 +258,7 @@ def trained(tmp_path_factory):
   return workdir, train.train_and_evaluate(config, workdir)
 
 
+@pytest.mark.slow
 def test_prepend_form_learns_the_synthetic_task(trained):
   workdir, results = trained
   losses = scalar_events(workdir)['train/loss']
@@ -274,6 +275,7 @@ def _run(module, *args, stdin=None):
                         capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_translate_cli_decodes_a_decoder_only_checkpoint(trained, tmp_path):
   workdir, _ = trained
   lines = ['3 1 4 1 5', '', '2 7']
@@ -292,6 +294,7 @@ def test_translate_cli_decodes_a_decoder_only_checkpoint(trained, tmp_path):
   assert pictures.returncode != 0 and 'has none' in pictures.stderr
 
 
+@pytest.mark.slow
 def test_lm_config_trains_on_a_text_file_and_reports_perplexity(tmp_path):
   from configs import lm  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(0)
@@ -315,6 +318,7 @@ def test_lm_config_trains_on_a_text_file_and_reports_perplexity(tmp_path):
     translate.load(str(tmp_path / 'run'))
 
 
+@pytest.mark.slow
 def test_multi30k_decoder_only_variant_runs_end_to_end(tmp_path):
   from configs import multi30k  # pylint: disable=g-import-not-at-top
   from test_multi30k import _fake_multi30k, _shrunk  # pylint: disable=g-import-not-at-top
@@ -383,6 +387,7 @@ def test_local_and_compressed_layers_keep_the_decoder_only_model_causal():
   assert np.all(seen[3:INPUTS.shape[1]] == 0.0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('pattern, positions', [('local,compressed', 'sinusoidal'),
                                                 ('local', 'relative')])
 def test_decoder_only_family_configs_train_and_dry_run(tiny_config, tmp_path, pattern,

@@ -209,6 +209,7 @@ def test_layer_choice_and_config_errors():
     config_check.check(config)
 
 
+@pytest.mark.slow
 def test_experts_off_is_the_dense_model(tiny_config):
   """moe_experts=0: no expert weights, no MoE metrics, and the other MoE keys change nothing."""
   setup = train.build(tiny_config, data.vocab_size(tiny_config))
@@ -247,6 +248,7 @@ def _trajectory(config, batches, mesh):
   return np.array(figures), state, history
 
 
+@pytest.mark.slow
 def test_experts_sharded_over_the_expert_axis_train_as_on_one_device():
   config = tiny.get_config('moe')
   config.model.dropout = config.model.attention_dropout = config.model.relu_dropout = 0.0
@@ -273,6 +275,7 @@ def test_experts_sharded_over_the_expert_axis_train_as_on_one_device():
   assert_adam_runs_agree(sharded_history, single_history, [3e-3] * len(batches))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('scan_layers, loss_chunk_tokens', [(False, 0), (True, 64)])
 def test_a_tiny_moe_run_trains_end_to_end_and_logs_the_balance(tmp_path, scan_layers,
                                                                loss_chunk_tokens):

@@ -28,6 +28,7 @@ def _env():
   return env
 
 
+@pytest.mark.slow
 @pytest.mark.multihost
 def test_two_processes_match_one_and_their_checkpoint_restores(tiny_config, tmp_path):
   two = str(tmp_path / 'two')
@@ -60,6 +61,7 @@ def test_two_processes_match_one_and_their_checkpoint_restores(tiny_config, tmp_
   np.testing.assert_allclose(resumed_two['eval_loss'], resumed_one['eval_loss'], rtol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.multihost
 def test_a_peer_that_never_joins_gives_a_clear_error(tmp_path):
   with socket.socket() as s:

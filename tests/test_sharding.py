@@ -68,6 +68,7 @@ def reference():
   return batches, losses, params, history
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('mesh_shape', [(8, 1, 1), (2, 4, 1), (2, 2, 2)])
 def test_meshes_give_the_single_device_trajectory(config, reference, mesh_shape):
   batches, expected_losses, _, expected_history = reference
@@ -156,6 +157,7 @@ def test_dcn_slices_must_match_the_processes(config):
     sharding.make_mesh(config.mesh)
 
 
+@pytest.mark.slow
 def test_accumulating_four_micro_batches_matches_one_batch(config, reference):
   batches, expected_losses, _, expected_history = reference
   config.opt.grad_accum_steps = 4
@@ -164,6 +166,7 @@ def test_accumulating_four_micro_batches_matches_one_batch(config, reference):
   assert_adam_runs_agree(history, expected_history, [LR] * STEPS)
 
 
+@pytest.mark.slow
 def test_accumulation_normalises_by_the_tokens_of_the_whole_batch(config):
   """Micro-batches with very different token counts: a per-micro-batch mean would differ."""
   batch = _batches(config, 1)[0]
@@ -183,6 +186,7 @@ def test_accumulation_normalises_by_the_tokens_of_the_whole_batch(config):
       a, b, rtol=1e-4, atol=GRADIENT_NOISE * np.abs(b).max()), grads[1], grads[4])
 
 
+@pytest.mark.slow
 def test_bfloat16_computes_in_bf16_with_float32_state_and_close_loss(config, reference):
   batches, expected_losses, _, _ = reference
   config.model.dtype = 'bfloat16'
@@ -199,6 +203,7 @@ def test_bfloat16_computes_in_bf16_with_float32_state_and_close_loss(config, ref
   assert matmuls and sum('bf16' in line for line in matmuls) > 0.8 * len(matmuls)
 
 
+@pytest.mark.slow
 def test_flops_and_parameter_count_of_the_dry_run(config):
   config.mesh.shape = (2, 2, 2)
   config.data.batch_tokens = 512  # 16 rows of 32: whole micro-batches on both meshes below.

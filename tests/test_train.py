@@ -22,6 +22,7 @@ from t2t_jax import sharding
 from t2t_jax import train
 
 
+@pytest.mark.slow
 def test_train_and_evaluate_writes_events_config_and_checkpoint(tiny_config, tmp_path):
   workdir = str(tmp_path)
   results = train.train_and_evaluate(tiny_config, workdir)
@@ -73,6 +74,7 @@ def test_metric_log_reports_model_flops_and_mfu(monkeypatch):
   assert final['mfu'] == pytest.approx(0.5) and final['steps_per_second'] == pytest.approx(1.0)
 
 
+@pytest.mark.slow
 def test_synthetic_loss_falls(tiny_config):
   tiny_config.opt.schedule = 'constant'
   tiny_config.opt.lr_scale = 3e-3
@@ -109,6 +111,7 @@ def _tensorboard_scalars(workdir) -> dict[str, list[int]]:
   return steps
 
 
+@pytest.mark.slow
 def test_tensorboard_shows_each_step_once_after_a_resume(tiny_config, tmp_path):
   tiny_config.train.eval_every = 1000
   tiny_config.eval.bleu_sentences = 0
@@ -121,6 +124,7 @@ def test_tensorboard_shows_each_step_once_after_a_resume(tiny_config, tmp_path):
   assert all(len(shown) == len(set(shown)) for shown in steps.values()), steps
 
 
+@pytest.mark.slow
 def test_text_source_trains(tiny_config, tmp_path):
   config = text_config(tiny_config, tmp_path)
   config.train.num_steps = 4
@@ -131,6 +135,7 @@ def test_text_source_trains(tiny_config, tmp_path):
   assert (tmp_path / 'run' / 'vocab.model').exists()
 
 
+@pytest.mark.slow
 def test_non_finite_loss_stops_with_the_step(tiny_config, tmp_path):
   tiny_config.opt.schedule = 'constant'
   tiny_config.opt.lr_scale = 1e30
@@ -145,6 +150,7 @@ def test_bad_mesh_is_refused(tiny_config, tmp_path):
     train.train_and_evaluate(tiny_config, str(tmp_path))
 
 
+@pytest.mark.slow
 def test_dry_run_cli_prints_size_and_cost():
   env = dict(os.environ, PYTHONPATH=ROOT)
   output = subprocess.run(
@@ -155,6 +161,7 @@ def test_dry_run_cli_prints_size_and_cost():
   assert result['memory_per_device_bytes']['argument'] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('remat', ['none', 'dots'])
 def test_scanned_rematerialised_steps_match_unrolled_steps(tiny_config, remat):
   config = tiny_config
@@ -195,6 +202,7 @@ def test_scanned_rematerialised_steps_match_unrolled_steps(tiny_config, remat):
   assert_adam_runs_agree(scanned_history, history, [float(unrolled.schedule(t)) for t in (0, 1)])
 
 
+@pytest.mark.slow
 def test_dry_run_reports_scan_and_remat_and_counts_every_layer(tiny_config):
   tiny_config.model.num_encoder_layers = tiny_config.model.num_decoder_layers = 3
   unrolled = train.dry_run(tiny_config)

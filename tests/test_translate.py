@@ -34,12 +34,14 @@ def _run(module, *args, stdin=None):
                         capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_training_records_the_best_bleu_step(workdir):
   best = json.load(open(os.path.join(workdir, 'best_bleu.json')))
   assert best['step'] in (10, 20) and best['label'] == 'sacreBLEU'
   assert 'tok:13a' in best['signature'] and 0 <= best['bleu'] <= 100
 
 
+@pytest.mark.slow
 def test_restore_params_reads_the_checkpointed_parameters(workdir):
   run = translate.load(workdir, checkpoint='10')
   state_dir = os.path.join(workdir, 'checkpoints', '10', 'state')
@@ -56,6 +58,7 @@ def test_restore_params_reads_the_checkpointed_parameters(workdir):
     checkpoint.restore_params(os.path.join(workdir, 'nothing'), run.params)
 
 
+@pytest.mark.slow
 def test_translate_cli_keeps_order_blank_lines_and_warns_on_truncation(workdir, tmp_path):
   lines = ['3 1 4 1 5', '', '2 7', ' '.join(['6'] * 40), '0 0 1']
   source = write_lines(tmp_path / 'in.txt', lines)
@@ -76,6 +79,7 @@ def test_translate_cli_keeps_order_blank_lines_and_warns_on_truncation(workdir, 
   assert piped.returncode == 0 and piped.stdout == output.read_text()
 
 
+@pytest.mark.slow
 def test_translate_cli_names_a_bad_symbol_and_a_missing_run(workdir, tmp_path):
   result = _run('t2t_jax.translate', f'--workdir={workdir}', stdin='1 2\n1 x 2\n')
   assert result.returncode != 0 and "<stdin>:2: unknown symbol 'x'" in result.stderr
@@ -84,6 +88,7 @@ def test_translate_cli_names_a_bad_symbol_and_a_missing_run(workdir, tmp_path):
   assert 'Traceback' not in result.stderr
 
 
+@pytest.mark.slow
 def test_attention_pictures_one_per_decoder_layer(workdir, tmp_path):
   run = translate.load(workdir)
   translations, inputs, outputs = translate.translate_lines(run, ['3 1 4 1 5'])
@@ -115,6 +120,7 @@ def test_attention_of_scanned_layers_is_that_of_unrolled_layers():
     np.testing.assert_allclose(actual, wanted, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_evaluate_cli_prints_every_bleu_with_its_label(workdir, tmp_path):
   src = write_lines(tmp_path / 'src', ['3 1 4', '2 7 7 1', '5 5'])
   ref = write_lines(tmp_path / 'ref', ['3 1 4', '2 7 7 1', '5 5'])
@@ -128,6 +134,7 @@ def test_evaluate_cli_prints_every_bleu_with_its_label(workdir, tmp_path):
   assert printed[3].startswith('tokenised BLEU (tokenised references, lowercased) ')
 
 
+@pytest.mark.slow
 def test_evaluate_cli_needs_files_for_a_run_without_text_files(workdir, tmp_path):
   result = _run('t2t_jax.evaluate', f'--workdir={workdir}')
   assert result.returncode != 0
@@ -138,6 +145,7 @@ def test_evaluate_cli_needs_files_for_a_run_without_text_files(workdir, tmp_path
 
 
 
+@pytest.mark.slow
 def test_decoding_dtype_comes_from_the_flag_or_the_config(workdir):
   assert translate.load(workdir, dtype='bfloat16').translator.config.dtype == jnp.bfloat16
   assert translate.load(workdir, dtype='model').translator.config.dtype == jnp.float32
