@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import ROOT, scalar_events, write_lines
+from conftest import LEARNED_COPY_ACCURACY, ROOT, learns_to_copy, scalar_events, write_lines
 from t2t_jax import ConfigError
 from t2t_jax import config_check
 from t2t_jax import data
@@ -395,11 +395,12 @@ def test_decoder_only_family_configs_train_and_dry_run(tiny_config, tmp_path, pa
   config = _tiny_decoder_only(tiny_config)
   config.model.attention_pattern, config.model.positions = pattern, positions
   config.model.local_window, config.model.compression_stride = 4, 3
-  config.train.num_steps, config.train.eval_every, config.ckpt.every = 4, 4, 0
+  learns_to_copy(config)
   config.eval.bleu_sentences = 4
   results = train.train_and_evaluate(config, str(tmp_path))
-  assert results['step'] == 4 and np.isfinite(results['eval_loss'])
-  assert 0 <= results['bleu'] <= 100  # Greedy decoding through the prefill cache.
+  # Above what a model blind to the source can reach (conftest.py): the windows and blocks
+  # carry the source to the targets after it.
+  assert results['step'] == 60 and results['eval_accuracy'] > LEARNED_COPY_ACCURACY, results
   dry = train.dry_run(config)
   assert (dry['attention_pattern'], dry['positions']) == (pattern, positions)
 

@@ -23,9 +23,11 @@ from t2t_jax import train
 
 
 @pytest.mark.slow
-def test_train_and_evaluate_writes_events_config_and_checkpoint(tiny_config, tmp_path):
-  workdir = str(tmp_path)
-  results = train.train_and_evaluate(tiny_config, workdir)
+def test_train_and_evaluate_writes_events_config_and_checkpoint(tiny_config, tiny_run, tmp_path):
+  # The session's run of this config (conftest.py), copied: this test resumes it.
+  workdir = str(shutil.copytree(tiny_run[0], tmp_path / 'run'))
+  results = tiny_run[1]
+  tmp_path = tmp_path / 'run'
   assert results['step'] == 20 and results['config'] == 'tiny'
   for key in ('eval_loss', 'eval_accuracy', 'bleu', 'exact_match'):
     assert np.isfinite(results[key])

@@ -19,13 +19,10 @@ from t2t_jax import model as model_lib
 from t2t_jax import translate
 
 
-@pytest.fixture(scope='module')
-def workdir(tmp_path_factory):
-  from configs import tiny  # pylint: disable=g-import-not-at-top
-  from t2t_jax import train  # pylint: disable=g-import-not-at-top
-  directory = str(tmp_path_factory.mktemp('tiny_run'))
-  train.train_and_evaluate(tiny.get_config(), directory)
-  return directory
+@pytest.fixture
+def workdir(tiny_run):
+  """The session's tiny run (conftest.py), trained once for this file and test_train.py."""
+  return tiny_run[0]
 
 
 def _run(module, *args, stdin=None):
