@@ -125,7 +125,10 @@ def _embedding_gradients(config, side: str, position: int):
   return np.abs(np.asarray(grads)).sum(-1)
 
 
-@pytest.mark.parametrize('side', ['source_embedder', 'target_embedder'])
+# The source side's window is also checked without the model, in
+# test_local_attention_sees_exactly_its_window.
+@pytest.mark.parametrize('side', [pytest.param('source_embedder', marks=pytest.mark.slow),
+                                  'target_embedder'])
 def test_a_position_sees_nothing_outside_its_window(side):
   window, t = 2, 7
   config = dataclasses.replace(CONFIG, attention_pattern='local', local_window=window,
@@ -140,7 +143,8 @@ def test_a_position_sees_nothing_outside_its_window(side):
   assert np.all(per_position[inside] > 0.0)
 
 
-@pytest.mark.parametrize('pattern', ['compressed', 'local,compressed'])
+@pytest.mark.parametrize('pattern', [pytest.param('compressed', marks=pytest.mark.slow),
+                                     'local,compressed'])
 def test_compressed_attention_is_causal_through_gradients(pattern):
   config = dataclasses.replace(CONFIG, attention_pattern=pattern, compression_stride=3,
                                local_window=2)
@@ -161,7 +165,7 @@ def test_compressed_attention_hides_padding():
   np.testing.assert_allclose(padded[:, :4], logits, atol=1e-5)
 
 
-@pytest.mark.parametrize('pattern', ['local', 'compressed'])
+@pytest.mark.parametrize('pattern', [pytest.param('local', marks=pytest.mark.slow), 'compressed'])
 def test_packed_segments_do_not_see_each_other(pattern):
   config = dataclasses.replace(CONFIG, attention_pattern=pattern, local_window=3,
                                compression_stride=2)
@@ -198,10 +202,11 @@ def test_a_packed_row_of_local_attention_equals_its_segments_one_by_one():
     np.testing.assert_allclose(packed[:, where], alone, atol=1e-5)
 
 
+# One member in the fast tier; each of the others adds a slow step-by-step loop.
 @pytest.mark.parametrize('pattern, positions, scan_layers', [
-    ('local', 'sinusoidal', False),
-    ('compressed', 'sinusoidal', True),
-    ('local,compressed', 'learned', False),
+    pytest.param('local', 'sinusoidal', False, marks=pytest.mark.slow),
+    pytest.param('compressed', 'sinusoidal', True, marks=pytest.mark.slow),
+    pytest.param('local,compressed', 'learned', False, marks=pytest.mark.slow),
     ('local', 'relative', False),
 ])
 def test_cached_decoding_matches_teacher_forcing(pattern, positions, scan_layers):
