@@ -1,12 +1,14 @@
-"""Loss and schedule against independent computations."""
+"""Loss, schedules and the optimiser (clipping, decay, Adam) against independent computations."""
 
 import math
 
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+import optax
 import pytest
 
+from conftest import adam_moments
 from t2t_jax import optim
 
 
@@ -142,16 +144,6 @@ def test_metrics_count_real_tokens_only():
   assert summary['perplexity'] == pytest.approx(math.exp(float(sums['nll']) / 3))
 
 
-def _adam_moments(opt_state):
-  """(mu, nu) of the Adam stage inside the chain."""
-  import optax  # pylint: disable=g-import-not-at-top
-  import jax  # pylint: disable=g-import-not-at-top
-  stages = [s for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(
-      x, optax.ScaleByAdamState)) if isinstance(s, optax.ScaleByAdamState)]
-  assert len(stages) == 1
-  return stages[0].mu, stages[0].nu
-
-
 def _paper_rate(step, d_model=512, warmup=4000):
   return d_model**-0.5 * min(step**-0.5, step * warmup**-1.5)
 
@@ -167,7 +159,7 @@ def test_gradients_are_clipped_to_the_global_norm_before_adam(scale):
   params = {k: jnp.zeros(g.shape) for k, g in grads.items()}
   _, state = optimizer.update({k: jnp.asarray(g, jnp.float32) for k, g in grads.items()},
                               optimizer.init(params), params)
-  mu, nu = _adam_moments(state)
+  mu, nu = adam_moments(state)
   factor = min(1.0, clip / scale)
   seen = {k: np.asarray(m) / (1 - b1) for k, m in mu.items()}  # Adam's first moment: (1-b1) g.
   for k, g in grads.items():
@@ -183,15 +175,15 @@ def test_weight_decay_is_decoupled_lr_times_decay_times_param():
   -lr * weight_decay * param (AdamW), not scaled by Adam's normalisation."""
   params = {'w': jnp.asarray([0.5, -2.0, 3.0]), 'b': jnp.asarray([1e-3])}
   optimizer = optim.make_optimizer(_opt_config(weight_decay=0.1), 512)
-  updates, _ = optimizer.update(jax_zeros_like(params), optimizer.init(params), params)
+  updates, _ = optimizer.update(_zeros_like(params), optimizer.init(params), params)
   for k, p in params.items():
     np.testing.assert_allclose(updates[k], -_paper_rate(1) * 0.1 * np.asarray(p), rtol=1e-6)
   plain = optim.make_optimizer(_opt_config(weight_decay=0.0), 512)
-  updates, _ = plain.update(jax_zeros_like(params), plain.init(params), params)
+  updates, _ = plain.update(_zeros_like(params), plain.init(params), params)
   assert all(not np.any(np.asarray(u)) for u in updates.values())
 
 
-def jax_zeros_like(tree):
+def _zeros_like(tree):
   return {k: jnp.zeros_like(v) for k, v in tree.items()}
 
 
@@ -214,7 +206,6 @@ def _numpy_adamw(params, grads_per_step, clip, wd, b1=0.9, b2=0.98, eps=1e-9):
 
 @pytest.mark.parametrize('clip, wd', [(0.0, 0.0), (1.0, 0.0), (0.5, 0.1)])
 def test_three_updates_equal_a_hand_written_numpy_adam(clip, wd):
-  import optax  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(1)
   params = {'w': rng.normal(size=(4, 3)), 'b': rng.normal(size=(3,))}
   # Gradients of growing norm, with signs that change between steps: the moments matter.
