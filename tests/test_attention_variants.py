@@ -125,10 +125,10 @@ def _embedding_gradients(config, side: str, position: int):
   return np.abs(np.asarray(grads)).sum(-1)
 
 
-# The source side's window is also checked without the model, in
+# Both windows (causal and not) are also checked without the model, in the fast
 # test_local_attention_sees_exactly_its_window.
 @pytest.mark.parametrize('side', [pytest.param('source_embedder', marks=pytest.mark.slow),
-                                  'target_embedder'])
+                                  pytest.param('target_embedder', marks=pytest.mark.slow)])
 def test_a_position_sees_nothing_outside_its_window(side):
   window, t = 2, 7
   config = dataclasses.replace(CONFIG, attention_pattern='local', local_window=window,
