@@ -19,12 +19,18 @@ if GPU_RUN:
 else:  # Subprocesses inherit it: they too see only the CPU.
   os.environ['JAX_PLATFORMS'] = 'cpu'
 
+CACHE_DIR = os.path.expanduser(os.environ.get('T2T_JAX_TEST_CACHE', '~/.cache/t2t_jax/xla'))
+# The same persistent compilation cache for every process the tests start (they inherit the
+# environment): `python -m t2t_jax.*` runs, `python -c` scripts and launch/local.py's workers
+# compile the tiny programs once per machine, not once per test.
+os.environ['JAX_COMPILATION_CACHE_DIR'] = CACHE_DIR
+os.environ['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'] = '0.5'
+
 import numpy as np  # pylint: disable=g-import-not-at-top
 import jax  # pylint: disable=g-import-not-at-top
 import pytest  # pylint: disable=g-import-not-at-top
 
-jax.config.update('jax_compilation_cache_dir',
-                  os.path.expanduser(os.environ.get('T2T_JAX_TEST_CACHE', '~/.cache/t2t_jax/xla')))
+jax.config.update('jax_compilation_cache_dir', CACHE_DIR)
 jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.5)
 
 
@@ -51,6 +57,16 @@ def gpu_device():
 def tiny_config():
   from configs import tiny  # pylint: disable=g-import-not-at-top
   return tiny.get_config()
+
+
+@pytest.fixture(scope='session')
+def tiny_run(tmp_path_factory):
+  """The tiny config trained to step 20 once per session: (workdir, final figures). Tests read
+  it; one that trains on, damages or resumes it works on a copy."""
+  from configs import tiny  # pylint: disable=g-import-not-at-top
+  from t2t_jax import train  # pylint: disable=g-import-not-at-top
+  workdir = str(tmp_path_factory.mktemp('tiny_run'))
+  return workdir, train.train_and_evaluate(tiny.get_config(), workdir)
 
 
 def write_lines(path, lines):
@@ -107,3 +123,85 @@ def assert_cached_decoding_matches_teacher_forcing(config, params, inputs, targe
     # GPUs multiply float32 matrices in TF32 by default (10-bit mantissa): 1e-3 relative.
     np.testing.assert_allclose(logits[:, 0], full[:, t],
                                atol=2e-3 if jax.devices()[0].platform == 'gpu' else 1e-5)
+
+
+# Two runs that take the same Adam steps on gradients differing only in float32 rounding (another
+# reduction order: the batch split over devices, hosts or micro-batches) cannot be compared with
+# one rtol on the parameters. Adam moves a weight by lr_t * m_t / (sqrt(v_t) + eps) (bias-corrected
+# moments), a ratio that does not scale with the gradient, so the rounding error e of a gradient
+# g enters as e / sqrt(v_t), not as e / |p|:
+#   - where sqrt(v_t) is well above the noise, d(m / sqrt(v)) is at most about 2 |e| / sqrt(v_t)
+#     (|e| / sqrt(v_t) through m, the same again through v since |m / sqrt(v)| is about 1 or less
+#     over a few steps, exactly 1 at the first);
+#   - where sqrt(v_t) is of the order of the noise, the gradient is rounding noise, its sign may
+#     differ between the runs, and each run moves the weight by up to about lr_t either way: the
+#     two differ by at most 2 lr_t (2.5 lr_t with a margin for |m / sqrt(v)| above 1).
+# So after the steps t = 1..T, per weight,
+#   |p - p_reference| <= sum_t lr_t * min(2.5, 2 eta_t / sqrt(v_t)) + float32 rounding of p,
+# with eta_t = GRADIENT_NOISE * max |g_t| over the tensor and v_t the reference run's moment
+# after step t. GRADIENT_NOISE: summing n float32 terms in another order errs by about
+# sqrt(n) * 2^-24 relative to the largest (2e-6 for the tiny runs' thousands of tokens); 1e-5
+# leaves a margin of 5, which also covers the later gradients' change from the weights that
+# already differ (those are the weights the loss is flat along, the ones with noise gradients).
+# The first step starts from the same weights, so its gradients (m_1 = (1 - b1) g_1) must agree
+# to the noise alone.
+GRADIENT_NOISE = 1e-5
+
+
+def adam_moments(opt_state):
+  """(mu, nu) of the one Adam stage in an optax state (a chain, clipped or not)."""
+  import optax  # pylint: disable=g-import-not-at-top
+  is_adam = lambda x: isinstance(x, optax.ScaleByAdamState)
+  stages = [s for s in jax.tree.leaves(opt_state, is_leaf=is_adam) if is_adam(s)]
+  assert len(stages) == 1, stages
+  return stages[0].mu, stages[0].nu
+
+
+def assert_adam_runs_agree(run, reference, rates, b1=0.9, b2=0.98):
+  """`run` and `reference`: [(params, opt_state)] after each of the same T Adam steps (on host);
+  `rates`: the learning rate of each step. Asserts the bound derived above."""
+  assert len(run) == len(reference) == len(rates) >= 1
+  leaves = lambda tree: jax.tree.leaves(jax.device_get(tree))
+  first_mu, reference_first_mu = (leaves(adam_moments(r[1])[0]) for r in (run[0], reference[0]))
+  for mu, expected in zip(first_mu, reference_first_mu):
+    np.testing.assert_allclose(mu, expected, rtol=1e-4,
+                               atol=GRADIENT_NOISE * (1 - b1) * np.abs(expected).max())
+  bound = [np.zeros(np.shape(p)) for p in leaves(reference[-1][0])]
+  for t, ((_, opt_state), rate) in enumerate(zip(reference, rates), start=1):
+    for i, nu in enumerate(leaves(adam_moments(opt_state)[1])):
+      root_v = np.sqrt(np.asarray(nu, np.float64) / (1 - b2**t))  # About |g| of recent steps.
+      eta = GRADIENT_NOISE * root_v.max()
+      with np.errstate(divide='ignore'):
+        bound[i] += rate * np.minimum(2.5, np.where(root_v > 0, 2 * eta / root_v, np.inf))
+  moving = [np.asarray(nu) > 0 for nu in leaves(adam_moments(reference[-1][1])[1])]
+  tight = 0
+  for actual, expected, limit, moved in zip(leaves(run[-1][0]), leaves(reference[-1][0]), bound,
+                                            moving):
+    limit = limit + 1e-6 * np.abs(expected)
+    excess = np.abs(np.asarray(actual, np.float64) - expected) - limit
+    assert np.all(excess <= 0), (
+        f'{np.sum(excess > 0)} of {excess.size} weights beyond the bound, by up to '
+        f'{excess.max():.3g} (bound there {limit.flat[excess.argmax()]:.3g})')
+    tight += np.sum(moved & (limit < 0.1 * sum(rates)))
+  # The bound is not vacuous: a wrong gradient moves a weight by about lr a step, and most
+  # weights with a gradient are held to a tenth of that.
+  assert tight > 0.9 * sum(np.sum(m) for m in moving), (tight, sum(np.sum(m) for m in moving))
+
+
+# The tiny copy task's sequences are 1..8 symbols then EOS. A model blind to the source can at
+# best guess the first symbol (1 in 8) and then say EOS, the likeliest next token at every later
+# position (P(EOS | t symbols so far) = 1 / (9 - t) beats each symbol's (8 - t) / (8 (9 - t))):
+# (1/8 + 1) / 5.5 tokens = 0.205 accuracy on average; 0.3 is 4 standard deviations above that on
+# the 64 evaluation examples. Only a model that reads the source through its attention gets
+# there (60 steps at 3e-3 reach 0.38 to 0.40 for the family members tested).
+BLIND_COPY_ACCURACY = 0.205
+LEARNED_COPY_ACCURACY = 0.3
+
+
+def learns_to_copy(config, steps=60):
+  """`config` set to train the tiny copy task for `steps` at a constant rate, no dropout."""
+  config.opt.schedule, config.opt.lr_scale = 'constant', 3e-3
+  config.model.dropout = 0.0
+  config.train.num_steps = config.train.eval_every = steps
+  config.ckpt.every = 0
+  return config

@@ -175,6 +175,7 @@ def test_packed_segments_never_attend_to_each_other():
   assert np.abs(other[0, segments == 2] - packed[0, segments == 2]).max() > 1e-3
 
 
+@pytest.mark.slow
 def test_packed_training_runs_and_resumes(tiny_config, tmp_path):
   from t2t_jax import train  # pylint: disable=g-import-not-at-top
   tiny_config.data.batching = 'packed'

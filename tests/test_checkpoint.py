@@ -87,6 +87,7 @@ def test_keeps_last_k_and_every_mth(tmp_path):
   assert sorted(int(name) for name in os.listdir(tmp_path / 'checkpoints')) == [3, 6, 7, 8]
 
 
+@pytest.mark.slow
 def test_checkpoint_holds_state_rng_data_position_and_config(trained):
   workdir, config, setup, _ = trained
   restored = checkpoint.Checkpointer(workdir, config.ckpt).restore(setup.abstract_state, config)
@@ -101,6 +102,7 @@ def test_checkpoint_holds_state_rng_data_position_and_config(trained):
 
 
 # The arrays live in state/d/ (the merged OCDBT data); ocdbt.process_*/ are not read back.
+@pytest.mark.slow
 @pytest.mark.parametrize('damage, pattern', [('truncate', 'state/d/*'), ('remove', 'state/d/*'),
                                              ('remove', 'state/manifest.ocdbt')])
 def test_damaged_latest_checkpoint_falls_back_with_warning(trained, tmp_path, caplog, damage,
@@ -145,6 +147,7 @@ def test_damage_description_is_a_sentence_without_pybind_or_spec_text():
   assert saved_params.describe_error(OSError()) == 'OSError'
 
 
+@pytest.mark.slow
 def test_all_checkpoints_damaged_is_an_error_not_a_fresh_start(trained, tmp_path):
   workdir, config, setup, _ = trained
   workdir = _copy(workdir, tmp_path)
@@ -155,6 +158,7 @@ def test_all_checkpoints_damaged_is_an_error_not_a_fresh_start(trained, tmp_path
   assert sorted(os.listdir(f'{workdir}/checkpoints')) == ['10', '15', '20', '5']  # Not moved.
 
 
+@pytest.mark.slow
 def test_shape_changing_config_is_refused_and_harmless_change_logged(trained, caplog):
   workdir, config, setup, _ = trained
   bigger = _config()
@@ -174,6 +178,7 @@ def test_shape_changing_config_is_refused_and_harmless_change_logged(trained, ca
   assert 'differ from an uninterrupted run: opt.lr_scale: 2.0 -> 1.0' in messages
 
 
+@pytest.mark.slow
 def test_dropout_prng_with_another_key_size_is_refused_not_called_damaged(trained):
   workdir, _, setup, _ = trained
   rbg = _config()
@@ -256,6 +261,7 @@ def averaged(trained):
   return path
 
 
+@pytest.mark.slow
 def test_averaged_params_equal_the_numpy_mean(trained, averaged):
   workdir = trained[0]
   inputs = [_numpy_params(f'{workdir}/checkpoints/{step}') for step in (10, 15, 20)]
@@ -269,6 +275,7 @@ def test_averaged_params_equal_the_numpy_mean(trained, averaged):
     average.choose_steps([5, 10, 15, 20], 0, ['7', '10'])
 
 
+@pytest.mark.slow
 def test_averaged_checkpoint_loads_translates_and_starts_training(trained, averaged, tmp_path):
   workdir, config, setup, _ = trained
   params = saved_params.restore_params(workdir, setup.abstract_state.params, averaged)
@@ -290,6 +297,7 @@ def test_averaged_checkpoint_loads_translates_and_starts_training(trained, avera
                        saved_params.load_params(averaged))
 
 
+@pytest.mark.slow
 def test_restore_params_by_step_and_its_errors(trained, tmp_path):
   workdir, _, setup, _ = trained
   params = saved_params.restore_params(workdir, setup.abstract_state.params, '10')
@@ -309,6 +317,7 @@ def test_restore_params_by_step_and_its_errors(trained, tmp_path):
     saved_params.restore_params(workdir, wider_params)
 
 
+@pytest.mark.slow
 def test_bf16_export_holds_only_cast_params(trained):
   workdir, _, setup, _ = trained
   path = export.export(workdir, '20', 'bfloat16')
@@ -324,6 +333,7 @@ def test_bf16_export_holds_only_cast_params(trained):
   assert jax.tree.leaves(as_float32)[0].dtype == jnp.float32
 
 
+@pytest.mark.slow
 def test_training_evaluates_the_average_of_the_last_checkpoints(trained):
   workdir, config, setup, results = trained
   for name in ('eval_loss', 'bleu', 'exact_match'):
@@ -340,6 +350,7 @@ def test_training_evaluates_the_average_of_the_last_checkpoints(trained):
   assert results['averaged_eval_loss'] != results['eval_loss']
 
 
+@pytest.mark.slow
 def test_readme_snippet_restores_params_with_plain_orbax(trained, caplog, capfd):
   workdir = trained[0]
   export.export(workdir, '20', 'bfloat16', os.path.join(workdir, 'export', 'snippet'))

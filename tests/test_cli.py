@@ -44,6 +44,7 @@ def _one_line_error(stderr: str, *parts: str) -> str:
   return errors[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('module, args, parts', [
     ('main', ['--config=configs/tiny.py', '--workdir=W', '--config.model.d_modle=3'],
      ['--config.model.d_modle=3', "'d_modle'", 'did you mean "d_model"']),
@@ -71,6 +72,7 @@ def test_usage_mistakes_are_one_line_and_a_usage_line(tmp_path, module, args, pa
   assert len(stderr.splitlines()) <= 3, stderr  # Not the whole --help.
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('module, args, parts', [
     ('translate', ['--workdir=W'], ['config.json', 'directory of a training run']),
     ('export', ['--workdir=W'], ['no checkpoint']),
@@ -83,6 +85,7 @@ def test_checkpoint_errors_are_one_line(tmp_path, module, args, parts):
   _one_line_error(stderr, *parts)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('flag, parts', [
     ('--config.train.num_steps=0', ['config.train.num_steps=0', '[1, inf)']),
     ('--config.model.num_heads=3', ['config.model.d_model=32 is not divisible by '

@@ -52,7 +52,13 @@ def test_vocabulary_must_exceed_the_reserved_ids_and_all_problems_are_listed(tin
   assert 'config.train.log_every=0' in str(error.value)
 
 
-def test_the_shipped_configs_pass(tiny_config):
+def test_mesh_false_leaves_out_only_the_device_check(tiny_config):
+  """Every shipped config is checked in test_configs.py; here the `mesh` switch."""
   config_check.check(tiny_config)
   tiny_config.mesh.shape = (2, 2, 4)  # Twice the devices: only the data side is checked.
   config_check.check(tiny_config, mesh=False)
+  with pytest.raises(ConfigError, match=r'needs a multiple of 16 devices, but there are 8'):
+    config_check.check(tiny_config)
+  tiny_config.train.num_steps = 0  # Everything else is still checked.
+  with pytest.raises(ConfigError, match='config.train.num_steps=0'):
+    config_check.check(tiny_config, mesh=False)

@@ -274,6 +274,7 @@ def test_unknown_source_and_batching_are_refused(tiny_config, tmp_path):
     data.make_batchers(tiny_config, task.train, task.eval, 1)
 
 
+@pytest.mark.slow
 def test_prepare_cli_builds_then_hits_the_cache(tiny_config, tmp_path):
   config = text_config(tiny_config, tmp_path)
   command = [sys.executable, '-m', 't2t_jax.prepare', '--config=configs/tiny.py',
@@ -312,6 +313,7 @@ def _main_on_training_lines(tmp_path, source_lines, target_lines):
   return result.returncode, result.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('source_lines, target_lines, told', [
     ([], [], 'empty (0 pairs read)'),
     (['', 'cat', b'\xff dog'], ['katze', '', 'hund'],

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import ROOT, scalar_events, write_lines
+from conftest import LEARNED_COPY_ACCURACY, ROOT, learns_to_copy, scalar_events, write_lines
 from t2t_jax import ConfigError
 from t2t_jax import config_check
 from t2t_jax import data
@@ -38,6 +38,9 @@ CONFIG = model_lib.TransformerConfig(
 # Right-padded sources (ending in EOS = 1) and targets of different lengths.
 INPUTS = jnp.array([[3, 4, 5, 6, 1], [7, 8, 1, 0, 0]], jnp.int32)
 TARGETS = jnp.array([[9, 10, 11, 1], [12, 1, 0, 0]], jnp.int32)
+# A fixed random direction to read a layer's output along: its plain sum is that of a LayerNorm
+# output, 0 up to rounding whatever the inputs, so its gradients would be rounding noise.
+DIRECTION = jnp.asarray(np.random.default_rng(0).normal(size=16), jnp.float32)
 
 
 def _params(config=CONFIG):
@@ -82,7 +85,7 @@ def test_no_target_sees_a_later_one_and_the_source_sees_itself_as_configured(pre
     assert np.all(seen[source_length + t + 1:] == 0.0)
     assert np.all(seen[:source_length + t + 1] > 0.0)
   for i in range(source_length):
-    seen = _embedding_gradients(config, params, lambda _, states: states[0, i].sum())[0]
+    seen = _embedding_gradients(config, params, lambda _, states: states[0, i] @ DIRECTION)[0]
     assert np.all(seen[source_length:] == 0.0)  # No source position reads the target.
     assert np.all(seen[:i + 1] > 0.0)
     later_source = seen[i + 1:source_length]
@@ -158,7 +161,7 @@ def test_the_loss_is_the_cross_entropy_of_the_target_tokens_only(prefix_attentio
                                    0.0)['loss']) == pytest.approx(expected, rel=1e-5)
 
 
-@pytest.mark.parametrize('scan_layers', [False, True])
+@pytest.mark.parametrize('scan_layers', [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_cached_greedy_decoding_is_the_argmax_of_teacher_forcing(scan_layers):
   config = dataclasses.replace(CONFIG, prefix_attention='full', scan_layers=scan_layers)
   params = _params(config)
@@ -261,6 +264,7 @@ def trained(tmp_path_factory):
   return workdir, train.train_and_evaluate(config, workdir)
 
 
+@pytest.mark.slow
 def test_prepend_form_learns_the_synthetic_task(trained):
   workdir, results = trained
   losses = scalar_events(workdir)['train/loss']
@@ -277,6 +281,7 @@ def _run(module, *args, stdin=None):
                         capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_translate_cli_decodes_a_decoder_only_checkpoint(trained, tmp_path):
   workdir, _ = trained
   lines = ['3 1 4 1 5', '', '2 7']
@@ -295,6 +300,7 @@ def test_translate_cli_decodes_a_decoder_only_checkpoint(trained, tmp_path):
   assert pictures.returncode != 0 and 'has none' in pictures.stderr
 
 
+@pytest.mark.slow
 def test_lm_config_trains_on_a_text_file_and_reports_perplexity(tmp_path):
   from configs import lm  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(0)
@@ -318,6 +324,7 @@ def test_lm_config_trains_on_a_text_file_and_reports_perplexity(tmp_path):
     translate.load(str(tmp_path / 'run'))
 
 
+@pytest.mark.slow
 def test_multi30k_decoder_only_variant_runs_end_to_end(tmp_path):
   from configs import multi30k  # pylint: disable=g-import-not-at-top
   from test_multi30k import _fake_multi30k, _shrunk  # pylint: disable=g-import-not-at-top
@@ -348,14 +355,15 @@ def test_analytic_flops_equal_the_matmuls_of_the_train_step(tiny_config):
 
 # The attention family in the one stack: a window of 2 and blocks of 3 are far shorter than the
 # 5 + 4 joined positions, and row 1's source padding sits inside them.
+# One member in the fast tier, the rest with the slow tier.
 @pytest.mark.parametrize('pattern, positions, scan_layers', [
-    ('local,compressed', 'sinusoidal', False),
-    ('compressed', 'learned', True),
+    pytest.param('local,compressed', 'sinusoidal', False, marks=pytest.mark.slow),
+    pytest.param('compressed', 'learned', True, marks=pytest.mark.slow),
     ('local', 'relative', False),
-    ('full,local', 'relative', False),
-    ('full,local', 'rotary', False),
-    ('local', 'alibi', True),
-    ('full', 'alibi', False),
+    pytest.param('full,local', 'relative', False, marks=pytest.mark.slow),
+    pytest.param('full,local', 'rotary', False, marks=pytest.mark.slow),
+    pytest.param('local', 'alibi', True, marks=pytest.mark.slow),
+    pytest.param('full', 'alibi', False, marks=pytest.mark.slow),
 ])
 def test_family_patterns_decode_from_the_prefill_cache_as_teacher_forcing(pattern, positions,
                                                                          scan_layers):
@@ -389,18 +397,26 @@ def test_local_and_compressed_layers_keep_the_decoder_only_model_causal():
   assert np.all(seen[3:INPUTS.shape[1]] == 0.0)
 
 
-@pytest.mark.parametrize('pattern, positions', [('local,compressed', 'sinusoidal'),
-                                                ('local', 'relative')])
+@pytest.mark.slow
+# Windows of 4 with memory-compressed blocks carry the source to the targets within 60 steps;
+# local layers alone (windows of 4 or 8, relative positions) measured no better than a model
+# blind to the source after 100 steps (accuracy 0.17 to 0.22), so that member is held only to
+# beating the uniform guess over the 10 ids: 1.76, the smoothed loss ln 10 - H(0.9, 0.1 / 9).
+@pytest.mark.parametrize('pattern, positions, copies', [('local,compressed', 'sinusoidal', True),
+                                                        ('local', 'relative', False)])
 def test_decoder_only_family_configs_train_and_dry_run(tiny_config, tmp_path, pattern,
-                                                       positions):
+                                                       positions, copies):
   config = _tiny_decoder_only(tiny_config)
   config.model.attention_pattern, config.model.positions = pattern, positions
   config.model.local_half_width, config.model.compression_stride = 4, 3
-  config.train.num_steps, config.train.eval_every, config.ckpt.every = 4, 4, 0
+  learns_to_copy(config)
   config.eval.bleu_sentences = 4
   results = train.train_and_evaluate(config, str(tmp_path))
-  assert results['step'] == 4 and np.isfinite(results['eval_loss'])
-  assert 0 <= results['bleu'] <= 100  # Greedy decoding through the prefill cache.
+  assert results['step'] == 60, results
+  if copies:  # Above what a model blind to the source can reach (conftest.py).
+    assert results['eval_accuracy'] > LEARNED_COPY_ACCURACY, results
+  else:
+    assert results['eval_loss'] < 1.7, results
   dry = dry_run_lib.dry_run(config)
   assert (dry['attention_pattern'], dry['positions']) == (pattern, positions)
 

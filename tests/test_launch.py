@@ -39,6 +39,7 @@ def test_sweep_expands_products_and_zips():
     sweep.commands(points, ['python', '-m', 't2t_jax.main'])
 
 
+@pytest.mark.slow
 def test_sweep_dry_run_prints_commands_and_slurm_array(tmp_path):
   base = ['--', 'python', '-m', 't2t_jax.main', '--config=configs/tiny.py',
           f'--workdir={tmp_path}']
@@ -98,6 +99,7 @@ def test_summary_sorts_by_a_column(tmp_path, column, order):
     sweep.summarize(str(tmp_path), sort='blue')
 
 
+@pytest.mark.slow
 def test_summary_as_a_markdown_table_from_the_command_line(tmp_path):
   _finished_sweep(tmp_path)
   run = _run([sys.executable, 'launch/sweep.py', '--summarize', str(tmp_path), '--sort=bleu',
@@ -169,6 +171,7 @@ def test_dry_run_of_big_on_a_simulated_4_2_1_mesh_prints_memory_per_device():
   assert memory['temp'] > 0 and memory['output'] > 0
 
 
+@pytest.mark.slow
 def test_hang_guard_dumps_stacks_and_exits_on_a_stalled_step(tmp_path):
   script = textwrap.dedent(f'''
       import os
@@ -209,6 +212,7 @@ def test_hang_guard_dumps_stacks_and_exits_on_a_stalled_step(tmp_path):
   assert 'in train_and_evaluate' in run.stderr  # The main thread, waiting on the step.
 
 
+@pytest.mark.slow
 def test_launch_scripts_parse():
   for script in ('launch/slurm.sbatch', 'launch/tpu_vm.sh'):
     subprocess.run(['bash', '-n', script], cwd=ROOT, check=True)

@@ -40,7 +40,7 @@ def test_positions_follow_the_paper_formula():
       assert table[pos, 2 * i + 1] == pytest.approx(math.cos(angle), abs=1e-6)
 
 
-@pytest.mark.parametrize('norm', ['post', 'pre'])
+@pytest.mark.parametrize('norm', [pytest.param('post', marks=pytest.mark.slow), 'pre'])
 def test_decoder_is_causal_through_gradients(norm):
   config = dataclasses.replace(CONFIG, norm=norm)
   model = model_lib.Transformer(config)

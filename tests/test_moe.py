@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import scalar_events
+from conftest import assert_adam_runs_agree, scalar_events
 from configs import tiny
 from t2t_jax import ConfigError
 from t2t_jax import config_check
@@ -209,6 +209,7 @@ def test_layer_choice_and_config_errors():
     config_check.check(config)
 
 
+@pytest.mark.slow
 def test_experts_off_is_the_dense_model(tiny_config):
   """moe_experts=0: no expert weights, no MoE metrics, and the other MoE keys change nothing."""
   setup = train.build(tiny_config, data.vocab_size(tiny_config))
@@ -232,19 +233,22 @@ def _batches(config, count, rows=16):
 
 
 def _trajectory(config, batches, mesh):
-  """Per-step (loss, aux loss, dropped) and the final state of training on `mesh`."""
+  """Per-step (loss, aux loss, dropped), the final state, and (params, opt_state) on the host
+  after each step of training on `mesh`."""
   setup = train.build(config, data.vocab_size(config), mesh)
   state = setup.init(jax.random.PRNGKey(0))
-  figures = []
+  figures, history = [], []
   for batch in batches:
     state, metrics = setup.train_step(state, sharding.global_batch(batch, mesh),
                                       jax.random.PRNGKey(1))
     weight = float(metrics['weight'])
     figures.append((float(metrics['loss']) / weight, float(metrics['moe_aux_loss']) / weight,
                     float(metrics['moe_dropped'])))
-  return np.array(figures), state
+    history.append(jax.device_get((state.params, state.opt_state)))
+  return np.array(figures), state, history
 
 
+@pytest.mark.slow
 def test_experts_sharded_over_the_expert_axis_train_as_on_one_device():
   config = tiny.get_config('moe')
   config.model.dropout = config.model.attention_dropout = config.model.relu_dropout = 0.0
@@ -253,21 +257,25 @@ def test_experts_sharded_over_the_expert_axis_train_as_on_one_device():
   config.opt.schedule, config.opt.lr_scale = 'constant', 3e-3
   batches = _batches(config, 3)
   config.mesh.shape = (1, 1, 1)
-  single, single_state = _trajectory(config, batches,
-                                     sharding.make_mesh(config.mesh, jax.devices()[:1]))
+  single, _, single_history = _trajectory(config, batches,
+                                          sharding.make_mesh(config.mesh, jax.devices()[:1]))
   config.mesh.shape = (2, 1, 1, 4)
   mesh = sharding.make_mesh(config.mesh)
   assert dict(mesh.shape) == {'data': 2, 'fsdp': 1, 'tensor': 1, 'expert': 4}
-  sharded, sharded_state = _trajectory(config, batches, mesh)
+  sharded, sharded_state, sharded_history = _trajectory(config, batches, mesh)
   assert single[:, 2].sum() > 0  # Dropping happened and is counted alike.
-  np.testing.assert_allclose(sharded, single, rtol=2e-5)
+  np.testing.assert_array_equal(sharded[:, 2], single[:, 2])
+  np.testing.assert_allclose(sharded[:, :2], single[:, :2], rtol=2e-5)
+  assert single[-1, 0] < single[0, 0]  # It trains, so the comparison means something.
   expert_kernel = sharded_state.params['decoder_0']['moe']['wi_kernel']
   assert expert_kernel.sharding.spec[0] == 'expert'
   assert {shard.data.shape for shard in expert_kernel.addressable_shards} == {(1, 32, 64)}
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5),
-               jax.device_get(sharded_state.params), jax.device_get(single_state.params))
+  # First-step gradients tightly, the weights after 3 Adam steps within what rounding noise
+  # can move them (the derivation above GRADIENT_NOISE in conftest.py).
+  assert_adam_runs_agree(sharded_history, single_history, [3e-3] * len(batches))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('scan_layers, loss_chunk_tokens', [(False, 0), (True, 64)])
 def test_a_tiny_moe_run_trains_end_to_end_and_logs_the_balance(tmp_path, scan_layers,
                                                                loss_chunk_tokens):

@@ -93,6 +93,7 @@ def test_relative_paths_are_read_from_the_data_dir(tmp_path):
     sources.open_split(config, 'train')
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('variant, tokenize, cased', [('tok', 'none', False),
                                                       ('raw', '13a', True)])
 def test_each_variant_trains_on_its_files_and_scores_its_bleu(tmp_path, variant, tokenize,
@@ -239,6 +240,7 @@ def test_summary_reports_the_target_or_why_not_and_every_null_has_a_reason(tmp_p
       for key in ('minutes_to_target', 'step_to_target')}
 
 
+@pytest.mark.slow
 def test_plot_command_prints_the_time_to_target_and_ends_with_a_json_line(tmp_path):
   seconds, _ = _resumed_bleu_run(tmp_path / 'run')
   completed = subprocess.run(
@@ -267,6 +269,7 @@ def _opened_at(directory, suffix):
   return event_pb2.Event.FromString(first).wall_time
 
 
+@pytest.mark.slow
 def test_read_scalars_stops_at_a_torn_record_and_the_cli_explains_an_empty_workdir(tmp_path):
   writer = tensorboardX.SummaryWriter(str(tmp_path))
   for step in range(1, 4):
@@ -285,6 +288,7 @@ def test_read_scalars_stops_at_a_torn_record_and_the_cli_explains_an_empty_workd
   assert completed.returncode == 2 and 'error: no TensorBoard event files' in completed.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('variant, key, value', [
     ('relative', 'positions', 'relative'), ('predictive', 'positions', 'predictive'),
     ('local_compressed', 'attention_pattern', 'local,compressed'), ('raw_moe', 'moe_experts', 4)])
@@ -320,6 +324,7 @@ def test_speedrun_is_the_reference_architecture_with_a_schedule_that_ends_at_its
   assert speedrun.eval.bleu_sentences == -1  # Every evaluation scores all of valid.
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('while_training, expected', [(5, [5, 16]), (0, [16])])
 def test_full_bleu_at_end_decodes_a_subset_while_training_and_every_sentence_at_the_end(
     tmp_path, monkeypatch, while_training, expected):

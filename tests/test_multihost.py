@@ -28,6 +28,7 @@ def _env():
   return env
 
 
+@pytest.mark.slow
 @pytest.mark.multihost
 def test_two_processes_match_one_and_their_checkpoint_restores(tiny_config, tmp_path):
   two = str(tmp_path / 'two')
@@ -46,6 +47,9 @@ def test_two_processes_match_one_and_their_checkpoint_restores(tiny_config, tmp_
     tiny_config[section][name] = value
   one = train.train_and_evaluate(tiny_config, str(tmp_path / 'one'))  # 1 process x 8 devices.
   assert final_two['step'] == one['step'] == STEPS
+  # Losses, not weights, are compared tightly: the weights of the two runs may differ by up to
+  # about lr per step where a gradient is rounding noise (conftest.py, GRADIENT_NOISE), but the
+  # loss is flat along exactly those weights, so it moves by |g| * lr there: far below 1e-5.
   np.testing.assert_allclose(_train_losses(two), _train_losses(str(tmp_path / 'one')),
                              rtol=1e-5)
   assert len(_train_losses(two)) == STEPS
@@ -60,6 +64,7 @@ def test_two_processes_match_one_and_their_checkpoint_restores(tiny_config, tmp_
   np.testing.assert_allclose(resumed_two['eval_loss'], resumed_one['eval_loss'], rtol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.multihost
 def test_a_peer_that_never_joins_gives_a_clear_error(tmp_path):
   with socket.socket() as s:

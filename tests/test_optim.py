@@ -1,12 +1,14 @@
-"""Loss and schedule against independent computations."""
+"""Loss, schedules and the optimiser (clipping, decay, Adam) against independent computations."""
 
 import math
 
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+import optax
 import pytest
 
+from conftest import adam_moments
 from t2t_jax import optim
 
 
@@ -142,9 +144,85 @@ def test_metrics_count_real_tokens_only():
   assert summary['perplexity'] == pytest.approx(math.exp(float(sums['nll']) / 3))
 
 
-def test_clipping_and_weight_decay_build():
-  import jax  # pylint: disable=g-import-not-at-top
-  params = {'w': jnp.ones(3)}
-  optimizer = optim.make_optimizer(_opt_config(grad_clip=1.0, weight_decay=0.1), 512)
-  updates, _ = optimizer.update({'w': jnp.full(3, 100.0)}, optimizer.init(params), params)
-  assert jax.tree.leaves(updates)[0].shape == (3,)
+def _paper_rate(step, d_model=512, warmup=4000):
+  return d_model**-0.5 * min(step**-0.5, step * warmup**-1.5)
+
+
+@pytest.mark.parametrize('scale', [0.3, 7.0])  # Global norm below and above the clip.
+def test_gradients_are_clipped_to_the_global_norm_before_adam(scale):
+  rng = np.random.default_rng(0)
+  grads = {'w': rng.normal(size=(3, 4)), 'b': rng.normal(size=(5,))}
+  norm = np.sqrt(sum((g**2).sum() for g in grads.values()))
+  grads = {k: g * scale / norm for k, g in grads.items()}  # Global norm exactly `scale`.
+  clip, b1, b2 = 1.0, 0.9, 0.98
+  optimizer = optim.make_optimizer(_opt_config(grad_clip=clip), 512)
+  params = {k: jnp.zeros(g.shape) for k, g in grads.items()}
+  _, state = optimizer.update({k: jnp.asarray(g, jnp.float32) for k, g in grads.items()},
+                              optimizer.init(params), params)
+  mu, nu = adam_moments(state)
+  factor = min(1.0, clip / scale)
+  seen = {k: np.asarray(m) / (1 - b1) for k, m in mu.items()}  # Adam's first moment: (1-b1) g.
+  for k, g in grads.items():
+    np.testing.assert_allclose(seen[k], g * factor, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(nu[k]) / (1 - b2), (g * factor)**2, rtol=1e-5,
+                               atol=1e-9)
+  clipped_norm = np.sqrt(sum((v**2).sum() for v in seen.values()))
+  assert clipped_norm == pytest.approx(min(scale, clip), rel=1e-5)
+
+
+def test_weight_decay_is_decoupled_lr_times_decay_times_param():
+  """With a zero gradient Adam's own step is 0, so the update is the decay term alone:
+  -lr * weight_decay * param (AdamW), not scaled by Adam's normalisation."""
+  params = {'w': jnp.asarray([0.5, -2.0, 3.0]), 'b': jnp.asarray([1e-3])}
+  optimizer = optim.make_optimizer(_opt_config(weight_decay=0.1), 512)
+  updates, _ = optimizer.update(_zeros_like(params), optimizer.init(params), params)
+  for k, p in params.items():
+    np.testing.assert_allclose(updates[k], -_paper_rate(1) * 0.1 * np.asarray(p), rtol=1e-6)
+  plain = optim.make_optimizer(_opt_config(weight_decay=0.0), 512)
+  updates, _ = plain.update(_zeros_like(params), plain.init(params), params)
+  assert all(not np.any(np.asarray(u)) for u in updates.values())
+
+
+def _zeros_like(tree):
+  return {k: jnp.zeros_like(v) for k, v in tree.items()}
+
+
+def _numpy_adamw(params, grads_per_step, clip, wd, b1=0.9, b2=0.98, eps=1e-9):
+  """Adam with decoupled decay after global-norm clipping, in float64, from the papers."""
+  params = {k: np.asarray(v, np.float64) for k, v in params.items()}
+  m = {k: np.zeros_like(v) for k, v in params.items()}
+  v = {k: np.zeros_like(p) for k, p in params.items()}
+  for t, grads in enumerate(grads_per_step, start=1):
+    norm = np.sqrt(sum((g**2).sum() for g in grads.values()))
+    factor = min(1.0, clip / norm) if clip else 1.0
+    for k, g in grads.items():
+      g = g * factor
+      m[k] = b1 * m[k] + (1 - b1) * g
+      v[k] = b2 * v[k] + (1 - b2) * g * g
+      m_hat, v_hat = m[k] / (1 - b1**t), v[k] / (1 - b2**t)
+      params[k] = params[k] - _paper_rate(t, warmup=1) * (m_hat / (np.sqrt(v_hat) + eps) + wd * params[k])
+  return params
+
+
+@pytest.mark.parametrize('clip, wd', [(0.0, 0.0), (1.0, 0.0), (0.5, 0.1)])
+def test_three_updates_equal_a_hand_written_numpy_adam(clip, wd):
+  rng = np.random.default_rng(1)
+  params = {'w': rng.normal(size=(4, 3)), 'b': rng.normal(size=(3,))}
+  # Gradients of growing norm, with signs that change between steps: the moments matter.
+  grads_per_step = [{k: rng.normal(size=p.shape) * scale for k, p in params.items()}
+                    for scale in (0.1, 1.0, 3.0)]
+  expected = _numpy_adamw(params, grads_per_step, clip, wd)
+  # warmup 1: rates 512^-0.5 * t^-0.5, large enough that float32 rounding of the weights
+  # (1e-7 relative) is far below the motion compared.
+  optimizer = optim.make_optimizer(
+      _opt_config(grad_clip=clip, weight_decay=wd, warmup_steps=1), 512)
+  current = {k: jnp.asarray(v, jnp.float32) for k, v in params.items()}
+  state = optimizer.init(current)
+  for grads in grads_per_step:
+    updates, state = optimizer.update({k: jnp.asarray(g, jnp.float32) for k, g in grads.items()},
+                                      state, current)
+    current = optax.apply_updates(current, updates)
+  for k in params:
+    moved = expected[k] - params[k]  # About 3 lr per weight: compare the motion, not the sum.
+    np.testing.assert_allclose(np.asarray(current[k]) - params[k], moved, rtol=2e-5,
+                               atol=1e-6)

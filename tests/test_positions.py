@@ -93,7 +93,7 @@ def _packed_apply(config, params, offset):
       segments_out, mutable=['intermediates'])
 
 
-@pytest.mark.parametrize('pattern', ['full', 'local'])
+@pytest.mark.parametrize('pattern', ['full', pytest.param('local', marks=pytest.mark.slow)])
 def test_relative_attention_ignores_a_shift_of_every_position(pattern):
   config = dataclasses.replace(CONFIG, positions='relative', attention_pattern=pattern,
                                local_half_width=3, max_relative_distance=2)

@@ -59,10 +59,60 @@ def test_sharded_draws_equal_unsharded_draws():
 
 
 @pytest.mark.parametrize('name', prng.DROPOUT_PRNGS)
-def test_every_dropout_prng_gives_a_key_of_its_shape(name):
-  data = prng.dropout_key(jax.random.PRNGKey(0), name)
+def test_every_dropout_prng_is_deterministic_keyed_and_uniform(name):
+  seed_key = jax.random.PRNGKey(0)
+  data = prng.dropout_key(seed_key, name)
   key = jax.random.wrap_key_data(data, impl=prng.impl(name))
-  assert jax.random.bits(key, (3,)).shape == (3,)
+  words = 4 if name in ('rbg', 'unsafe_rbg') else 2
+  assert data.shape == (words,) and data.dtype == jnp.uint32
+  if words == 2:  # A 2-word PRNG takes the threefry key as it is (prng.dropout_key).
+    np.testing.assert_array_equal(data, seed_key)
+  # The same raw key gives the same key data and the same bits; another seed other bits.
+  np.testing.assert_array_equal(prng.dropout_key(jax.random.PRNGKey(0), name), data)
+  draw = lambda k: np.asarray(jax.random.bits(k, (1 << 14,), jnp.uint32))
+  bits = draw(key)
+  np.testing.assert_array_equal(draw(jax.random.wrap_key_data(data, impl=prng.impl(name))),
+                                bits)
+  other = draw(jax.random.wrap_key_data(prng.dropout_key(jax.random.PRNGKey(1), name),
+                                        impl=prng.impl(name)))
+  assert (other == bits).mean() < 0.01
+  # fold_in with different data, and the halves of a split, give different streams.
+  folded = [draw(jax.random.fold_in(key, i)) for i in range(2)]
+  halves = [draw(k) for k in jax.random.split(key)]
+  # (threefry's split(key)[i] is its fold_in(key, i), so those two are not compared.)
+  for a, b in [(bits, folded[0]), (bits, halves[0]), (folded[0], folded[1]),
+               (halves[0], halves[1])]:
+    assert (a == b).mean() < 0.01
+  # Uniform on [0, 1): the mean within 4 standard deviations of 1/2, every decile filled.
+  uniform = np.asarray(jax.random.uniform(key, (1 << 14,)))
+  assert uniform.min() >= 0.0 and uniform.max() < 1.0
+  assert abs(uniform.mean() - 0.5) < 4 * np.sqrt(1 / 12 / uniform.size)
+  counts = np.bincount((uniform * 10).astype(int), minlength=10)
+  assert np.all(np.abs(counts - uniform.size / 10) < 5 * np.sqrt(uniform.size * 0.09))
+
+
+def test_hash32_bits_depend_only_on_the_element_position():
+  """The counter is the row-major index: any shape draws the same stream, and a prefix of a
+  longer draw equals a shorter draw."""
+  key = _key(5)
+  flat = np.asarray(jax.random.bits(key, (24,), jnp.uint32))
+  np.testing.assert_array_equal(np.asarray(jax.random.bits(key, (4, 6), jnp.uint32)),
+                                flat.reshape(4, 6))
+  np.testing.assert_array_equal(np.asarray(jax.random.bits(key, (2, 3, 4), jnp.uint32)),
+                                flat.reshape(2, 3, 4))
+  np.testing.assert_array_equal(np.asarray(jax.random.bits(key, (10,), jnp.uint32)), flat[:10])
+  # 8-bit draws are the low byte of each word; no two positions share a word by chance here.
+  np.testing.assert_array_equal(np.asarray(jax.random.bits(key, (24,), jnp.uint8)),
+                                (flat & 0xFF).astype(np.uint8))
+  assert len(set(flat.tolist())) == 24
+
+
+def test_hash32_seeds_differ_and_keep_the_high_word():
+  keys = [np.asarray(jax.random.key_data(jax.random.key(seed, impl=prng.HASH32)))
+          for seed in (0, 1, 2)]
+  assert len({tuple(k) for k in keys}) == 3
+  np.testing.assert_array_equal(
+      keys[1], np.asarray(jax.random.key_data(jax.random.key(1, impl=prng.HASH32))))
 
 
 def test_unknown_dropout_prng_is_refused_naming_the_key():

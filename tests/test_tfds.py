@@ -43,6 +43,7 @@ def _wmt_pairs(tfds, split, source_lang='en', target_lang='de'):
           for e in tfds.as_numpy(dataset)]
 
 
+@pytest.mark.slow
 def test_mock_wmt_trains_end_to_end_then_reuses_vocab_and_cache(tiny_config, tmp_path, mock_wmt,
                                                                  caplog):
   config = _tfds_config(tiny_config, tmp_path)
@@ -68,6 +69,7 @@ def test_mock_wmt_trains_end_to_end_then_reuses_vocab_and_cache(tiny_config, tmp
   assert sorted(os.listdir(tmp_path / 'cache' / 'tokens')) == entries
 
 
+@pytest.mark.slow
 def test_wmt14_config_defaults_to_tfds_and_works_under_mock_data(tmp_path, mock_wmt):
   from configs import wmt14_ende  # pylint: disable=g-import-not-at-top
   config = wmt14_ende.get_config('base')
@@ -116,6 +118,7 @@ def test_unknown_language_is_refused(tiny_config, tmp_path, mock_wmt):
     data.load(config, str(tmp_path))
 
 
+@pytest.mark.slow
 def test_core_modules_never_import_tensorflow():
   code = ('import sys; import t2t_jax.train, t2t_jax.data, t2t_jax.prepare; '
           "print(sorted(m for m in sys.modules if m.split('.')[0] in "
@@ -146,6 +149,7 @@ def test_bad_tfds_examples_are_named_or_skipped(tiny_config, tmp_path, caplog, b
   assert 'wmt14_translate/de-en[train]: skipped 1 of 3 pairs' in caplog.text
 
 
+@pytest.mark.slow
 def test_training_from_a_prepared_cache_needs_no_tensorflow(tiny_config, tmp_path, mock_wmt):
   config = _tfds_config(tiny_config, tmp_path)
   prepared = data.load(config, '')

@@ -20,13 +20,10 @@ from t2t_jax import translate
 from t2t_jax import saved_params
 
 
-@pytest.fixture(scope='module')
-def workdir(tmp_path_factory):
-  from configs import tiny  # pylint: disable=g-import-not-at-top
-  from t2t_jax import train  # pylint: disable=g-import-not-at-top
-  directory = str(tmp_path_factory.mktemp('tiny_run'))
-  train.train_and_evaluate(tiny.get_config(), directory)
-  return directory
+@pytest.fixture
+def workdir(tiny_run):
+  """The session's tiny run (conftest.py), trained once for this file and test_train.py."""
+  return tiny_run[0]
 
 
 def _run(module, *args, stdin=None):
@@ -35,12 +32,14 @@ def _run(module, *args, stdin=None):
                         capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_training_records_the_best_bleu_step(workdir):
   best = json.load(open(os.path.join(workdir, 'best_bleu.json')))
   assert best['step'] in (10, 20) and best['label'] == 'sacreBLEU'
   assert 'tok:13a' in best['signature'] and 0 <= best['bleu'] <= 100
 
 
+@pytest.mark.slow
 def test_restore_params_reads_the_checkpointed_parameters(workdir):
   run = translate.load(workdir, checkpoint='10')
   state_dir = os.path.join(workdir, 'checkpoints', '10', 'state')
@@ -57,6 +56,7 @@ def test_restore_params_reads_the_checkpointed_parameters(workdir):
     saved_params.restore_params(os.path.join(workdir, 'nothing'), run.params)
 
 
+@pytest.mark.slow
 def test_translate_cli_keeps_order_blank_lines_and_warns_on_truncation(workdir, tmp_path):
   lines = ['3 1 4 1 5', '', '2 7', ' '.join(['6'] * 40), '0 0 1']
   source = write_lines(tmp_path / 'in.txt', lines)
@@ -77,6 +77,7 @@ def test_translate_cli_keeps_order_blank_lines_and_warns_on_truncation(workdir, 
   assert piped.returncode == 0 and piped.stdout == output.read_text()
 
 
+@pytest.mark.slow
 def test_translate_cli_names_a_bad_symbol_and_a_missing_run(workdir, tmp_path):
   result = _run('t2t_jax.translate', f'--workdir={workdir}', stdin='1 2\n1 x 2\n')
   assert result.returncode != 0 and "<stdin>:2: unknown symbol 'x'" in result.stderr
@@ -85,6 +86,7 @@ def test_translate_cli_names_a_bad_symbol_and_a_missing_run(workdir, tmp_path):
   assert 'Traceback' not in result.stderr
 
 
+@pytest.mark.slow
 def test_attention_pictures_one_per_decoder_layer(workdir, tmp_path):
   run = translate.load(workdir)
   translations, inputs, outputs = translate.translate_lines(run, ['3 1 4 1 5'])
@@ -116,6 +118,7 @@ def test_attention_of_scanned_layers_is_that_of_unrolled_layers():
     np.testing.assert_allclose(actual, wanted, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_evaluate_cli_prints_every_bleu_with_its_label(workdir, tmp_path):
   src = write_lines(tmp_path / 'src', ['3 1 4', '2 7 7 1', '5 5'])
   ref = write_lines(tmp_path / 'ref', ['3 1 4', '2 7 7 1', '5 5'])
@@ -129,6 +132,7 @@ def test_evaluate_cli_prints_every_bleu_with_its_label(workdir, tmp_path):
   assert printed[3].startswith('tokenised BLEU (tokenised references, lowercased) ')
 
 
+@pytest.mark.slow
 def test_evaluate_cli_needs_files_for_a_run_without_text_files(workdir, tmp_path):
   result = _run('t2t_jax.evaluate', f'--workdir={workdir}')
   assert result.returncode != 0
@@ -139,6 +143,7 @@ def test_evaluate_cli_needs_files_for_a_run_without_text_files(workdir, tmp_path
 
 
 
+@pytest.mark.slow
 def test_decoding_dtype_comes_from_the_flag_or_the_config(workdir):
   assert translate.load(workdir, dtype='bfloat16').translator.config.dtype == jnp.bfloat16
   assert translate.load(workdir, dtype='model').translator.config.dtype == jnp.float32

@@ -36,6 +36,7 @@ def _hold(workdir, how):
   return process
 
 
+@pytest.mark.slow
 def test_refused_while_the_holder_lives_then_taken_over_after_kill9(tmp_path, caplog):
   holder = _hold(tmp_path, 'wait')
   with pytest.raises(workdir_lock.WorkdirLocked) as refused:
@@ -53,6 +54,7 @@ def test_refused_while_the_holder_lives_then_taken_over_after_kill9(tmp_path, ca
   assert os.listdir(tmp_path) == []  # Released, and no temporary file left.
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('how, returncode', [('exit', 0), ('error', 1), ('sigterm', 143)])
 def test_released_on_every_exit_path(tmp_path, how, returncode):
   holder = _hold(tmp_path, 'wait' if how == 'sigterm' else how)
@@ -106,6 +108,7 @@ def test_prepare_removes_what_dead_builds_left_and_keeps_a_live_ones(tiny_config
   assert names == sorted(['vocab.model', 'tokens', live[0].name]), names
 
 
+@pytest.mark.slow
 def test_second_launch_of_main_is_refused_in_one_line(tmp_path):
   holder = _hold(tmp_path, 'wait')
   try:

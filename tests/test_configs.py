@@ -1,0 +1,141 @@
+"""Every shipped config, each of its variants and each point of every shipped sweep is valid:
+config_check passes, the model builds for the configured mesh, and the variant did change what
+it names (an unknown variant is refused)."""
+
+import importlib
+import os
+import sys
+
+import jax
+import pytest
+
+from conftest import ROOT
+from t2t_jax import config_check
+from t2t_jax import data
+from t2t_jax import train
+
+sys.path.insert(0, os.path.join(ROOT, 'launch'))
+import sweep as sweep_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+_MULTI30K_MEMBERS = ('decoder_only', 'relative', 'predictive', 'local_compressed', 'moe',
+                     'speedrun')
+# Each shipped config file and the variants its get_config documents ('' = no argument).
+VARIANTS = {
+    'base': [''],
+    'default': [''],
+    'text': [''],
+    'tiny': ['', 'moe'],
+    'wmt14_ende': ['', 'base', 'big'],
+    'lm': ['', 'base', 'tiny'],
+    # Each file set and each member once (with either file set); the test below checks all.
+    'multi30k': ['', 'raw', 'decoder_only', 'raw_decoder_only', 'raw_relative', 'predictive',
+                 'tok_local_compressed', 'raw_moe', 'speedrun', 'raw_speedrun'],
+}
+# The config each shipped sweep is run on (the command in its docstring), and the overrides
+# that command passes before the sweep's own.
+SWEEP_BASES = {
+    'tiny_grid': ('tiny', '', {}),
+    'wmt14_ende_big': ('wmt14_ende', 'big', {}),
+    'multi30k_schedule': ('multi30k', 'speedrun', {'train.num_steps': 1200,
+                                                   'train.eval_every': 1200,
+                                                   'model.dropout': 0.3}),
+    'multi30k_budget': ('multi30k', 'speedrun', {'opt.lr_scale': 2.0, 'opt.cooldown_steps': 400,
+                                                 'train.num_steps': 1200,
+                                                 'train.eval_every': 1200,
+                                                 'model.dropout': 0.3}),
+}
+
+
+def _load(name, variant):
+  module = importlib.import_module(f'configs.{name}')
+  return module.get_config(variant) if variant else module.get_config()
+
+
+def _override(config, overrides):
+  for key, value in overrides.items():
+    section, name = key.split('.')
+    assert name in config[section], f'sweep key {key} is not a config key'
+    config[section][name] = value  # ConfigDict refuses a value of another type.
+  return config
+
+
+def _assert_valid_and_builds(config):
+  config_check.check(config)  # Against the 8 test devices, the mesh too.
+  setup = train.build(config, data.vocab_size(config))  # Abstract init, sharded: no FLOPs.
+  params = jax.tree.leaves(setup.abstract_state.params)
+  assert params and all(p.sharding is not None for p in params)
+  return setup
+
+
+def test_every_config_file_is_listed():
+  shipped = {f[:-3] for f in os.listdir(os.path.join(ROOT, 'configs'))
+             if f.endswith('.py') and f != '__init__.py'}
+  assert shipped == set(VARIANTS)
+  sweeps = {f[:-3] for f in os.listdir(os.path.join(ROOT, 'configs', 'sweeps'))
+            if f.endswith('.py') and f != '__init__.py'}
+  assert sweeps == set(SWEEP_BASES)
+
+
+@pytest.mark.parametrize('name, variant',
+                         [(name, variant) for name, variants in VARIANTS.items()
+                          for variant in variants])
+def test_each_shipped_config_and_variant_is_valid_and_builds(name, variant):
+  config = _load(name, variant)
+  setup = _assert_valid_and_builds(config)
+  model = setup.model_config
+  # The variant is what its name says: checked on the built model, not on the config keys.
+  if name == 'wmt14_ende':
+    assert (model.d_model, model.num_heads) == ((1024, 16) if variant == 'big' else (512, 8))
+  if name == 'tiny':
+    assert model.moe_experts == (4 if variant == 'moe' else 0)
+  if name == 'lm':
+    assert model.kind == 'decoder_only' and config.data.source == 'lm'
+    assert model.d_model == (32 if variant == 'tiny' else 128)
+  if name == 'multi30k':
+    expected = {'decoder_only': ('decoder_only', 'sinusoidal', 'full', 0),
+                'relative': ('encoder_decoder', 'relative', 'full', 0),
+                'predictive': ('encoder_decoder', 'predictive', 'full', 0),
+                'local_compressed': ('encoder_decoder', 'sinusoidal', 'local,compressed', 0),
+                'moe': ('encoder_decoder', 'sinusoidal', 'full', 4)}
+    member = next((m for m in expected if variant.endswith(m)), None)
+    assert (model.kind, model.positions, model.attention_pattern, model.moe_experts) == (
+        expected.get(member, ('encoder_decoder', 'sinusoidal', 'full', 0)))
+    assert config.data.train_src.startswith('train' if variant.startswith('raw') else 'tok/')
+    assert (config.train.num_steps == 9200) == variant.endswith('speedrun')
+
+
+def test_every_multi30k_combination_passes_the_checks_and_is_named_by_it():
+  for files in ('', 'tok', 'raw'):
+    for member in ('',) + _MULTI30K_MEMBERS:
+      variant = '_'.join(part for part in (files, member) if part)
+      config = _load('multi30k', variant)
+      config_check.check(config, mesh=False)
+      assert config.name == '_'.join(part for part in ('multi30k', files or 'tok', member)
+                                     if part)
+
+
+@pytest.mark.parametrize('name, variant', [('tiny', 'dense'), ('wmt14_ende', 'huge'),
+                                           ('lm', 'small'), ('multi30k', 'cased'),
+                                           ('multi30k', 'tok_sparse')])
+def test_an_unknown_variant_is_refused_naming_it(name, variant):
+  with pytest.raises(ValueError, match=f'configs/{name}.py.*{variant}'):
+    _load(name, variant)
+
+
+@pytest.mark.parametrize('sweep_name', sorted(SWEEP_BASES))
+def test_every_point_of_each_shipped_sweep_is_a_valid_config(sweep_name):
+  name, variant, base_overrides = SWEEP_BASES[sweep_name]
+  path = os.path.join(ROOT, 'configs', 'sweeps', f'{sweep_name}.py')
+  points = sweep_lib.expand(sweep_lib.load_sweep(path), path)
+  assert len(points) > 1
+  seen = set()
+  for point in points:
+    config = _override(_override(_load(name, variant), base_overrides), point)
+    config_check.check(config)
+    for key, value in point.items():  # The point's values are the ones in force.
+      section, key_name = key.split('.')
+      assert config[section][key_name] == value
+    seen.add(tuple(sorted(point.items())))
+  assert len(seen) == len(points)  # No two points are the same run.
+  # One build per sweep: the points change no shape, except the vocabulary of multi30k_budget.
+  _assert_valid_and_builds(config)
