@@ -13,6 +13,7 @@ from conftest import ROOT
 from t2t_jax import average
 from t2t_jax import checkpoint
 from t2t_jax import export
+from t2t_jax import saved_params
 
 FIXTURE = os.path.join(ROOT, 'tests', 'fixtures', 'before_restructure', 'checkpoints')
 
@@ -21,10 +22,10 @@ FIXTURE = os.path.join(ROOT, 'tests', 'fixtures', 'before_restructure', 'checkpo
 def workdir(tmp_path):
   """A workdir holding checkpoint 10 (trained) and 20 (its parameters times 3, params only)."""
   shutil.copytree(FIXTURE, tmp_path / 'checkpoints')
-  params = checkpoint.load_params(str(tmp_path / 'checkpoints' / '10'))
-  config_json = checkpoint.read_json_item(str(tmp_path / 'checkpoints' / '10'),
+  params = saved_params.load_params(str(tmp_path / 'checkpoints' / '10'))
+  config_json = saved_params.read_json_item(str(tmp_path / 'checkpoints' / '10'),
                                           checkpoint.CONFIG)['config']
-  checkpoint.write_params(str(tmp_path / 'checkpoints' / '20'),
+  saved_params.write_params(str(tmp_path / 'checkpoints' / '20'),
                           jax.tree.map(lambda x: np.asarray(x) * 3, params), config_json,
                           {'kind': 'test'})
   return str(tmp_path), jax.device_get(params)
@@ -37,7 +38,7 @@ def test_average_of_two_checkpoints_is_their_mean(workdir):
   assert average.choose_steps([10, 20], 0, ['20', '10', '20']) == [10, 20]
   written = average.average_checkpoints(workdir, [10, 20])
   assert written == os.path.join(workdir, 'averaged', 'avg2_10-20')
-  averaged = jax.device_get(checkpoint.load_params(written))
+  averaged = jax.device_get(saved_params.load_params(written))
   assert jax.tree.structure(averaged) == jax.tree.structure(params)
   jax.tree.map(lambda a, p: np.testing.assert_allclose(a, 2 * p, rtol=1e-6), averaged, params)
 
@@ -63,7 +64,7 @@ def test_export_casts_every_parameter_and_keeps_the_values(workdir):
   workdir, params = workdir
   written = export.export(workdir, '10', 'bfloat16')
   assert written == os.path.join(workdir, 'export', '10_bfloat16')
-  exported = jax.device_get(checkpoint.load_params(written))
+  exported = jax.device_get(saved_params.load_params(written))
   assert {np.asarray(x).dtype.name for x in jax.tree.leaves(exported)} == {'bfloat16'}
   jax.tree.map(lambda e, p: np.testing.assert_array_equal(
       np.asarray(e, np.float32), np.asarray(p).astype(jax.numpy.bfloat16).astype(np.float32)),
