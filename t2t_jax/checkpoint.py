@@ -128,7 +128,6 @@ class Checkpointer:
       self._failed(step, e)
 
   def _failed(self, step, error: BaseException) -> None:
-    _drop_late_writer_callbacks()
     self.remove_unfinished(step)
     self.manager.reload()
     text = str(error)
@@ -144,7 +143,9 @@ class Checkpointer:
 
   def remove_unfinished(self, step: int | None = None) -> None:
     """Removes orbax's temporary folders of unfinished saves, and step `step` if a failed
-    save of it got as far as its final name; safe to call while a save is running."""
+    save of it got as far as its final name; safe to call while a save is running (a
+    save abandoned: failed, or a second Ctrl-C)."""
+    _drop_late_writer_callbacks()
     if jax.process_index() != 0 or not os.path.isdir(self.directory):
       return
     for _ in range(20):  # Writer threads of a failed save may still be finishing their files.
