@@ -26,6 +26,7 @@ def _load(name: str):
   return module
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.isfile(os.path.join(REFERENCE_DIR, 'models.py')),
                     reason=f"Flax's WMT example (the reference) is not at {REFERENCE_DIR}")
 def test_compare_runs_one_round_on_a_tiny_packed_shape(capsys):

@@ -198,10 +198,11 @@ def _random_model(overrides: dict, seed: int = 0):
 TOKENS = ['<pad>', '</s>'] + [str(i) for i in range(NUM_SYMBOLS)]
 
 
-@pytest.mark.parametrize('overrides', [
-    dict(), dict(norm='pre'), dict(share_embeddings=False, tie_output=False),
+# The paper's layout in the fast tier; the others with the slow tier.
+@pytest.mark.parametrize('overrides', [dict()] + [pytest.param(o, marks=pytest.mark.slow) for o in (
+    dict(norm='pre'), dict(share_embeddings=False, tie_output=False),
     dict(positions='predictive'), dict(positions='learned', norm='pre'),
-    dict(positions='none'), dict(scan_layers=True, share_embeddings=False)],
+    dict(positions='none'), dict(scan_layers=True, share_embeddings=False))],
     ids=lambda o: ','.join(f'{k}={v}' for k, v in o.items()) or 'paper')
 def test_ctranslate2_scores_are_t2t_jax_log_probabilities(overrides, tmp_path):
   config, params = _random_model(overrides)

@@ -280,6 +280,7 @@ def test_beam_search_equals_a_plain_beam_search_over_many_seeds():
   assert all(seen.values()), seen  # The seeds cover every way a hypothesis ends.
 
 
+@pytest.mark.slow
 def test_bfloat16_decoding_gives_the_float32_outputs_where_scores_are_not_tied():
   params, inputs = _random_params(seed=7), _sources(rows=8)
   bfloat16 = translator_lib.decoding_config(CONFIG, 'bfloat16', 'cpu')

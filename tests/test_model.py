@@ -179,8 +179,9 @@ def test_scanned_layers_give_the_unrolled_loss_and_gradients(norm):
   _assert_trees_close(model_lib.unstack_layer_params(scanned_grads, config), grads, atol=1e-6)
 
 
-@pytest.mark.parametrize('scan_layers', [False, True])
-@pytest.mark.parametrize('remat', ['full', 'dots'])
+# One combination in the fast tier, the rest with the slow tier.
+@pytest.mark.parametrize('scan_layers', [pytest.param(False, marks=pytest.mark.slow), True])
+@pytest.mark.parametrize('remat', ['full', pytest.param('dots', marks=pytest.mark.slow)])
 def test_remat_gives_the_same_loss_gradients_and_dropout_masks(scan_layers, remat):
   config = dataclasses.replace(CONFIG, scan_layers=scan_layers, deterministic=False,
                                dropout=0.3, attention_dropout=0.3, relu_dropout=0.3)

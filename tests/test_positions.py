@@ -235,7 +235,7 @@ def test_rotary_turns_interleaved_pairs_by_position_times_the_base_frequencies()
                                  a * math.sin(angle) + b * math.cos(angle), atol=1e-5)
 
 
-@pytest.mark.parametrize('pattern', ['full', 'local'])
+@pytest.mark.parametrize('pattern', ['full', pytest.param('local', marks=pytest.mark.slow)])
 def test_rotary_and_alibi_scores_depend_only_on_the_offset(pattern):
   for kind in ('rotary', 'alibi'):
     config = dataclasses.replace(CONFIG, positions=kind, attention_pattern=pattern,
