@@ -10,6 +10,7 @@ params from either kind, averaging and writing them is saved_params.py's.
 import dataclasses
 import errno
 import json
+import logging as std_logging
 import os
 import shutil
 import sys
@@ -70,6 +71,8 @@ class Checkpointer:
   `ckpt.keep_every`-th; restores the newest intact checkpoint."""
 
   def __init__(self, workdir: str, ckpt_config, average_last: int = 0):
+    _drop_late_writer_callbacks()  # Library noise around a failed save or read: see each.
+    _drop_unretrieved_task_errors()
     self.workdir = os.path.abspath(workdir)
     self.directory = os.path.join(self.workdir, 'checkpoints')
     self.every = ckpt_config.every
@@ -145,7 +148,6 @@ class Checkpointer:
     """Removes orbax's temporary folders of unfinished saves, and step `step` if a failed
     save of it got as far as its final name; safe to call while a save is running (a
     save abandoned: failed, or a second Ctrl-C)."""
-    _drop_late_writer_callbacks()
     if jax.process_index() != 0 or not os.path.isdir(self.directory):
       return
     for _ in range(20):  # Writer threads of a failed save may still be finishing their files.
@@ -252,6 +254,22 @@ def _drop_late_writer_callbacks() -> None:
     previous(kind, value, traceback)
   hook.drops_late_writer_callbacks = True
   sys.excepthook = hook
+
+
+class _UnretrievedTaskErrors(std_logging.Filter):
+  """asyncio's 'Task exception was never retrieved': orbax's sibling reads (or writes) of a
+  checkpoint whose first error was already raised, reported again, with the tensorstore spec,
+  whenever the garbage collector finds them."""
+
+  def filter(self, record: std_logging.LogRecord) -> bool:
+    return 'exception was never retrieved' not in record.getMessage()
+
+
+def _drop_unretrieved_task_errors() -> None:
+  """The error a failed read or write raises is reported once, in t2t_jax's own words."""
+  logger = std_logging.getLogger('asyncio')
+  if not any(isinstance(f, _UnretrievedTaskErrors) for f in logger.filters):
+    logger.addFilter(_UnretrievedTaskErrors())
 
 
 # Config compatibility on resume.

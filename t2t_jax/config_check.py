@@ -152,22 +152,23 @@ def check(config, mesh: bool = True) -> None:
 
 
 def _batch_problems(config) -> list[str]:
-  """The global batch must give every data shard of the mesh (and micro-batch) a row."""
+  """The token budget must give every data shard of the mesh (and micro-batch) a row of the
+  shortest batch length (the packed row, or the smallest bucket); a longer bucket it cannot
+  fill that way gets one row per shard (batching.py), more tokens than the budget."""
   shards = sharding.batch_shards(sharding.make_mesh(config.mesh))
   parts = shards * config.opt.grad_accum_steps
   if config.data.batching == 'packed':
-    length = batching.pack_length(config.data)
-  else:  # The longest bucket a batch can have, as the dry run counts it.
-    length = min(batching.bucket_boundaries(config.data.max_len, config.data.min_bucket,
-                                            config.data.bucket_scale)[-1],
-                 config.model.max_len)
+    length, what = batching.pack_length(config.data), 'the packed row'
+  else:
+    length = min(config.data.min_bucket, config.model.max_len)
+    what = 'the shortest bucket, config.data.min_bucket'
   if config.data.batch_tokens // length >= parts:
     return []
   accumulation = (f' x config.opt.grad_accum_steps={config.opt.grad_accum_steps}'
                   if config.opt.grad_accum_steps > 1 else '')
   return [f'config.data.batch_tokens={config.data.batch_tokens} gives '
-          f'{config.data.batch_tokens // length} rows of {length} tokens, fewer than the '
-          f'{shards} data shards of the mesh (config.mesh.shape={tuple(config.mesh.shape)})'
+          f'{config.data.batch_tokens // length} rows of {length} tokens ({what}), fewer than '
+          f'the {shards} data shards of the mesh (config.mesh.shape={tuple(config.mesh.shape)})'
           f'{accumulation}: raise config.data.batch_tokens to at least {parts * length}, or '
           'put fewer devices on the batch axes of config.mesh']
 

@@ -109,12 +109,12 @@ def test_a_workdir_that_is_a_file_is_one_line(tmp_path):
 
 
 def test_a_batch_smaller_than_the_mesh_is_one_line_before_any_work(tmp_path):
-  # conftest gives 8 devices: 64 tokens are 2 rows of the 32-token longest batch.
+  # conftest gives 8 devices: 64 tokens are 4 rows of the 16-token shortest bucket.
   returncode, stderr = _cli('main', '--config=configs/tiny.py', f'--workdir={tmp_path}',
                             '--config.data.batch_tokens=64')
   assert returncode == cli.ERROR_EXIT_CODE
-  _one_line_error(stderr, 'config.data.batch_tokens=64 gives 2 rows of 32 tokens, fewer than '
-                  'the 8 data shards', 'at least 256')
+  _one_line_error(stderr, 'config.data.batch_tokens=64 gives 4 rows of 16 tokens (the shortest '
+                  'bucket, config.data.min_bucket), fewer than the 8 data shards', 'at least 128')
   assert os.listdir(tmp_path) == []
 
 
