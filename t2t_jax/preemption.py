@@ -2,6 +2,7 @@
 
 import os
 import signal
+import sys
 import threading
 
 from absl import logging
@@ -79,6 +80,10 @@ class Preemption:
   def _exit_now(self, signum: int, message: str):
     logging.error('%s', message)
     logging.flush()
+    sys.stderr.flush()
+    # Exiting at once: writer threads of an abandoned save may still print their own errors
+    # (tensorstore callbacks on orbax's closed event loop); the line above is the last word.
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
     try:
       self.remove_unfinished()
       workdir_lock.remove_held_locks()
