@@ -1,7 +1,7 @@
 """Training checkpoints: async saves, exact resume, damaged-checkpoint fallback, failed saves.
 
 A training checkpoint is `<workdir>/checkpoints/<step>/` with four orbax items:
-`state` (TrainState: step, params, opt_state), `rng` (the dropout key), `data` (the grain
+`state` (TrainState: step, params, opt_state, and ema when opt.ema_decay > 0), `rng` (the dropout key), `data` (the grain
 iterator state, JSON) and `config` (the resolved config, JSON). A params-only checkpoint
 (averaged or exported) is a directory with the items `params`, `config` and `info`; reading
 params from either kind, averaging and writing them is saved_params.py's.
@@ -29,6 +29,7 @@ from orbax.checkpoint import checkpoint_managers
 from t2t_jax import CheckpointError
 from t2t_jax import ConfigError
 from t2t_jax import with_current_keys
+from t2t_jax import optim
 from t2t_jax import saved_params
 from t2t_jax.saved_params import CONFIG, STATE
 
@@ -107,7 +108,7 @@ class Checkpointer:
     self._existing = set(self.manager.all_steps())
     try:
       self.manager.save(step, args=ocp.args.Composite(**{
-          STATE: ocp.args.StandardSave(state),
+          STATE: ocp.args.StandardSave(saved_tree(state)),
           # A host numpy value: every process holds the same key, the primary one writes it.
           RNG: ocp.args.StandardSave({'dropout': np.asarray(jax.device_get(_key_data(rng)))}),
           DATA: ocp.args.JsonSave(data_state),
@@ -176,11 +177,12 @@ class Checkpointer:
       try:
         saved_config = self.manager.restore(step, args=ocp.args.Composite(**{
             CONFIG: ocp.args.JsonRestore()}))[CONFIG]['config']
-        saved_tree = {**saved_params.saved_shapes(os.path.join(path, STATE)),
-                      **saved_params.saved_shapes(os.path.join(path, RNG))}
-        check_compatible(path, saved_tree, (abstract_state, rng_abstract), saved_config, config)
+        arrays = {**saved_params.saved_shapes(os.path.join(path, STATE)),
+                  **saved_params.saved_shapes(os.path.join(path, RNG))}
+        target = _without_missing_ema(path, abstract_state, arrays)
+        check_compatible(path, arrays, (target, rng_abstract), saved_config, config)
         restored = self.manager.restore(step, args=ocp.args.Composite(**{
-            STATE: ocp.args.StandardRestore(abstract_state),
+            STATE: ocp.args.StandardRestore(saved_tree(target)),
             RNG: ocp.args.StandardRestore(rng_abstract),
             DATA: ocp.args.JsonRestore()}))
         error = None
@@ -192,8 +194,8 @@ class Checkpointer:
         logging.info('Restored checkpoint %s', path)
         for bad in damaged:  # Only now: an intact older one proves the reading code works.
           logging.warning('Moved damaged checkpoint %d to %s', bad, self._move_damaged(bad))
-        return Restored(step, restored[STATE], jnp.asarray(restored[RNG]['dropout']),
-                        restored[DATA], saved_config)
+        return Restored(step, _with_ema(target.replace(**restored[STATE]), abstract_state),
+                        jnp.asarray(restored[RNG]['dropout']), restored[DATA], saved_config)
       damaged.append(step)
       fallback = (f'falling back to step {steps[index + 1]}' if index + 1 < len(steps) else
                   'no older checkpoint is left')
@@ -233,6 +235,30 @@ class Checkpointer:
       self._wait()
     finally:
       self.manager.close()
+
+
+def saved_tree(state) -> dict:
+  """The train state as saved: its fields as a dict, without the moving average when there is
+  none, so a run without one writes (and reads) checkpoints exactly as before it existed."""
+  fields = {'step': state.step, 'params': state.params, 'opt_state': state.opt_state}
+  return fields if state.ema is None else {**fields, 'ema': state.ema}
+
+
+def _without_missing_ema(path: str, abstract_state, arrays: dict):
+  """`abstract_state` without its moving average if the checkpoint holds none (one written
+  with opt.ema_decay = 0): `_with_ema` starts the average from the restored params."""
+  if abstract_state.ema is None or any(key.startswith('ema/') for key in arrays):
+    return abstract_state
+  logging.info('Checkpoint %s holds no moving average of the weights (written with '
+               'opt.ema_decay=0): starting it from the restored params.', path)
+  return abstract_state.replace(ema=None)
+
+
+def _with_ema(state, abstract_state):
+  """The restored state, its moving average started from its params if it had none."""
+  if abstract_state.ema is None or state.ema is not None:
+    return state
+  return state.replace(ema=optim.ema_init(state.params))
 
 
 def _drop_late_writer_callbacks() -> None:

@@ -63,6 +63,7 @@ RANGES = {
     'opt.label_smoothing': (0.0, 1.0, True),
     'opt.grad_accum_steps': (1, _INF, True),
     'opt.loss_chunk_tokens': (0, _INF, True),
+    'opt.ema_decay': (0.0, 1.0, True),  # 0: no moving average.
     'train.num_steps': (1, _INF, True),
     'train.log_every': (1, _INF, True),
     'train.eval_every': (1, _INF, True),
@@ -81,9 +82,10 @@ RANGES = {
     'ckpt.preemption_grace_seconds': (0.0, _INF, False),
     'mesh.dcn_data': (1, _INF, True),
 }
-# Dropout rates and Adam's betas must stay below 1: at 1 nothing is kept, or nothing forgotten.
+# Dropout rates, Adam's betas and the EMA decay must stay below 1: at 1 nothing is kept, or
+# nothing forgotten (the moving average would never move).
 _BELOW_ONE = ('model.dropout', 'model.attention_dropout', 'model.relu_dropout', 'opt.b1',
-              'opt.b2', 'opt.label_smoothing')
+              'opt.b2', 'opt.label_smoothing', 'opt.ema_decay')
 CHOICES = {
     'data.source': sources.SOURCES,
     'data.task': data.SYNTHETIC_TASKS,

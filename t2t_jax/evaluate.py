@@ -26,6 +26,7 @@ from absl import logging
 import sacrebleu
 
 from t2t_jax import cli
+from t2t_jax import saved_params
 from t2t_jax import sources as sources_lib
 
 
@@ -179,7 +180,7 @@ def main(argv):
       raise app.UsageError(f'--src={src} has {len(sources)} lines but --{name} has '
                            f'{len(lines)}: line N of each must belong to the same sentence')
   run = translate.load(FLAGS.workdir, FLAGS.checkpoint, FLAGS.beam_size, FLAGS.alpha,
-                       FLAGS.batch_tokens)
+                       FLAGS.batch_tokens, weights=FLAGS.weights)
   hypotheses, _, _ = translate.translate_lines(run, sources, src, progress=True)
   if FLAGS.output:
     with open(FLAGS.output, 'w', encoding='utf-8') as f:
@@ -196,7 +197,8 @@ def main(argv):
         bleu, label=f'{bleu.label} (as configured: config.eval.bleu_tokenize='
         f'{configured[0]!r}, bleu_lowercase={configured[1]})'))
   beam = run.translator
-  print(f'{len(sources)} sentences of {src}, checkpoint {FLAGS.checkpoint or "latest"}, '
+  print(f'{len(sources)} sentences of {src}, checkpoint {FLAGS.checkpoint or "latest"}'
+        f'{" (moving average of the weights)" if FLAGS.weights == "ema" else ""}, '
         f'beam {beam.beam_size}, alpha {beam.alpha}')
   for bleu in figures:
     print(bleu)
@@ -227,6 +229,8 @@ def _define_flags():
   flags.DEFINE_string('lang', 'de', 'Target language for Moses tokenisation.')
   flags.DEFINE_string('checkpoint', None, 'A step or a checkpoint directory; default: the '
                       'latest step.')
+  flags.DEFINE_enum('weights', 'params', list(saved_params.WEIGHTS), 'Which weights of the '
+                    f'checkpoint to score. {saved_params.WEIGHTS_HELP}')
   flags.DEFINE_integer('beam_size', None, 'Beam width; default: config.eval.beam_size.')
   flags.DEFINE_float('alpha', None, 'Length penalty exponent; default: config.eval.alpha.')
   flags.DEFINE_integer('batch_tokens', None, 'Tokens per decoding batch over all beams; '

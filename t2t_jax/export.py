@@ -3,6 +3,7 @@ model.
 
   python -m t2t_jax.export --workdir=/tmp/run                      # latest step
   python -m t2t_jax.export --workdir=/tmp/run --checkpoint=3000 --dtype=bfloat16
+  python -m t2t_jax.export --workdir=/tmp/run --weights=ema   # the moving average of the weights
   python -m t2t_jax.export --format=ctranslate2 --workdir=/tmp/run --output=/tmp/run_ct2
 
 --format=orbax (the default) writes `<workdir>/export/<name>_<dtype>` (or --output): a
@@ -24,19 +25,21 @@ from t2t_jax import saved_params
 FORMATS = ('orbax', 'ctranslate2')
 
 def export(workdir: str, checkpoint_name: str | None = None, dtype: str = 'float32',
-           output: str = '') -> str:
-  """Writes the params of one checkpoint in `dtype`; returns the directory written."""
+           output: str = '', weights: str = 'params') -> str:
+  """Writes the params (or with `weights`='ema' their moving average) of one checkpoint in
+  `dtype`; returns the directory written."""
   path = saved_params.resolve(workdir, checkpoint_name)
-  params = saved_params.cast(saved_params.load_params(path), dtype)
-  output = output or os.path.join(os.path.abspath(workdir), 'export',
-                                  f'{os.path.basename(os.path.normpath(path))}_{dtype}')
+  params = saved_params.cast(saved_params.load_params(path, weights=weights), dtype)
+  name = os.path.basename(os.path.normpath(path)) + ('_ema' if weights == 'ema' else '')
+  output = output or os.path.join(os.path.abspath(workdir), 'export', f'{name}_{dtype}')
   config_json = saved_params.read_json_item(path, saved_params.CONFIG)['config']
   return saved_params.write_params(output, params, config_json,
-                                 {'kind': 'export', 'source': path, 'dtype': dtype})
+                                   {'kind': 'export', 'source': path, 'dtype': dtype,
+                                    'weights': weights})
 
 
 def export_ctranslate2(workdir: str, checkpoint_name: str | None = None, output: str = '',
-                       quantization: str | None = None) -> str:
+                       quantization: str | None = None, weights: str = 'params') -> str:
   """Writes the CTranslate2 model of one checkpoint; returns the directory written."""
   try:
     from t2t_jax import export_ctranslate2 as ctranslate2_export  # pylint: disable=g-import-not-at-top
@@ -45,7 +48,7 @@ def export_ctranslate2(workdir: str, checkpoint_name: str | None = None, output:
       raise
     raise ConfigError("--format=ctranslate2 needs the ctranslate2 package: pip install "
                       "'t2t_jax[ctranslate2]'") from None
-  return ctranslate2_export.export(workdir, checkpoint_name, output, quantization)
+  return ctranslate2_export.export(workdir, checkpoint_name, output, quantization, weights)
 
 
 def _define_flags():
@@ -55,6 +58,8 @@ def _define_flags():
   flags.DEFINE_string('workdir', None, 'Training workdir holding checkpoints/.')
   flags.DEFINE_string('checkpoint', None, 'A step number or a checkpoint directory (e.g. an '
                       'averaged one); default: the latest step.')
+  flags.DEFINE_enum('weights', 'params', list(saved_params.WEIGHTS), 'Which weights of the '
+                    f'checkpoint to write. {saved_params.WEIGHTS_HELP}')
   flags.DEFINE_enum('dtype', 'float32', ['float32', 'bfloat16'],
                     'orbax: storage dtype of the exported parameters.')
   flags.DEFINE_string('quantization', None, 'ctranslate2: weight type of the model (int8, '
@@ -74,12 +79,13 @@ def main(argv):
     if args.dtype != 'float32':
       raise app.UsageError('--dtype applies to --format=orbax; CTranslate2 models take '
                            '--quantization')
-    print(export_ctranslate2(args.workdir, args.checkpoint, args.output, args.quantization),
-          flush=True)
+    print(export_ctranslate2(args.workdir, args.checkpoint, args.output, args.quantization,
+                             args.weights), flush=True)
     return
   if args.quantization:
     raise app.UsageError('--quantization applies to --format=ctranslate2')
-  print(export(args.workdir, args.checkpoint, args.dtype, args.output), flush=True)
+  print(export(args.workdir, args.checkpoint, args.dtype, args.output, args.weights),
+        flush=True)
 
 
 def run():

@@ -181,8 +181,9 @@ def float32_params(params, config: TransformerConfig) -> dict:
 
 
 def export(workdir: str, checkpoint_name: str | None = None, output: str = '',
-           quantization: str | None = None) -> str:
-  """Writes the CTranslate2 model of one checkpoint of a run; returns the directory."""
+           quantization: str | None = None, weights: str = 'params') -> str:
+  """Writes the CTranslate2 model of one checkpoint of a run (of its params, or with
+  `weights`='ema' of their moving average); returns the directory."""
   from t2t_jax import translate  # pylint: disable=g-import-not-at-top  # Config and vocabulary.
   if quantization is not None and quantization not in QUANTIZATIONS:
     raise ConfigError(f'--quantization={quantization!r} must be one of {QUANTIZATIONS}')
@@ -193,10 +194,11 @@ def export(workdir: str, checkpoint_name: str | None = None, output: str = '',
   path = saved_params.resolve(workdir, checkpoint_name)
   output = output or os.path.join(
       os.path.abspath(workdir), 'export',
-      f'{os.path.basename(os.path.normpath(path))}_ctranslate2_{quantization or "float32"}')
+      f'{os.path.basename(os.path.normpath(path))}{"_ema" if weights == "ema" else ""}'
+      f'_ctranslate2_{quantization or "float32"}')
   if os.path.exists(output):
     raise CheckpointError(f'{output} already exists: remove it or choose another --output')
-  params = float32_params(saved_params.load_params(path), model_config)
+  params = float32_params(saved_params.load_params(path, weights=weights), model_config)
   unk = (vocab.piece(tokenizer.UNK_ID) if isinstance(vocab, tokenizer.SentencePieceVocabulary)
          else None)
   spec = build_spec(model_config, params, vocabulary_tokens(vocab), unk)

@@ -1,4 +1,5 @@
-"""Label-smoothed loss (whole or in chunks of tokens), learning-rate schedules, optax chain."""
+"""Label-smoothed loss (whole or in chunks of tokens), learning-rate schedules, optax chain, and
+the moving average of the weights."""
 
 import functools
 
@@ -238,3 +239,22 @@ def make_optimizer(opt_config, d_model: int,
   if opt_config.grad_clip > 0:
     return optax.chain(optax.clip_by_global_norm(opt_config.grad_clip), adam)
   return adam
+
+
+def ema_init(params):
+  """The moving average's start: a float32 copy of the parameters.
+
+  A copy, never the same buffers, so a donated train state does not hold one buffer twice.
+  """
+  return jax.tree.map(lambda p: jnp.array(p, jnp.float32, copy=True), params)
+
+
+def ema_update(ema, params, decay: float):
+  """ema <- decay * ema + (1 - decay) * params, in float32 (opt.ema_decay).
+
+  A plain exponential moving average, no warmup and no debiasing: after n updates it is
+  decay^n * p_0 + (1 - decay) * sum_k decay^(n-k) * p_k, so the initial weights fade out over
+  about 1 / (1 - decay) steps; choose decay so that is well below train.num_steps.
+  """
+  as_float32 = jax.tree.map(lambda p: p.astype(jnp.float32), params)
+  return optax.incremental_update(as_float32, ema, 1.0 - decay)

@@ -17,6 +17,11 @@ import orbax.checkpoint as ocp
 from t2t_jax import CheckpointError
 
 STATE, CONFIG, PARAMS, INFO = 'state', 'config', 'params', 'info'  # Orbax item names.
+# Which weights of a training checkpoint to read: the params, or their moving average.
+WEIGHTS = ('params', 'ema')
+WEIGHTS_HELP = ('params: the trained weights; ema: their moving average, which training '
+                'checkpoints of runs with config.opt.ema_decay > 0 hold (export --weights=ema '
+                'writes it as a params-only checkpoint, read back with the default).')
 
 
 # Library detail in error texts that says nothing to a reader: cut from the first line.
@@ -80,18 +85,21 @@ def params_item(path: str) -> tuple[str, bool]:
                         'subdirectory.')
 
 
-def load_params(path: str, abstract_params=None):
-  """The params of a checkpoint directory (a training step or a params-only checkpoint).
+def load_params(path: str, abstract_params=None, weights: str = 'params'):
+  """The params of a checkpoint directory (a training step or a params-only checkpoint), or
+  with `weights`='ema' the moving average a training checkpoint holds beside them.
 
   With `abstract_params` (ShapeDtypeStructs, with or without shardings) they come back as
   jax.Arrays of those dtypes; without, as numpy arrays of the saved dtypes.
   """
   item, wrapped = params_item(path)
   saved = saved_shapes(item)
-  prefix = 'params/' if wrapped else ''
+  _check_weights(path, weights, wrapped, saved)
+  prefix = f'{weights}/' if wrapped else ''
   if abstract_params is None:
+    tree = saved_metadata(item)
     target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype),
-                          _metadata_params(item, wrapped))
+                          tree[weights] if wrapped else tree)
     restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), target)
   else:
     target = _replicated(abstract_params)
@@ -106,16 +114,26 @@ def load_params(path: str, abstract_params=None):
           'the config the checkpoint was trained with.')
     restore_args = ocp.checkpoint_utils.construct_restore_args(target)
   if wrapped:
-    target = {'params': target}
-    restore_args = {'params': restore_args}
+    target = {weights: target}
+    restore_args = {weights: restore_args}
   restored = ocp.PyTreeCheckpointer().restore(item, args=ocp.args.PyTreeRestore(
       item=target, restore_args=restore_args, partial_restore=True))
-  return restored['params'] if wrapped else restored
+  return restored[weights] if wrapped else restored
 
 
-def _metadata_params(item: str, wrapped: bool):
-  tree = saved_metadata(item)
-  return tree['params'] if wrapped else tree
+def _check_weights(path: str, weights: str, wrapped: bool, saved: dict) -> None:
+  """Refuses `weights` a checkpoint does not hold, saying what it holds instead."""
+  if weights not in WEIGHTS:
+    raise ValueError(f'weights must be one of {WEIGHTS}, got {weights!r}')
+  if weights == 'params':
+    return
+  if not wrapped:
+    raise CheckpointError(f'{path} is a params-only checkpoint (averaged or exported): it '
+                          'holds one set of weights, read with --weights=params.')
+  if not any(key.startswith(f'{weights}/') for key in saved):
+    raise CheckpointError(f'{path} holds no moving average of the weights: its run trained '
+                          'with config.opt.ema_decay=0. Use --weights=params, or train with '
+                          'config.opt.ema_decay > 0.')
 
 
 def resolve(workdir: str, checkpoint: str | None = None) -> str:
@@ -138,20 +156,22 @@ def resolve(workdir: str, checkpoint: str | None = None) -> str:
   return os.path.join(directory, str(int(checkpoint)))
 
 
-def restore_params(workdir: str, abstract_params, checkpoint: str | None = None):
-  """Params only, for translate/evaluate: latest step (None), a step ('1000') or a path.
+def restore_params(workdir: str, abstract_params, checkpoint: str | None = None,
+                   weights: str = 'params'):
+  """Params only, for translate/evaluate: latest step (None), a step ('1000') or a path;
+  `weights`='ema' reads their moving average instead (`load_params`).
 
   Without an explicit checkpoint a damaged latest step is skipped with a warning.
   """
   path = resolve(workdir, checkpoint)
   if checkpoint is not None:
-    return load_params(path, abstract_params)
+    return load_params(path, abstract_params, weights)
   steps = sorted((int(n) for n in os.listdir(os.path.dirname(path)) if n.isdigit()),
                  reverse=True)
   for step in steps:
     path = os.path.join(os.path.dirname(path), str(step))
     try:
-      return load_params(path, abstract_params)
+      return load_params(path, abstract_params, weights)
     except CheckpointError:
       raise
     except Exception as e:  # pylint: disable=broad-exception-caught

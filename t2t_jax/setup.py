@@ -40,11 +40,13 @@ def init_params(rng: jax.Array, *, model_config: TransformerConfig):
 
 
 def init_state(rng: jax.Array, *, model_config: TransformerConfig,
-               optimizer: optax.GradientTransformation) -> step.TrainState:
-  """Fresh parameters (boxed with their logical axes) and optimiser state at step 0."""
+               optimizer: optax.GradientTransformation, ema: bool = False) -> step.TrainState:
+  """Fresh parameters (boxed with their logical axes) and optimiser state at step 0; with
+  `ema`, their moving average too (starting at them, boxed alike, so sharded alike)."""
   params = init_params(rng, model_config=model_config)
   return step.TrainState(step=jnp.array(0, jnp.int32), params=params,
-                         opt_state=optimizer.init(params))
+                         opt_state=optimizer.init(params),
+                         ema=optim.ema_init(params) if ema else None)
 
 
 def abstract_tree(init: Callable, mesh, axis_rules) -> tuple:
@@ -74,7 +76,8 @@ def build(config, vocab_size: int, mesh=None) -> Setup:
   model_config = TransformerConfig.from_config(config.model, vocab_size)
   optimizer = optim.make_optimizer(config.opt, config.model.d_model, config.train.num_steps)
 
-  init = functools.partial(init_state, model_config=model_config, optimizer=optimizer)
+  init = functools.partial(init_state, model_config=model_config, optimizer=optimizer,
+                           ema=config.opt.ema_decay > 0)
   abstract_state, shardings = abstract_tree(init, mesh, axis_rules)
   batch_sharding = sharding.batch_sharding(mesh)
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
@@ -101,7 +104,8 @@ def train_step_of(config, model_config: TransformerConfig,
                  grad_accum_steps=config.opt.grad_accum_steps,
                  loss_chunk_tokens=config.opt.loss_chunk_tokens,
                  dropout_prng=config.model.dropout_prng,
-                 moe_aux_loss_weight=config.model.moe_aux_loss_weight)
+                 moe_aux_loss_weight=config.model.moe_aux_loss_weight,
+                 ema_decay=config.opt.ema_decay)
   return functools.partial(step.train_step, model=make_model(model_config), optimizer=optimizer,
                            **{**options, **overrides})
 

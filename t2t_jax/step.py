@@ -22,6 +22,9 @@ class TrainState:
   step: jax.Array
   params: Any
   opt_state: Any
+  # float32 moving average of params (opt.ema_decay > 0), sharded like them; else None, and
+  # checkpoints hold no entry for it (checkpoint.saved_tree).
+  ema: Any = None
 
 
 def apply_model(model: nn.Module, params, batch: dict, **kwargs) -> jax.Array:
@@ -64,7 +67,8 @@ def model_metrics(model: nn.Module, params, batch: dict, label_smoothing: float,
 def train_step(state: TrainState, batch: dict, rng: jax.Array, *, model: nn.Module,
                optimizer: optax.GradientTransformation, label_smoothing: float,
                grad_accum_steps: int = 1, loss_chunk_tokens: int = 0,
-               dropout_prng: str = 'threefry2x32', moe_aux_loss_weight: float = 0.0):
+               dropout_prng: str = 'threefry2x32', moe_aux_loss_weight: float = 0.0,
+               ema_decay: float = 0.0):
   """One update on the loss per real target token of the whole (global) batch.
 
   With experts the objective is that loss plus `moe_aux_loss_weight` times the MoE layers'
@@ -109,7 +113,9 @@ def train_step(state: TrainState, batch: dict, rng: jax.Array, *, model: nn.Modu
   grads = jax.tree.map(lambda g: g / jnp.maximum(metrics['weight'], 1.0), grad_sums)
   updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
-  return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+  ema = None if state.ema is None else optim.ema_update(state.ema, params, ema_decay)
+  return state.replace(step=state.step + 1, params=params, opt_state=opt_state,
+                       ema=ema), metrics
 
 
 def _split_rows(x_BL: jax.Array, parts: int) -> jax.Array:

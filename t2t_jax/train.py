@@ -83,8 +83,8 @@ def _train_and_evaluate(config, workdir: str) -> dict[str, Any]:
                                stopped_by)
   saved = _read_final(workdir, int(launch.state.step)) if not results else None
   if not results and not saved:  # Resumed at the end, figures unsaved: evaluate again.
-    results, _ = run_evaluation(launch.setup, launch.state.params, launch.task,
-                                launch.eval_batches, config, launch.translator)
+    results, _ = evaluate_state(launch.setup, launch.state, launch.task, launch.eval_batches,
+                                config, launch.translator)
   launch.checkpointer.close()
   launch.writer.close()
   if saved:  # Resumed a finished run: nothing trained; report what it reported.
@@ -119,8 +119,10 @@ def _start(config, workdir: str) -> _Launch:
   else:
     state = setup.init(init_rng)
     if config.ckpt.init_from:  # Fine-tune from averaged, exported or other run's params.
-      state = state.replace(params=saved_params.restore_params(
-          workdir, setup.abstract_state.params, config.ckpt.init_from))
+      params = saved_params.restore_params(workdir, setup.abstract_state.params,
+                                           config.ckpt.init_from)
+      state = state.replace(params=params, ema=None if state.ema is None else
+                            optim.ema_init(params))
   config_json = _write_config(config, workdir)
   # A resumed run logs again the steps after its checkpoint: TensorBoard drops the earlier
   # launch's values from purge_step on, so each step shows once.
@@ -177,11 +179,12 @@ def _train(launch: _Launch, log: metric_log.MetricLog) -> tuple[dict, int | None
 
 
 def _evaluate(launch: _Launch, step: int, saved_now: bool) -> dict[str, float]:
-  """The in-loop evaluation at `step`, of the params and (if asked) the latest average."""
+  """The in-loop evaluation at `step`, of the params, their moving average (if kept) and (if
+  asked) the average of the latest checkpoints."""
   config, setup = launch.config, launch.setup
   sentences = evaluate.bleu_sentences_due(step, config.train.num_steps, config.eval)
-  results, bleu = run_evaluation(setup, launch.state.params, launch.task, launch.eval_batches,
-                                 config, launch.translator, sentences)
+  results, bleu = evaluate_state(setup, launch.state, launch.task, launch.eval_batches, config,
+                                 launch.translator, sentences)
   if bleu and jax.process_index() == 0:
     evaluate.record_best_bleu(launch.workdir, step, bleu)
   if config.eval.average_last and saved_now:
@@ -223,6 +226,21 @@ def _write_config(config, workdir: str) -> str:
     with open(os.path.join(workdir, 'config.json'), 'w') as f:
       f.write(config_json)
   return config_json
+
+
+def evaluate_state(setup: Setup, state, task: data.TaskData, eval_batches, config,
+                   translator: translator_lib.Translator, bleu_sentences: int | None = None
+                   ) -> tuple[dict[str, float], evaluate.Bleu | None]:
+  """`run_evaluation` of the params and, if the state keeps one, of their moving average,
+  whose figures are named with an 'ema_' prefix (ema_eval_loss, ema_bleu, ...). The BLEU
+  returned is the params'."""
+  results, bleu = run_evaluation(setup, state.params, task, eval_batches, config, translator,
+                                 bleu_sentences)
+  if state.ema is not None:
+    ema_results, _ = run_evaluation(setup, state.ema, task, eval_batches, config, translator,
+                                    bleu_sentences)
+    results.update({f'ema_{name}': value for name, value in ema_results.items()})
+  return results, bleu
 
 
 def run_evaluation(setup: Setup, params, task: data.TaskData, eval_batches, config,

@@ -68,8 +68,9 @@ def load_vocabulary(config, workdir: str) -> tokenizer.Vocabulary:
 
 def load(workdir: str, checkpoint: str | None = None, beam_size: int | None = None,
          alpha: float | None = None, batch_tokens: int | None = None,
-         dtype: str | None = None) -> Run:
-  """Config, vocabulary and parameters of a run; unset decoding options come from its config."""
+         dtype: str | None = None, weights: str = 'params') -> Run:
+  """Config, vocabulary and parameters of a run (`weights`='ema': their moving average);
+  unset decoding options come from its config."""
   config = load_config(workdir)
   if config.data.source == 'lm':
     raise ConfigError(f"{workdir} holds a language model (config.data.source='lm'), which has "
@@ -79,7 +80,7 @@ def load(workdir: str, checkpoint: str | None = None, beam_size: int | None = No
   axis_rules = sharding.rules(config.mesh)
   model_config = TransformerConfig.from_config(config.model, vocab.vocab_size)
   params = saved_params.restore_params(
-      workdir, setup.abstract_params(model_config, mesh, axis_rules), checkpoint)
+      workdir, setup.abstract_params(model_config, mesh, axis_rules), checkpoint, weights)
   translator = translator_lib.from_config(config, model_config, mesh, axis_rules, beam_size,
                                           alpha, batch_tokens or None, dtype)
   return Run(config, vocab, model_config, params, translator)
@@ -231,7 +232,7 @@ def main(argv):
     cli.check_output_path(FLAGS.output, '--output')
   lines = _read_input(FLAGS.input)
   run = load(FLAGS.workdir, FLAGS.checkpoint, FLAGS.beam_size, FLAGS.alpha, FLAGS.batch_tokens,
-             FLAGS.dtype)
+             FLAGS.dtype, FLAGS.weights)
   translations, inputs, outputs = translate_lines(run, lines, FLAGS.input or '<stdin>',
                                                   progress=bool(FLAGS.input))
   logging.info('%s', summary(run.translator.stats, outputs))
@@ -256,6 +257,8 @@ def _define_flags():
                       'vocabulary).')
   flags.DEFINE_string('checkpoint', None, 'A step of <workdir>/checkpoints, or the path of a '
                       'checkpoint directory (e.g. an averaged one); default: the latest step.')
+  flags.DEFINE_enum('weights', 'params', list(saved_params.WEIGHTS), 'Which weights of the '
+                    f'checkpoint translate. {saved_params.WEIGHTS_HELP}')
   flags.DEFINE_string('input', '', 'Source sentences, one per line; empty: stdin.')
   flags.DEFINE_string('output', '', 'Where translations go, one per line; empty: stdout.')
   flags.DEFINE_integer('beam_size', None, "Beam width; 1 is greedy. Default: the run's "
