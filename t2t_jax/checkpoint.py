@@ -237,11 +237,15 @@ class Checkpointer:
       self.manager.close()
 
 
-def saved_tree(state) -> dict:
+def saved_tree(state):
   """The train state as saved: its fields as a dict, without the moving average when there is
-  none, so a run without one writes (and reads) checkpoints exactly as before it existed."""
-  fields = {'step': state.step, 'params': state.params, 'opt_state': state.opt_state}
-  return fields if state.ema is None else {**fields, 'ema': state.ema}
+  none, so a run without one writes (and reads) checkpoints exactly as before it existed.
+  Any other tree is saved as it is."""
+  if not dataclasses.is_dataclass(state):
+    return state
+  fields = {field.name: getattr(state, field.name) for field in dataclasses.fields(state)}
+  return {name: value for name, value in fields.items()
+          if not (name == 'ema' and value is None)}
 
 
 def _without_missing_ema(path: str, abstract_state, arrays: dict):

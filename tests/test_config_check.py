@@ -30,6 +30,9 @@ from t2t_jax import config_check
      'config.train.num_steps'),
     ('opt.cooldown_steps', -1, 'config.opt.cooldown_steps=-1 is outside'),
     ('opt.final_lr_fraction', 1.5, 'config.opt.final_lr_fraction=1.5 is outside'),
+    ('opt.ema_decay', 1.0, 'config.opt.ema_decay=1.0 is outside the allowed range [0.0, 1.0)'),
+    ('opt.ema_decay', -0.1, 'config.opt.ema_decay=-0.1 is outside the allowed range [0.0, 1.0)'),
+    ('opt.ema_decay', float('nan'), 'config.opt.ema_decay=nan is outside'),
     ('model.num_heads', 3, 'config.model.d_model=32 is not divisible by config.model.num_heads=3'),
     ('mesh.shape', (3, -1, 1), 'config.mesh.shape=(3, -1, 1) needs a multiple of 3 devices, but '
      'there are 8'),
