@@ -233,11 +233,16 @@ def evaluate_state(setup: Setup, state, task: data.TaskData, eval_batches, confi
                    ) -> tuple[dict[str, float], evaluate.Bleu | None]:
   """`run_evaluation` of the params and, if the state keeps one, of their moving average,
   whose figures are named with an 'ema_' prefix (ema_eval_loss, ema_bleu, ...). The BLEU
-  returned is the params'."""
+  returned is the params'.
+
+  The average is evaluated in the params' dtype (config.model.param_dtype), as translate
+  --weights=ema reads it.
+  """
   results, bleu = run_evaluation(setup, state.params, task, eval_batches, config, translator,
                                  bleu_sentences)
   if state.ema is not None:
-    ema_results, _ = run_evaluation(setup, state.ema, task, eval_batches, config, translator,
+    ema = jax.tree.map(lambda e, p: e.astype(p.dtype), state.ema, state.params)
+    ema_results, _ = run_evaluation(setup, ema, task, eval_batches, config, translator,
                                     bleu_sentences)
     results.update({f'ema_{name}': value for name, value in ema_results.items()})
   return results, bleu
