@@ -69,6 +69,24 @@ def tiny_run(tmp_path_factory):
   return workdir, train.train_and_evaluate(tiny.get_config(), workdir)
 
 
+def leaves_equal(a, b) -> bool:
+  """Whether two trees hold bitwise equal arrays, leaf by leaf."""
+  return all(np.array_equal(np.asarray(x), np.asarray(y))
+             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
+
+
+def saved_state_field(step_dir, name: str = 'params'):
+  """One field of a training checkpoint's `state` item (params, ema, opt_state), read with
+  plain orbax as numpy: a reader independent of t2t_jax's."""
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  item = os.path.join(step_dir, 'state')
+  checkpointer = ocp.PyTreeCheckpointer()
+  saved = checkpointer.metadata(item).item_metadata.tree[name]
+  args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), saved)
+  return checkpointer.restore(item, args=ocp.args.PyTreeRestore(
+      item={name: saved}, restore_args={name: args}, partial_restore=True))[name]
+
+
 def write_lines(path, lines):
   """Writes text lines (str) or raw lines (bytes), each followed by a newline."""
   with open(path, 'wb') as f:

@@ -20,7 +20,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import chaos
-from conftest import ROOT
+from conftest import ROOT, leaves_equal, saved_state_field
 from t2t_jax import EOS_ID
 from t2t_jax import average
 from t2t_jax import checkpoint
@@ -57,21 +57,6 @@ def _copy(workdir, tmp_path):
   return shutil.copytree(workdir, tmp_path / 'copy')
 
 
-def _leaves_equal(a, b):
-  return all(np.array_equal(np.asarray(x), np.asarray(y))
-             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
-
-
-def _numpy_params(path):
-  """Params of a checkpoint directory read with plain orbax, as numpy (independent reader)."""
-  item = os.path.join(path, 'state')
-  checkpointer = ocp.PyTreeCheckpointer()
-  saved = checkpointer.metadata(item).item_metadata.tree['params']
-  args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), saved)
-  return checkpointer.restore(item, args=ocp.args.PyTreeRestore(
-      item={'params': saved}, restore_args={'params': args}, partial_restore=True))['params']
-
-
 def _absl_messages(caplog):
   return '\n'.join(record.getMessage() for record in caplog.records)
 
@@ -98,7 +83,7 @@ def test_checkpoint_holds_state_rng_data_position_and_config(trained):
   assert (restored.data_state['epoch'], restored.data_state['batch']) == (0, 20)
   assert checkpoint.config_differences(restored.config_json, config) == {
       'eval.average_last': (3, 0)}  # The fixture resets it after training.
-  assert _leaves_equal(restored.state.params, _numpy_params(f'{workdir}/checkpoints/20'))
+  assert leaves_equal(restored.state.params, saved_state_field(f'{workdir}/checkpoints/20'))
 
 
 # The arrays live in state/d/ (the merged OCDBT data); ocdbt.process_*/ are not read back.
@@ -117,7 +102,7 @@ def test_damaged_latest_checkpoint_falls_back_with_warning(trained, tmp_path, ca
     os.remove(path)
   caplog.set_level(std_logging.WARNING)
   params = saved_params.restore_params(str(workdir), setup.abstract_state.params)  # translate's way
-  assert _leaves_equal(params, _numpy_params(f'{workdir}/checkpoints/15'))
+  assert leaves_equal(params, saved_state_field(f'{workdir}/checkpoints/15'))
   restored = checkpoint.Checkpointer(workdir, config.ckpt).restore(setup.abstract_state, config)
   assert restored.step == 15 and restored.data_state['batch'] == 15
   messages = _absl_messages(caplog)
@@ -130,8 +115,8 @@ def test_damaged_latest_checkpoint_falls_back_with_warning(trained, tmp_path, ca
   # Training resumes from 15 and writes a fresh step 20 equal to the undamaged one.
   results = train.train_and_evaluate(config, str(workdir))
   assert results['step'] == 20
-  assert _leaves_equal(_numpy_params(f'{workdir}/checkpoints/20'),
-                       _numpy_params(f'{trained[0]}/checkpoints/20'))
+  assert leaves_equal(saved_state_field(f'{workdir}/checkpoints/20'),
+                       saved_state_field(f'{trained[0]}/checkpoints/20'))
 
 
 def test_damage_description_is_a_sentence_without_pybind_or_spec_text():
@@ -264,7 +249,7 @@ def averaged(trained):
 @pytest.mark.slow
 def test_averaged_params_equal_the_numpy_mean(trained, averaged):
   workdir = trained[0]
-  inputs = [_numpy_params(f'{workdir}/checkpoints/{step}') for step in (10, 15, 20)]
+  inputs = [saved_state_field(f'{workdir}/checkpoints/{step}') for step in (10, 15, 20)]
   expected = jax.tree.map(lambda *xs: np.mean(np.stack(xs).astype(np.float64), 0), *inputs)
   result = saved_params.load_params(averaged)  # numpy, as saved
   for got, want in zip(jax.tree.leaves(result), jax.tree.leaves(expected), strict=True):
@@ -279,7 +264,7 @@ def test_averaged_params_equal_the_numpy_mean(trained, averaged):
 def test_averaged_checkpoint_loads_translates_and_starts_training(trained, averaged, tmp_path):
   workdir, config, setup, _ = trained
   params = saved_params.restore_params(workdir, setup.abstract_state.params, averaged)
-  assert _leaves_equal(params, saved_params.load_params(averaged))
+  assert leaves_equal(params, saved_params.load_params(averaged))
   assert jax.tree.leaves(params)[0].sharding == jax.tree.leaves(
       setup.abstract_state.params)[0].sharding
   task = data.load(config, '')
@@ -293,7 +278,7 @@ def test_averaged_checkpoint_loads_translates_and_starts_training(trained, avera
   fresh.ckpt.init_from, fresh.opt.schedule, fresh.opt.lr_scale = averaged, 'constant', 0.0
   fresh.train.num_steps, fresh.ckpt.every, fresh.eval.bleu_sentences = 1, 1, 0
   train.train_and_evaluate(fresh, str(tmp_path / 'fresh'))
-  assert _leaves_equal(_numpy_params(f'{tmp_path}/fresh/checkpoints/1'),
+  assert leaves_equal(saved_state_field(f'{tmp_path}/fresh/checkpoints/1'),
                        saved_params.load_params(averaged))
 
 
@@ -301,9 +286,9 @@ def test_averaged_checkpoint_loads_translates_and_starts_training(trained, avera
 def test_restore_params_by_step_and_its_errors(trained, tmp_path):
   workdir, _, setup, _ = trained
   params = saved_params.restore_params(workdir, setup.abstract_state.params, '10')
-  assert _leaves_equal(params, _numpy_params(f'{workdir}/checkpoints/10'))
+  assert leaves_equal(params, saved_state_field(f'{workdir}/checkpoints/10'))
   latest = saved_params.restore_params(workdir, setup.abstract_state.params)
-  assert _leaves_equal(latest, _numpy_params(f'{workdir}/checkpoints/20'))
+  assert leaves_equal(latest, saved_state_field(f'{workdir}/checkpoints/20'))
   with pytest.raises(checkpoint.CheckpointError, match=r'no checkpoint of step 7 .*\[5, 10, '):
     saved_params.restore_params(workdir, setup.abstract_state.params, '7')
   with pytest.raises(checkpoint.CheckpointError, match='is not a t2t_jax checkpoint'):
@@ -325,7 +310,7 @@ def test_bf16_export_holds_only_cast_params(trained):
   assert sorted(os.listdir(path)) == sorted(
       ['params', 'config', 'info', '_CHECKPOINT_METADATA', 'commit_success.txt'])
   exported = saved_params.load_params(path)
-  original = _numpy_params(f'{workdir}/checkpoints/20')
+  original = saved_state_field(f'{workdir}/checkpoints/20')
   for got, want in zip(jax.tree.leaves(exported), jax.tree.leaves(original), strict=True):
     assert got.dtype == jnp.bfloat16
     assert np.array_equal(got, want.astype(jnp.bfloat16))
@@ -339,7 +324,7 @@ def test_training_evaluates_the_average_of_the_last_checkpoints(trained):
   for name in ('eval_loss', 'bleu', 'exact_match'):
     assert f'averaged_{name}' in results and np.isfinite(results[f'averaged_{name}'])
   # Independently: the eval loss of the numpy mean of steps 10, 15 and 20.
-  inputs = [_numpy_params(f'{workdir}/checkpoints/{step}') for step in (10, 15, 20)]
+  inputs = [saved_state_field(f'{workdir}/checkpoints/{step}') for step in (10, 15, 20)]
   mean = jax.tree.map(lambda *xs: np.mean(np.stack(xs), 0), *inputs)
   config = _config()
   config.eval.bleu_sentences = 0
@@ -365,8 +350,8 @@ def test_readme_snippet_restores_params_with_plain_orbax(trained, caplog, capfd)
   said = capfd.readouterr()
   assert said.out == "{'embedding': (10, 32)}\n"  # The tiny copy task: 8 symbols, pad and EOS.
   assert 'WARNING' not in caplog.text + said.err, caplog.text + said.err
-  assert _leaves_equal(namespace['params'], _numpy_params(f'{workdir}/checkpoints/20'))
-  assert _leaves_equal(namespace['exported'], saved_params.load_params(f'{workdir}/export/snippet'))
+  assert leaves_equal(namespace['params'], saved_state_field(f'{workdir}/checkpoints/20'))
+  assert leaves_equal(namespace['exported'], saved_params.load_params(f'{workdir}/export/snippet'))
 
 
 # End to end through the CLI, in subprocesses.
@@ -419,8 +404,8 @@ def test_kill9_twice_then_resume_equals_an_uninterrupted_run(tmp_path, dropout_p
   for step in (24,) + tuple(s for s in range(3, 24, 3) if s > second):
     a, b = (checkpoint.Checkpointer(str(w), _config().ckpt).manager for w in
             (tmp_path / 'straight', interrupted))
-    assert _leaves_equal(_numpy_params(f'{tmp_path}/straight/checkpoints/{step}'),
-                         _numpy_params(f'{interrupted}/checkpoints/{step}')), (first, second)
+    assert leaves_equal(saved_state_field(f'{tmp_path}/straight/checkpoints/{step}'),
+                         saved_state_field(f'{interrupted}/checkpoints/{step}')), (first, second)
     data_items = [m.restore(step, args=ocp.args.Composite(data=ocp.args.JsonRestore()))['data']
                   for m in (a, b)]
     assert data_items[0] == data_items[1]
@@ -472,8 +457,8 @@ def test_ctrl_c_saves_the_step_and_the_resumed_run_equals_a_straight_one(tmp_pat
   assert _unfinished(interrupted) == []
   rc, log, _ = _run_until(_command(interrupted, *steps), 10**9)
   assert rc == 0 and f'Training from step {saved} to 24' in log, log[-3000:]
-  assert _leaves_equal(_numpy_params(f'{tmp_path}/straight/checkpoints/24'),
-                       _numpy_params(f'{interrupted}/checkpoints/24'))
+  assert leaves_equal(saved_state_field(f'{tmp_path}/straight/checkpoints/24'),
+                       saved_state_field(f'{interrupted}/checkpoints/24'))
 
 
 @pytest.mark.slow
@@ -496,7 +481,7 @@ def test_a_second_ctrl_c_exits_at_once_leaving_only_whole_checkpoints(tmp_path):
   assert _unfinished(tmp_path) == []
   # Every checkpoint left is whole: the latest restores, and training resumes from it.
   latest = max(int(name) for name in os.listdir(tmp_path / 'checkpoints'))
-  _numpy_params(f'{tmp_path}/checkpoints/{latest}')
+  saved_state_field(f'{tmp_path}/checkpoints/{latest}')
   command[command.index('--config.train.num_steps=100000')] = f'--config.train.num_steps={latest + 2}'
   rc, log, _ = _run_until(command, 10**9)
   assert rc == 0 and f'Training from step {latest} to {latest + 2}' in log, log[-3000:]
@@ -545,8 +530,8 @@ def test_a_full_disk_stops_the_run_and_a_disk_with_room_resumes_it(tmp_path):
     subprocess.run(['mount', '-o', 'remount,size=64m', str(disk)], check=True)
     rc, log, _ = _run_until(_command(workdir, *steps), 10**9)
     assert rc == 0 and f'Training from step {failed - 4} to 40' in log, log[-3000:]
-    assert _leaves_equal(_numpy_params(f'{straight}/checkpoints/40'),
-                         _numpy_params(f'{workdir}/checkpoints/40'))
+    assert leaves_equal(saved_state_field(f'{straight}/checkpoints/40'),
+                         saved_state_field(f'{workdir}/checkpoints/40'))
   finally:
     subprocess.run(['umount', str(disk)], check=False)
 

@@ -10,10 +10,9 @@ import sys
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, leaves_equal, saved_state_field
 from t2t_jax import CheckpointError
 from t2t_jax import checkpoint
 from t2t_jax import data
@@ -38,23 +37,8 @@ def _numpy(tree):
   return jax.tree.map(lambda x: np.asarray(x, np.float64), jax.device_get(tree))
 
 
-def _plain_orbax(step_dir, name):
-  """One field of a training checkpoint's state, read with plain orbax as numpy."""
-  item = os.path.join(step_dir, 'state')
-  checkpointer = ocp.PyTreeCheckpointer()
-  saved = checkpointer.metadata(item).item_metadata.tree[name]
-  args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), saved)
-  return checkpointer.restore(item, args=ocp.args.PyTreeRestore(
-      item={name: saved}, restore_args={name: args}, partial_restore=True))[name]
-
-
 def _state_fields(step_dir) -> set:
   return set(saved_params.saved_metadata(os.path.join(step_dir, 'state')))
-
-
-def _bitwise_equal(a, b) -> bool:
-  return all(np.array_equal(np.asarray(x), np.asarray(y))
-             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
 
 
 def test_ema_is_the_closed_form_over_the_params_and_leaves_training_unchanged(tmp_path):
@@ -82,7 +66,7 @@ def test_ema_is_the_closed_form_over_the_params_and_leaves_training_unchanged(tm
       states[d], _ = setup.train_step(states[d], sharding.global_batch(batch, setup.mesh),
                                       jax.random.PRNGKey(1))
     recorded.append(_numpy(states[decay].params))
-  assert _bitwise_equal(states[0.0].params, states[decay].params)
+  assert leaves_equal(states[0.0].params, states[decay].params)
   assert states[0.0].ema is None
   expected = jax.tree.map(lambda p: decay**steps * p, recorded[0])
   for k in range(1, steps + 1):
@@ -103,7 +87,7 @@ def test_ema_is_the_closed_form_over_the_params_and_leaves_training_unchanged(tm
   before = _state_fields(os.path.join(OLD_CHECKPOINT, '10'))
   assert _state_fields(tmp_path / 'plain' / 'checkpoints' / str(steps)) == before
   assert _state_fields(tmp_path / 'ema' / 'checkpoints' / str(steps)) == before | {'ema'}
-  assert _bitwise_equal(_plain_orbax(tmp_path / 'ema' / 'checkpoints' / str(steps), 'ema'),
+  assert leaves_equal(saved_state_field(tmp_path / 'ema' / 'checkpoints' / str(steps), 'ema'),
                         states[decay].ema)
 
 
@@ -132,7 +116,7 @@ def test_resume_gives_the_average_and_params_of_an_uninterrupted_run(ema_run, tm
   assert sorted(os.listdir(resumed / 'checkpoints')) == ['3', '6']
   straight, again = (os.path.join(w, 'checkpoints', '6') for w in (workdir, resumed))
   for name in ('params', 'ema', 'opt_state'):
-    assert _bitwise_equal(_plain_orbax(straight, name), _plain_orbax(again, name)), name
+    assert leaves_equal(saved_state_field(straight, name), saved_state_field(again, name)), name
   # Turning the average off on resume would drop it: refused, naming the key.
   with pytest.raises(CheckpointError, match=r'opt\.ema_decay: 0\.5 -> 0\.0'):
     train.train_and_evaluate(_config(0.0), str(resumed))
@@ -147,10 +131,10 @@ def test_resuming_a_checkpoint_without_an_average_starts_it_from_the_params(tmp_
   train.train_and_evaluate(config, str(workdir))
   assert 'holds no moving average of the weights (written with opt.ema_decay=0): starting it ' \
          'from the restored params' in caplog.text
-  before = _numpy(_plain_orbax(workdir / 'checkpoints' / '10', 'params'))
-  after = _numpy(_plain_orbax(workdir / 'checkpoints' / '11', 'params'))
+  before = _numpy(saved_state_field(workdir / 'checkpoints' / '10', 'params'))
+  after = _numpy(saved_state_field(workdir / 'checkpoints' / '11', 'params'))
   expected = jax.tree.map(lambda p, q: 0.75 * p + 0.25 * q, before, after)
-  for got, want in zip(jax.tree.leaves(_plain_orbax(workdir / 'checkpoints' / '11', 'ema')),
+  for got, want in zip(jax.tree.leaves(saved_state_field(workdir / 'checkpoints' / '11', 'ema')),
                        jax.tree.leaves(expected), strict=True):
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
 
@@ -159,17 +143,17 @@ def test_translate_and_export_read_the_average_when_asked(ema_run, tmp_path):
   workdir, config, _ = ema_run
   step_dir = os.path.join(workdir, 'checkpoints', '6')
   raw, ema = (translate.load(workdir, weights=w) for w in ('params', 'ema'))
-  assert _bitwise_equal(ema.params, _plain_orbax(step_dir, 'ema'))
-  assert _bitwise_equal(raw.params, _plain_orbax(step_dir, 'params'))
-  assert not _bitwise_equal(raw.params, ema.params)
+  assert leaves_equal(ema.params, saved_state_field(step_dir, 'ema'))
+  assert leaves_equal(raw.params, saved_state_field(step_dir, 'params'))
+  assert not leaves_equal(raw.params, ema.params)
   inputs = data.load(config, '').eval.inputs[:8]
   mesh = sharding.make_mesh(config.mesh)  # A translator of its own, fed numpy weights.
   direct = translator_lib.from_config(config, ema.model_config, mesh, sharding.rules(
-      config.mesh)).translate(_plain_orbax(step_dir, 'ema'), inputs)
+      config.mesh)).translate(saved_state_field(step_dir, 'ema'), inputs)
   assert [list(o) for o in ema.translator.translate(ema.params, inputs)] == [
       list(o) for o in direct]
   exported = export.export(workdir, '6', output=str(tmp_path / 'ema_export'), weights='ema')
-  assert _bitwise_equal(saved_params.load_params(exported), _plain_orbax(step_dir, 'ema'))
+  assert leaves_equal(saved_params.load_params(exported), saved_state_field(step_dir, 'ema'))
   with pytest.raises(CheckpointError, match='params-only checkpoint'):
     saved_params.load_params(exported, weights='ema')
   with pytest.raises(CheckpointError, match=r'no moving average.*ema_decay=0'):
