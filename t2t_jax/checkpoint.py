@@ -1,8 +1,8 @@
 """Training checkpoints: async saves, exact resume, damaged-checkpoint fallback, failed saves.
 
 A training checkpoint is `<workdir>/checkpoints/<step>/` with four orbax items:
-`state` (TrainState: step, params, opt_state, and ema when opt.ema_decay > 0), `rng` (the dropout key), `data` (the grain
-iterator state, JSON) and `config` (the resolved config, JSON). A params-only checkpoint
+`state` (TrainState: step, params, opt_state, and ema when opt.ema_decay > 0), `rng` (the
+dropout key), `data` (the grain iterator state, JSON) and `config` (the resolved config, JSON). A params-only checkpoint
 (averaged or exported) is a directory with the items `params`, `config` and `info`; reading
 params from either kind, averaging and writing them is saved_params.py's.
 """
