@@ -237,10 +237,10 @@ class SelfAttention(_Attention):
   """Self-attention of one `kind` ('full', 'local', 'compressed', see attention_variants.py),
   with relative positions if asked, and (`cached`, in decode mode) a key/value cache.
 
-  `mask` is the batch's SelfMask. In decode mode it is None, or one over a decoder-only
-  model's prompt; each call writes its tokens (one step, or the whole prompt) to the cache
-  and attends to everything cached so far under this kind's neighbourhood mask, which equals
-  what teacher forcing computes.
+  `mask` is the batch's SelfMask. In decode mode it is None, or a decoder-only model's (over
+  its prompt in the prefill, each row's position in a step); each call writes its tokens (one
+  step, or the whole prompt) to the cache and attends to everything cached so far under this
+  kind's neighbourhood mask, which equals what teacher forcing computes.
   """
   kind: str = 'full'
   causal: bool = False  # The decoder's ('local' and 'compressed' need it).

@@ -17,9 +17,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from t2t_jax import ConfigError
 from t2t_jax import decode
 from t2t_jax import decoder_only
 from t2t_jax import model as model_lib
+from t2t_jax import model_config
 
 VOCAB = 13
 CONFIG = model_lib.TransformerConfig(
@@ -142,3 +144,12 @@ def test_encoder_decoder_packed_segments_straddling_blocks_equal_them_alone(patt
   alone, packed = (np.asarray(x) for x in logits(params))
   start = len(BEFORE[1])
   np.testing.assert_allclose(packed[0, start:start + len(TARGET)], alone[0], **TOLERANCE)
+
+
+@pytest.mark.parametrize('positions', ['relative', 'rotary', 'alibi'])
+def test_compressed_layers_refuse_the_positions_a_block_cannot_have(positions):
+  # The combinations CASES leaves out: a compressed key summarises several positions.
+  config = dataclasses.replace(CONFIG, attention_pattern='local,compressed', positions=positions)
+  with pytest.raises(ConfigError, match=rf"positions='{positions}' cannot be used with "
+                                        r"config.model.attention_pattern='local,compressed'"):
+    model_config.check_family(config)
