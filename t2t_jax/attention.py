@@ -92,13 +92,15 @@ class SelfMask(NamedTuple):
   """What self-attention masks by, built once per batch: the whole mask of 'full' layers
   (None when no layer is full) and the per-token facts the other kinds build theirs from.
 
-  In decode mode a decoder-only model passes one over its prompt, the first P keys of the
-  cache (its right-padded source): `full_B1LL` [B, 1, Q, P] decides those keys for 'full'
-  layers (padding, and whether the prompt sees itself in full), `valid_BL` [B, P] marks the
-  real ones for the other kinds; the keys after the prompt are real and causal.
+  In decode mode a decoder-only model's prefill passes one over its prompt, the first P keys
+  of the cache (its right-padded source): `full_B1LL` [B, 1, Q, P] decides those keys for
+  'full' layers (padding, and whether the prompt sees itself in full), `valid_BL` [B, P]
+  marks the real ones for the other kinds. Its steps pass only `positions_BL` [B, 1]: each
+  row's position, which is also the cache slot its token goes to; the slots before it hold
+  the row's real tokens.
   """
   full_B1LL: Array | None
-  valid_BL: Array  # False at padding.
+  valid_BL: Array | None  # False at padding.
   segments_BL: Array | None  # Packed rows: segment of each token (0: padding).
   positions_BL: Array | None  # Position of each token where it is not its index (relative).
 
@@ -235,10 +237,10 @@ class SelfAttention(_Attention):
   """Self-attention of one `kind` ('full', 'local', 'compressed', see attention_variants.py),
   with relative positions if asked, and (`cached`, in decode mode) a key/value cache.
 
-  `mask` is the batch's SelfMask. In decode mode it is None, or one over a decoder-only
-  model's prompt; each call writes its tokens (one step, or the whole prompt) to the cache
-  and attends to everything cached so far under this kind's neighbourhood mask, which equals
-  what teacher forcing computes.
+  `mask` is the batch's SelfMask. In decode mode it is None, or a decoder-only model's (over
+  its prompt in the prefill, each row's position in a step); each call writes its tokens (one
+  step, or the whole prompt) to the cache and attends to everything cached so far under this
+  kind's neighbourhood mask, which equals what teacher forcing computes.
   """
   kind: str = 'full'
   causal: bool = False  # The decoder's ('local' and 'compressed' need it).
@@ -308,62 +310,63 @@ class SelfAttention(_Attention):
                          cfg.param_dtype).astype(cfg.dtype) for name in ('key', 'value')]
     return attention_variants.Relative(*tables, cfg.max_relative_distance)
 
-  def _cached_attention(self, q_BQHD, k_BHQD, v_BHQD, prompt: SelfMask | None, relative,
+  def _cached_attention(self, q_BQHD, k_BHQD, v_BHQD, mask: SelfMask | None, relative,
                         compression_ZHDD) -> Array:
     """Decode mode: this call's Q tokens go into the cache, then attend to it."""
     cfg = self.config
     turn = None
     if cfg.positions == 'rotary':  # Keys are cached turned by their positions, heads-major.
-      def turn(k_BQHD, index_Q):
-        positions_BQ = attention_cache.cached_positions(index_Q, 0, prompt)[0]
+      def turn(k_BQHD, positions_BQ):
         return positions.rotary(k_BQHD, positions_BQ).transpose(0, 2, 1, 3)
       v_BHQD = v_BHQD.transpose(0, 2, 1, 3)
-    k_BHKD, v_BHKD, query_index_Q = self._update_cache(k_BHQD, v_BHQD, turn)
-    if query_index_Q is None:  # The init call, which only sizes the caches.
+    slots_BQ = None if mask is None else mask.positions_BL
+    k_BHKD, v_BHKD, positions_BQ = self._update_cache(k_BHQD, v_BHQD, turn, slots_BQ)
+    if positions_BQ is None:  # The init call, which only sizes the caches.
       return attention_variants.cached_attention(q_BQHD, k_BHKD, v_BHKD, None)[0]
     length = k_BHKD.shape[2]
-    if relative is not None or cfg.positions in ('rotary', 'alibi'):
-      query_positions_BQ, key_positions_BK = attention_cache.cached_positions(
-          query_index_Q, length, prompt)
     if cfg.positions == 'rotary':
-      q_BQHD = positions.rotary(q_BQHD, query_positions_BQ)
-    raw_QK, compressed_QM = attention_variants.cached_masks(
-        self.kind, query_index_Q, length, cfg.local_half_width, cfg.compression_stride)
-    mask_B1QK, key_valid_BK = raw_QK[None, None], None
-    if prompt is not None:
-      mask_B1QK, key_valid_BK = attention_cache.prompt_mask(raw_QK, prompt, self.kind,
-                                                            k_BHKD.shape[0])
+      q_BQHD = positions.rotary(q_BQHD, positions_BQ)
+    prompt = mask if slots_BQ is None else None  # A decoder-only model's prefill.
+    mask_B1QK, compressed_B1QM, key_valid_BK = attention_cache.cached_mask(
+        self.kind, positions_BQ, length, prompt, k_BHKD.shape[0], cfg.local_half_width,
+        cfg.compression_stride)
     if self.kind == 'compressed':
       entries = self._compressed_cache(k_BHKD.shape)
       for entry, raw_BHKD, kernel_ZHDD in zip(entries, (k_BHKD, v_BHKD), compression_ZHDD):
-        entry.value = attention_cache.recompress(entry.value, raw_BHKD, query_index_Q,
+        entry.value = attention_cache.recompress(entry.value, raw_BHKD, positions_BQ,
                                                  kernel_ZHDD, key_valid_BK, cfg.compression_stride)
       k_BHKD = jnp.concatenate([entries[0].value, k_BHKD], axis=2)
       v_BHKD = jnp.concatenate([entries[1].value, v_BHKD], axis=2)
-      mask_B1QK = attention_cache.with_compressed_keys(mask_B1QK, compressed_QM, key_valid_BK,
-                                                       cfg.compression_stride)
+      mask_B1QK = jnp.concatenate([
+          jnp.broadcast_to(compressed_B1QM, mask_B1QK.shape[:3] + compressed_B1QM.shape[-1:]),
+          jnp.broadcast_to(mask_B1QK, mask_B1QK.shape[:3] + (mask_B1QK.shape[-1],))], axis=-1)
     buckets_BQKR = bias_BHQK = None
+    key_positions_1K = jnp.arange(length)[None]  # A cached token's slot is its position.
     if relative is not None:
       buckets_BQKR = attention_variants.relative_buckets(
-          query_positions_BQ, key_positions_BK, relative.max_distance, cfg.dtype)
+          positions_BQ, key_positions_1K, relative.max_distance, cfg.dtype)
     if cfg.positions == 'alibi':
-      bias_BHQK = positions.alibi_bias(query_positions_BQ, key_positions_BK,
+      bias_BHQK = positions.alibi_bias(positions_BQ, key_positions_1K,
                                        positions.alibi_slopes(cfg.num_heads))
     out_BQHD, weights_BHQK = attention_variants.cached_attention(
         q_BQHD, k_BHKD, v_BHKD, mask_B1QK, relative, buckets_BQKR, bias_BHQK)
     self.sow('intermediates', 'attention_weights', weights_BHQK)
     return out_BQHD
 
-  def _update_cache(self, k_BHQD, v_BHQD, turn=None):
-    """Writes this call's Q keys/values from the cache index on; returns the whole cache and
-    their indices, or, in the init call that only sizes the caches, the inputs and None.
+  def _update_cache(self, k_BHQD, v_BHQD, turn=None, slots_BQ=None):
+    """Writes this call's Q keys/values from the cache index on, or row b's from
+    `slots_BQ[b, 0]` on when given; returns the whole cache and the written tokens' positions
+    [1 or B, Q], or, in the init call that only sizes the caches, the inputs and None.
 
-    `turn(k_BQHD, index_Q)`, given, makes the keys to cache from the projected [B, Q, H, D].
+    `turn(k_BQHD, positions_BQ)`, given, makes the keys to cache from the projected [B, Q, H, D].
     """
     initialised = self.has_variable('cache', 'key')
     index = self.variable('cache', 'index', lambda: jnp.array(0, jnp.int32))
+    i = index.value
+    queries = k_BHQD.shape[2] if turn is None else k_BHQD.shape[1]
+    positions_BQ = (i + jnp.arange(queries))[None] if slots_BQ is None else slots_BQ
     if turn is not None:
-      k_BHQD = turn(k_BHQD, index.value + jnp.arange(k_BHQD.shape[1]))
+      k_BHQD = turn(k_BHQD, positions_BQ)
     length = attention_cache.cache_length(k_BHQD.shape[2], self.kind,
                                           self.config.compression_stride)
     shape = k_BHQD.shape[:2] + (length,) + k_BHQD.shape[3:]
@@ -373,11 +376,10 @@ class SelfAttention(_Attention):
       if self.kind == 'compressed':
         self._compressed_cache(shape)
       return k_BHQD, v_BHQD, None
-    i = index.value
-    key.value = attention_cache.write(key.value, k_BHQD, i)
-    value.value = attention_cache.write(value.value, v_BHQD, i)
+    key.value = attention_cache.write(key.value, k_BHQD, i, slots_BQ)
+    value.value = attention_cache.write(value.value, v_BHQD, i, slots_BQ)
     index.value = i + k_BHQD.shape[2]
-    return key.value, value.value, i + jnp.arange(k_BHQD.shape[2])
+    return key.value, value.value, positions_BQ
 
   def _compressed_cache(self, shape_BHKD):
     """The cache entries of compressed keys and values, one per block of the raw cache."""

@@ -19,9 +19,33 @@ def cache_length(length: int, kind: str, stride: int) -> int:
   return -(-length // stride) * stride if kind == 'compressed' else length
 
 
-def write(cache_BHKD: Array, new_BHQD: Array, index: Array) -> Array:
-  """The cache with this call's Q keys (or values) written from `index` on."""
-  return jax.lax.dynamic_update_slice(cache_BHKD, new_BHQD, (0, 0, index, 0))
+def write(cache_BHKD: Array, new_BHQD: Array, index: Array, slots_BQ: Array | None) -> Array:
+  """The cache with this call's Q keys (or values) written from `index` on, or row b's from
+  `slots_BQ[b, 0]` on when given (a decoder-only model's steps)."""
+  if slots_BQ is None:
+    return jax.lax.dynamic_update_slice(cache_BHKD, new_BHQD, (0, 0, index, 0))
+  return jax.vmap(lambda cache_HKD, new_HQD, slot: jax.lax.dynamic_update_slice(
+      cache_HKD, new_HQD, (0, slot, 0)))(cache_BHKD, new_BHQD, slots_BQ[:, 0])
+
+
+def cached_mask(kind: str, positions_BQ: Array, length: int, prompt, rows: int, window: int,
+                stride: int) -> tuple[Array, Array | None, Array | None]:
+  """The masks of queries at `positions_BQ` [1 or B, Q] over a cache of `length` slots, where
+  a token's slot is its position: [B, 1, Q, K] over the raw keys, for 'compressed'
+  [B, 1, Q, M] over the compressed ones (else None), and which keys are real [B, K] during a
+  decoder-only prefill (`prompt`, an attention.SelfMask; else None)."""
+  raw_BQK, compressed_BQM = attention_variants.cached_masks(kind, positions_BQ, length, window,
+                                                            stride)
+  mask_B1QK, key_valid_BK = raw_BQK[:, None], None
+  if prompt is not None:  # Every row's prompt starts at slot 0: the positions agree.
+    mask_B1QK, key_valid_BK = prompt_mask(raw_BQK[0], prompt, kind, rows)
+  if compressed_BQM is None:
+    return mask_B1QK, None, key_valid_BK
+  compressed_B1QM = compressed_BQM[:, None]
+  if key_valid_BK is not None:  # Blocks of padding only are hidden, as in training.
+    blocks_BM = key_valid_BK.reshape(key_valid_BK.shape[0], -1, stride).any(-1)
+    compressed_B1QM = compressed_B1QM & blocks_BM[:, None, None, :]
+  return mask_B1QK, compressed_B1QM, key_valid_BK
 
 
 def prompt_mask(raw_QK: Array, prompt, kind: str, cache_rows: int) -> tuple[Array, Array]:
@@ -49,48 +73,31 @@ def prompt_mask(raw_QK: Array, prompt, kind: str, cache_rows: int) -> tuple[Arra
   return mask_B1QK, key_valid_BK
 
 
-def with_compressed_keys(mask_B1QK: Array, compressed_QM: Array, key_valid_BK: Array | None,
-                         stride: int) -> Array:
-  """The mask over [compressed keys | raw keys]: blocks of padding only are hidden, as in
-  training."""
-  compressed_B1QM = compressed_QM[None, None]
-  if key_valid_BK is not None:
-    blocks_BM = key_valid_BK.reshape(key_valid_BK.shape[0], -1, stride).any(-1)
-    compressed_B1QM = compressed_B1QM & blocks_BM[:, None, None, :]
-  return jnp.concatenate([
-      jnp.broadcast_to(compressed_B1QM, mask_B1QK.shape[:3] + compressed_QM.shape[-1:]),
-      jnp.broadcast_to(mask_B1QK, mask_B1QK.shape[:3] + (mask_B1QK.shape[-1],))], axis=-1)
+def recompress(compressed_BHMD: Array, raw_BHKD: Array, positions_BQ: Array,
+               kernel_ZHDD: Array, key_valid_BK: Array | None, stride: int) -> Array:
+  """The compressed cache after this call's writes to `raw_BHKD` at `positions_BQ`.
 
-
-def recompress(compressed_BHMD: Array, raw_BHKD: Array, query_index_Q: Array, kernel_ZHDD: Array,
-               key_valid_BK: Array | None, stride: int) -> Array:
-  """The compressed cache after this call's writes to `raw_BHKD`.
-
-  One step recompresses only its own block (a partial block stays masked until it is
-  complete); several steps (a prompt) recompress them all. Padded prompt keys
-  (`key_valid_BK` False) are zeroed first, as training zeroes them.
+  One step recompresses only its own block, each row's own when the rows' positions differ
+  (a partial block stays masked until it is complete); several steps (a prompt) recompress
+  them all. Padded prompt keys (`key_valid_BK` False) are zeroed first, as training zeroes
+  them.
   """
   batch, heads, length, head_dim = raw_BHKD.shape
   if key_valid_BK is not None:
     raw_BHKD = raw_BHKD * key_valid_BK[:, None, :, None].astype(raw_BHKD.dtype)
-  if query_index_Q.shape[0] > 1:
+  if positions_BQ.shape[1] > 1:
     blocks_BHMZD = raw_BHKD.reshape(batch, heads, length // stride, stride, head_dim)
     return attention_variants.compress_cached(blocks_BHMZD, kernel_ZHDD)
-  block = query_index_Q[0] // stride
-  raw_BHZD = jax.lax.dynamic_slice_in_dim(raw_BHKD, block * stride, stride, 2)
-  return jax.lax.dynamic_update_slice_in_dim(
-      compressed_BHMD, attention_variants.compress_cached(raw_BHZD[:, :, None], kernel_ZHDD),
-      block, 2)
 
+  def own_block(compressed_BHMD, raw_BHKD, position):
+    block = position // stride
+    raw_BHZD = jax.lax.dynamic_slice_in_dim(raw_BHKD, block * stride, stride, 2)
+    return jax.lax.dynamic_update_slice_in_dim(
+        compressed_BHMD, attention_variants.compress_cached(raw_BHZD[:, :, None], kernel_ZHDD),
+        block, 2)
 
-def cached_positions(query_index_Q: Array, length: int, prompt) -> tuple[Array, Array]:
-  """Positions of the queries [1 or B, Q] and of the cached keys [1 or B, K] (relative, rotary,
-  ALiBi): indices, except that after a right-padded prompt the tokens follow its last real
-  token."""
-  query_positions_BQ, key_positions_BK = query_index_Q[None], jnp.arange(length)[None]
-  if prompt is not None:
-    prompt_length = prompt.valid_BL.shape[1]
-    padding_B1 = prompt_length - prompt.valid_BL.sum(-1, keepdims=True)
-    key_positions_BK -= jnp.where(key_positions_BK >= prompt_length, padding_B1, 0)
-    query_positions_BQ -= jnp.where(query_positions_BQ >= prompt_length, padding_B1, 0)
-  return query_positions_BQ, key_positions_BK
+  if positions_BQ.shape[0] == 1:  # Every row at the same position.
+    return own_block(compressed_BHMD, raw_BHKD, positions_BQ[0, 0])
+  per_row = jax.vmap(lambda compressed_HMD, raw_HKD, position: own_block(
+      compressed_HMD[None], raw_HKD[None], position)[0])
+  return per_row(compressed_BHMD, raw_BHKD, positions_BQ[:, 0])

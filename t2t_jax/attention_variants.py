@@ -6,6 +6,7 @@ M compressed blocks of keys, Z tokens per compressed block (the stride), R relat
 (2k + 1). A leading `...` stands for batch axes (B, or B and G).
 """
 
+import functools
 from typing import Callable, NamedTuple
 
 import jax
@@ -169,10 +170,13 @@ def compressed_attention(q_BLHD: Array, k_BLHD: Array, v_BLHD: Array, valid_BL: 
   Query i (in block n = i // stride) sees the compressed blocks m != n (m < n when causal:
   every token a compressed key summarises is earlier than i) and, uncompressed, the keys of
   its own block (those j <= i when causal), so no query is left without a key. Padding is
-  zeroed before the convolution and blocks of padding only are hidden. In packed rows a
-  block that mixes segments is hidden from everyone (each segment loses at most one block
-  at each of its ends), so a packed row is not exactly its segments run one by one.
+  zeroed before the convolution and blocks of padding only are hidden. Packed rows
+  (`segments_BL` given) cut each segment into blocks from its own first token
+  (`segment_compressed_attention`), so a packed row is exactly its segments run one by one.
   """
+  if segments_BL is not None:
+    return segment_compressed_attention(q_BLHD, k_BLHD, v_BLHD, valid_BL, segments_BL, stride,
+                                        causal, key_kernel_ZHDD, value_kernel_ZHDD, drop)
   length = q_BLHD.shape[1]
   valid_BGZ = _to_blocks(valid_BL, stride)
   keep_BGZ11 = valid_BGZ[..., None, None].astype(k_BLHD.dtype)
@@ -187,43 +191,132 @@ def compressed_attention(q_BLHD: Array, k_BLHD: Array, v_BLHD: Array, valid_BL: 
   raw_mask_BGQZ = valid_BGZ[:, :, None, :]
   if causal:
     raw_mask_BGQZ &= jnp.tril(jnp.ones((stride, stride), bool))[None, None]
-  if segments_BL is not None:
-    segments_BGZ = _to_blocks(segments_BL, stride)
-    highest_BM = jnp.where(valid_BGZ, segments_BGZ, -1).max(-1)
-    lowest_BM = jnp.where(valid_BGZ, segments_BGZ, jnp.iinfo(jnp.int32).max).min(-1)
-    block_segment_BM = jnp.where(highest_BM == lowest_BM, highest_BM, -1)  # -1: mixed.
-    anywhere_BGQ1 = segments_BGZ[..., None] == 0
-    compressed_mask_BGQM &= ((segments_BGZ[..., None] == block_segment_BM[:, None, None, :])
-                             | anywhere_BGQ1)
-    raw_mask_BGQZ &= (segments_BGZ[..., None] == segments_BGZ[:, :, None, :]) | anywhere_BGQ1
-  q_BGQHD = _to_blocks(q_BLHD, stride)
-  logits_BGHQK = jnp.concatenate([
-      jnp.einsum('BNQHD,BMHD->BNHQM', q_BGQHD, compressed_k_BMHD),
-      jnp.einsum('BNQHD,BNSHD->BNHQS', q_BGQHD, k_BGZHD)], axis=-1).astype(jnp.float32)
-  shape_BGQ = valid_BGZ.shape
-  mask_BG1QK = jnp.concatenate([
-      jnp.broadcast_to(compressed_mask_BGQM, shape_BGQ + (blocks,)),
-      jnp.broadcast_to(raw_mask_BGQZ, shape_BGQ + (stride,))], axis=-1)[:, :, None]
-  logits_BGHQK = jnp.where(mask_BG1QK, logits_BGHQK, NEG_INF)
-  weights_BGHQK = drop(jax.nn.softmax(logits_BGHQK).astype(q_BLHD.dtype))
-  out_BGQHD = (
-      jnp.einsum('BNHQM,BMHD->BNQHD', weights_BGHQK[..., :blocks], compressed_v_BMHD)
-      + jnp.einsum('BNHQS,BNSHD->BNQHD', weights_BGHQK[..., blocks:], v_BGZHD))
+  out_BGQHD = _compressed_and_raw(
+      _to_blocks(q_BLHD, stride), compressed_k_BMHD, compressed_v_BMHD, compressed_mask_BGQM,
+      k_BGZHD, v_BGZHD, raw_mask_BGQZ, drop)
   return out_BGQHD.reshape((q_BLHD.shape[0], -1) + q_BLHD.shape[2:])[:, :length]
 
 
-def cached_masks(kind: str, query_index_Q: Array, cache_length: int, window: int,
+def _compressed_and_raw(q_BGQHD: Array, compressed_k_BMHD: Array, compressed_v_BMHD: Array,
+                        compressed_mask_BGQM: Array, k_BGKHD: Array, v_BGKHD: Array,
+                        raw_mask_BGQK: Array, drop: Callable[[Array], Array]) -> Array:
+  """Each block of queries over the compressed keys and its raw keys, in one softmax."""
+  logits_BGHQK = jnp.concatenate([
+      jnp.einsum('BNQHD,BMHD->BNHQM', q_BGQHD, compressed_k_BMHD),
+      jnp.einsum('BNQHD,BNSHD->BNHQS', q_BGQHD, k_BGKHD)], axis=-1).astype(jnp.float32)
+  shape_BGQ = q_BGQHD.shape[:3]
+  blocks, raw = compressed_k_BMHD.shape[1], k_BGKHD.shape[2]
+  mask_BG1QK = jnp.concatenate([
+      jnp.broadcast_to(compressed_mask_BGQM, shape_BGQ + (blocks,)),
+      jnp.broadcast_to(raw_mask_BGQK, shape_BGQ + (raw,))], axis=-1)[:, :, None]
+  logits_BGHQK = jnp.where(mask_BG1QK, logits_BGHQK, NEG_INF)
+  weights_BGHQK = drop(jax.nn.softmax(logits_BGHQK).astype(q_BGQHD.dtype))
+  return (jnp.einsum('BNHQM,BMHD->BNQHD', weights_BGHQK[..., :blocks], compressed_v_BMHD)
+          + jnp.einsum('BNHQS,BNSHD->BNQHD', weights_BGHQK[..., blocks:], v_BGKHD))
+
+
+def segment_positions(segments_BL: Array) -> Array:
+  """Each token's distance from the first token of its run of equal segment ids [B, L]."""
+  index_L = jnp.arange(segments_BL.shape[1])
+  starts_BL = jnp.concatenate([jnp.ones_like(segments_BL[:, :1], bool),
+                               segments_BL[:, 1:] != segments_BL[:, :-1]], axis=1)
+  return index_L - jax.lax.cummax(jnp.where(starts_BL, index_L, 0), axis=1)
+
+
+class SegmentBlocks(NamedTuple):
+  """The compressed blocks of a packed row's segments, in order, unused slots last."""
+  key_BMHD: Array
+  value_BMHD: Array
+  segment_BM: Array  # The block's segment; -1 for an unused slot.
+  index_BM: Array  # The block's number within its segment.
+
+
+def segment_blocks(k_BLHD: Array, v_BLHD: Array, valid_BL: Array, segments_BL: Array,
+                   positions_BL: Array, stride: int, key_kernel_ZHDD: Array,
+                   value_kernel_ZHDD: Array) -> SegmentBlocks:
+  """Blocks of `stride` tokens counted from each segment's first token, compressed.
+
+  Only segments longer than one block need compressed keys (a query's own block is read
+  raw), and their blocks number at most 2L / (stride + 1): each spans over a block, so
+  ceil(n / Z) <= 2n / (Z + 1) for each. That bound sizes the slots.
+  """
+  length = segments_BL.shape[1]
+  slots = max(1, 2 * length // (stride + 1))
+  count_segments = functools.partial(jnp.bincount, length=length + 1)
+  lengths_BS = jax.vmap(count_segments)(jnp.where(valid_BL, segments_BL, 0))
+  long_BL = (valid_BL & (segments_BL != 0)
+             & (jnp.take_along_axis(lengths_BS, segments_BL, axis=1) > stride))
+  first_BL = long_BL & (positions_BL % stride == 0)
+  slot_BL = jnp.where(long_BL, jnp.cumsum(first_BL, axis=1) - 1, slots)  # Out of range: dropped.
+  offset_BL = positions_BL % stride
+
+  def gather(x_LHD, slot_L, offset_L):
+    empty_MZHD = jnp.zeros((slots, stride) + x_LHD.shape[1:], x_LHD.dtype)
+    return empty_MZHD.at[slot_L, offset_L].set(x_LHD, mode='drop')
+
+  k_BMZHD = jax.vmap(gather)(k_BLHD, slot_BL, offset_BL)
+  v_BMZHD = jax.vmap(gather)(v_BLHD, slot_BL, offset_BL)
+  first_slot_BL = jnp.where(first_BL, slot_BL, slots)  # Each block labelled by its first token.
+  label_rows = jax.vmap(lambda value_L, slot_L: jnp.full((slots,), -1, jnp.int32).at[slot_L].set(
+      value_L.astype(jnp.int32), mode='drop'))
+  return SegmentBlocks(compress(k_BMZHD, key_kernel_ZHDD), compress(v_BMZHD, value_kernel_ZHDD),
+                       label_rows(segments_BL, first_slot_BL),
+                       label_rows(positions_BL // stride, first_slot_BL))
+
+
+def segment_compressed_attention(q_BLHD: Array, k_BLHD: Array, v_BLHD: Array, valid_BL: Array,
+                                 segments_BL: Array, stride: int, causal: bool,
+                                 key_kernel_ZHDD: Array, value_kernel_ZHDD: Array,
+                                 drop: Callable[[Array], Array]) -> Array:
+  """`compressed_attention` of packed rows: each segment's blocks start at its first token.
+
+  Query i sees the compressed blocks of its own segment other than its own (earlier ones
+  when causal) and, raw, the keys of its own block, which lie within stride - 1 tokens of
+  it: the previous, own and next row blocks of `stride` hold them. So every segment gets
+  the blocks it would get alone, wherever the packer put it. Segment 0 (packing padding)
+  is cut into blocks like a segment; its outputs are never read.
+  """
+  length = q_BLHD.shape[1]
+  positions_BL = segment_positions(segments_BL)
+  blocks = segment_blocks(k_BLHD, v_BLHD, valid_BL, segments_BL, positions_BL, stride,
+                          key_kernel_ZHDD, value_kernel_ZHDD)
+  block_BL = positions_BL // stride
+  segments_BGQ, block_BGQ = _to_blocks(segments_BL, stride), _to_blocks(block_BL, stride)
+  own_BGQM = block_BGQ[..., None] - blocks.index_BM[:, None, None, :]
+  compressed_mask_BGQM = ((segments_BGQ[..., None] == blocks.segment_BM[:, None, None, :])
+                          & ((own_BGQM > 0) if causal else (own_BGQM != 0)))
+  key_segments_BGK = _neighbour_blocks(segments_BGQ, causal=False)
+  key_valid_BGK = _neighbour_blocks(_to_blocks(valid_BL, stride), causal=False)
+  key_positions_BGK = _neighbour_blocks(_to_blocks(positions_BL, stride), causal=False)
+  query_positions_BGQ = _to_blocks(positions_BL, stride)
+  raw_mask_BGQK = (key_valid_BGK[:, :, None, :]
+                   & (segments_BGQ[..., None] == key_segments_BGK[:, :, None, :])
+                   & (block_BGQ[..., None] == key_positions_BGK[:, :, None, :] // stride))
+  if causal:
+    raw_mask_BGQK &= key_positions_BGK[:, :, None, :] <= query_positions_BGQ[..., None]
+  keep_BL11 = valid_BL[..., None, None].astype(k_BLHD.dtype)
+  k_BGKHD = _neighbour_blocks(_to_blocks(k_BLHD * keep_BL11, stride), causal=False)
+  v_BGKHD = _neighbour_blocks(_to_blocks(v_BLHD * keep_BL11, stride), causal=False)
+  out_BGQHD = _compressed_and_raw(_to_blocks(q_BLHD, stride), blocks.key_BMHD,
+                                  blocks.value_BMHD, compressed_mask_BGQM, k_BGKHD, v_BGKHD,
+                                  raw_mask_BGQK, drop)
+  return out_BGQHD.reshape((q_BLHD.shape[0], -1) + q_BLHD.shape[2:])[:, :length]
+
+
+def cached_masks(kind: str, positions_BQ: Array, cache_length: int, window: int,
                  stride: int) -> tuple[Array, Array | None]:
-  """Decode-mode masks [Q, cache_length] over the raw key cache and, for 'compressed',
-  [Q, cache_length / stride] over the compressed one: the same neighbourhoods as above."""
+  """Decode-mode masks [B, Q, cache_length] over the raw key cache and, for 'compressed',
+  [B, Q, cache_length / stride] over the compressed one, of queries at `positions_BQ`
+  (the batch axis may be 1) when a cached token's slot is its position: the same
+  neighbourhoods as above."""
   key_index_K = jnp.arange(cache_length)
-  distance_QK = query_index_Q[:, None] - key_index_K[None, :]
-  raw_QK = distance_QK >= 0
+  distance_BQK = positions_BQ[..., None] - key_index_K
+  raw_BQK = distance_BQK >= 0
   if kind == 'local':
-    raw_QK &= distance_QK <= window
+    raw_BQK &= distance_BQK <= window
   if kind != 'compressed':
-    return raw_QK, None
-  block_Q = query_index_Q // stride
-  raw_QK &= (key_index_K // stride)[None, :] == block_Q[:, None]
-  compressed_QM = jnp.arange(cache_length // stride)[None, :] < block_Q[:, None]
-  return raw_QK, compressed_QM
+    return raw_BQK, None
+  block_BQ = positions_BQ // stride
+  raw_BQK &= key_index_K // stride == block_BQ[..., None]
+  compressed_BQM = jnp.arange(cache_length // stride) < block_BQ[..., None]
+  return raw_BQK, compressed_BQM

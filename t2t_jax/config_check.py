@@ -191,15 +191,4 @@ def _decoder_only_problems(config) -> list[str]:
                     f'{config.model.max_len}: a decoder-only model reads source and target as '
                     'one sequence of up to data.max_len positions, so raise model.max_len or '
                     'lower data.max_len')
-  pattern = config.model.get('attention_pattern', 'full')
-  restricted = {'local', 'compressed'} & {kind.strip() for kind in pattern.split(',')}
-  if (config.model.kind == 'decoder_only' and restricted and config.data.source != 'lm'
-      and config.data.batching == 'packed'):
-    # Windows and blocks count sequence indices, and a packed row joins all its sources
-    # before all its targets, so a target would be far from its own source.
-    problems.append(f"config.model.attention_pattern={pattern!r} "
-                    f"({' and '.join(sorted(restricted))} attention) cannot read packed "
-                    "source + target rows (config.data.batching='packed'), which place each "
-                    "target after every source of its row: use data.batching='buckets', "
-                    "data.source='lm', or 'full' layers")
   return problems

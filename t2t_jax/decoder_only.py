@@ -27,21 +27,40 @@ def make_model(config: TransformerConfig) -> nn.Module:
   return DecoderOnly(config) if config.kind == 'decoder_only' else Transformer(config)
 
 
-def prefix_lm_mask(key_valid_BL: Array, source_length: int, segments_BL: Array | None,
+def prefix_lm_mask(key_valid_BL: Array, source_BL: Array, segments_BL: Array | None,
                    full_prefix: bool) -> Array:
-  """Mask [B, 1, L, L] of a "source, target" sequence whose first `source_length` are source.
+  """Mask [B, 1, L, L] of joined rows (each example's source, then its target, in order).
 
-  Causal throughout; with `full_prefix` the source positions also see every (valid, same
-  segment) source position, later ones included: a prefix language model.
+  Causal throughout; with `full_prefix` the source tokens (`source_BL`) also see every
+  (valid, same segment) source token, later ones included: a prefix language model.
   """
   causal_B1LL = attention_mask(key_valid_BL, segments_BL, segments_BL, causal=True)
-  if not full_prefix or not source_length:
+  if not full_prefix:
     return causal_B1LL
-  length = key_valid_BL.shape[1]
-  source_LL = np.zeros((length, length), bool)
-  source_LL[:source_length, :source_length] = True
   visible_B1LL = attention_mask(key_valid_BL, segments_BL, segments_BL, causal=False)
-  return causal_B1LL | (visible_B1LL & source_LL[None, None])
+  return causal_B1LL | (visible_B1LL & source_BL[:, None, :, None] & source_BL[:, None, None, :])
+
+
+def joined_order(valid_BL: Array, segments_BL: Array | None, positions_BL: Array) -> Array:
+  """Gather indices [B, L] that lay out each example's real tokens together (its source, then
+  its target; examples in packing order) from index 0, padding last.
+
+  `positions_BL` count each example's tokens, target ones after its source's. In that order
+  a window or a block of the stack holds real tokens only, the same whichever other
+  examples share the batch and however wide it pads them.
+  """
+  length = valid_BL.shape[1]
+  index_L = jnp.arange(length)
+  segment_BL = 1 if segments_BL is None else segments_BL
+  key_BL = jnp.where(valid_BL, segment_BL * length + positions_BL, (length + 1) * length + index_L)
+  return jnp.argsort(key_BL, axis=1, stable=True)
+
+
+def _take(x_BL: Array, order_BL: Array) -> Array:
+  """`x_BL` [B, L, ...] (the batch axis may be 1) at the indices `order_BL` [B, L']."""
+  x_BL = jnp.broadcast_to(x_BL, order_BL.shape[:1] + x_BL.shape[1:])
+  return jnp.take_along_axis(x_BL, order_BL.reshape(order_BL.shape + (1,) * (x_BL.ndim - 2)),
+                             axis=1)
 
 
 def _source_lengths(inputs_BK: Array, inputs_segments_BK: Array | None,
@@ -68,13 +87,15 @@ class DecoderOnly(nn.Module):
   each target to its own source. Target positions continue from the source's length. A
   language model is the case of an empty (zero-width) source.
 
-  The attention pattern applies to the one stack. Local windows and compressed blocks count
-  sequence indices, so a source's padding sits between it and its target in them; relative
-  positions use the positions, which skip that padding.
+  The attention pattern applies to the one stack, which reads each row in `joined_order`:
+  every example's real tokens together from its first, padding last. So local windows and
+  compressed blocks hold the example's own tokens only, and an output is the same whatever
+  the batch: alone, beside a longer source, or packed.
 
   Decoding: `prefill` runs the (right-padded) sources through the stack once, filling every
-  layer's cache at indices [0, S); `decode` then adds one token per call at index S, S + 1,
-  ..., its position the row's source length plus the steps so far, padding keys masked.
+  layer's cache at indices [0, S); `decode` then adds one token per call, row b's at its
+  position, the row's source length plus the steps so far, which is also its cache slot: it
+  overwrites the source's padding, so a row's cache holds its real tokens only, in order.
   """
   config: TransformerConfig
 
@@ -112,12 +133,12 @@ class DecoderOnly(nn.Module):
         x_BLE = layer(x_BLE, None, mask, None, valid_BL)
     return self.decoder_norm(x_BLE) if cfg.norm == 'pre' else x_BLE
 
-  def _full_mask(self, valid_BL: Array, source_length: int, segments_BL: Array | None):
+  def _full_mask(self, valid_BL: Array, source_BL: Array, segments_BL: Array | None):
     """The prefix-LM mask of 'full' layers, or None when the pattern has none."""
     cfg = self.config
     if 'full' not in attention_kinds(cfg.attention_pattern):
       return None
-    return prefix_lm_mask(valid_BL, source_length, segments_BL, cfg.prefix_attention == 'full')
+    return prefix_lm_mask(valid_BL, source_BL, segments_BL, cfg.prefix_attention == 'full')
 
   def __call__(self, inputs_BK: Array, targets_BL: Array,
                inputs_positions_BK: Array | None = None,
@@ -125,7 +146,6 @@ class DecoderOnly(nn.Module):
                inputs_segments_BK: Array | None = None,
                targets_segments_BL: Array | None = None, return_hidden: bool = False) -> Array:
     """Teacher-forced logits [B, L, V] (float32) of the target part, or its final states."""
-    cfg = self.config
     source_length = inputs_BK.shape[1]
     lengths_BL = _source_lengths(inputs_BK, inputs_segments_BK, targets_segments_BL)
     if targets_positions_BL is None:
@@ -134,27 +154,31 @@ class DecoderOnly(nn.Module):
         self.source_embedder(inputs_BK, inputs_positions_BK),
         self.target_embedder(shift_right(targets_BL, targets_segments_BL),
                              targets_positions_BL + lengths_BL)], axis=1)
+    if inputs_positions_BK is None:
+      inputs_positions_BK = jnp.arange(source_length)[None]
+    length = x_BLE.shape[1]
+    positions_BL = jnp.concatenate([  # Targets continue from their source.
+        jnp.broadcast_to(inputs_positions_BK, inputs_BK.shape),
+        jnp.broadcast_to(targets_positions_BL + lengths_BL, targets_BL.shape)], axis=1)
     valid_BL = jnp.concatenate([inputs_BK != PAD_ID, targets_BL != PAD_ID], axis=1)
     segments_BL = (None if targets_segments_BL is None else
                    jnp.concatenate([inputs_segments_BK, targets_segments_BL], axis=1))
-    positions_BL = None
-    if cfg.positions in ('relative', 'rotary', 'alibi'):  # Targets continue from the source.
-      rows = targets_BL.shape[0]
-      if inputs_positions_BK is None:
-        inputs_positions_BK = jnp.arange(source_length)[None]
-      positions_BL = jnp.concatenate([
-          jnp.broadcast_to(inputs_positions_BK, (rows, source_length)),
-          jnp.broadcast_to(targets_positions_BL + lengths_BL, targets_BL.shape)], axis=1)
-    mask = SelfMask(self._full_mask(valid_BL, source_length, segments_BL), valid_BL,
-                    segments_BL, positions_BL)
-    y_BLE = self._layers(x_BLE, mask, valid_BL)[:, source_length:]
+    order_BL = joined_order(valid_BL, segments_BL, positions_BL)
+    valid_BL, x_BLE = _take(valid_BL, order_BL), _take(x_BLE, order_BL)
+    source_BL = _take((jnp.arange(length) < source_length)[None], order_BL)
+    if segments_BL is not None:  # Packed; in an unpacked row a real token's position is its index.
+      segments_BL, positions_BL = _take(segments_BL, order_BL), _take(positions_BL, order_BL)
+    mask = SelfMask(self._full_mask(valid_BL, source_BL, segments_BL), valid_BL, segments_BL,
+                    None if segments_BL is None else positions_BL)
+    y_BLE = self._layers(x_BLE, mask, valid_BL)
+    y_BLE = _take(y_BLE, jnp.argsort(order_BL, axis=1)[:, source_length:])
     return y_BLE if return_hidden else self.output_logits(y_BLE)
 
   def prefill(self, inputs_BS: Array) -> None:
     """Decode mode: the sources' keys and values into every layer's cache, in one pass."""
     self._next_index(inputs_BS.shape[1])
     valid_BS = inputs_BS != PAD_ID
-    mask = SelfMask(self._full_mask(valid_BS, inputs_BS.shape[1], None), valid_BS, None, None)
+    mask = SelfMask(self._full_mask(valid_BS, valid_BS, None), valid_BS, None, None)
     self._layers(self.source_embedder(inputs_BS), mask, valid_BS)
 
   def decode(self, encoded_BKE: None, inputs_BS: Array, targets_BL: Array,
@@ -166,11 +190,10 @@ class DecoderOnly(nn.Module):
     """
     del encoded_BKE, unused_args
     length_B1 = (inputs_BS != PAD_ID).sum(-1, keepdims=True)
-    step = self._next_index(1) - inputs_BS.shape[1]
-    y_BLE = self.target_embedder(targets_BL, length_B1 + step)
-    # The prompt part of the cache holds each row's source, then its padding.
-    prompt_valid_BS = jnp.arange(inputs_BS.shape[1]) < length_B1
-    mask = SelfMask(prompt_valid_BS[:, None, None, :], prompt_valid_BS, None, None)
+    position_B1 = length_B1 + self._next_index(1) - inputs_BS.shape[1]
+    y_BLE = self.target_embedder(targets_BL, position_B1)
+    # Only the positions: the slots written so far hold the row's real tokens.
+    mask = SelfMask(None, None, None, position_B1)
     y_BLE = self._layers(y_BLE, mask, None)  # Every step's token is real.
     return y_BLE if return_hidden else self.output_logits(y_BLE)
 
