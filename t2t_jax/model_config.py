@@ -141,9 +141,9 @@ def check_family(config) -> None:
                       "others, which compute their own: set attention_impl to 'einsum' or "
                       "'auto'.")
   if config.attention_impl == 'cudnn' and config.kind == 'decoder_only':
-    raise ConfigError(f"{fused} runs the encoder-decoder only: a decoder-only row holds its "
-                      "source's padding between source and target, which the sequence "
-                      "lengths cuDNN is given cannot express. Use 'xla', 'einsum' or 'auto'.")
+    raise ConfigError(f"{fused} runs the encoder-decoder only: the decoder-only model's "
+                      "prefix mask is not given to cuDNN as sequence lengths (only a boolean "
+                      "mask, which cuDNN mishandles). Use 'xla', 'einsum' or 'auto'.")
   if (config.kind == 'decoder_only' and config.prefix_attention == 'full'
       and set(kinds) != {'full'}):
     raise ConfigError(f"config.model.prefix_attention='full' (the source sees later source "
