@@ -94,3 +94,24 @@ def cached_positions(query_index_Q: Array, length: int, prompt) -> tuple[Array, 
     key_positions_BK -= jnp.where(key_positions_BK >= prompt_length, padding_B1, 0)
     query_positions_BQ -= jnp.where(query_positions_BQ >= prompt_length, padding_B1, 0)
   return query_positions_BQ, key_positions_BK
+
+
+def shared_memory_attention(q_NQHD: Array, k_BHKD: Array, v_BHKD: Array,
+                            mask_B1QK: Array | None) -> tuple[Array, Array]:
+  """Cached cross-attention where each of the B memory rows serves W = N / B query rows (a
+  sentence's beams, consecutive): their queries attend together, as W * Q queries of one
+  row. Returns the output [N, Q, H, D] and weights [N, H, Q, K].
+
+  `mask_B1QK` has B or N rows (then each beam's is its sentence's) and one query row.
+  """
+  rows, queries, heads, head_dim = q_NQHD.shape
+  batch_size = k_BHKD.shape[0]
+  beams = rows // batch_size
+  if mask_B1QK is not None and mask_B1QK.shape[0] != batch_size:
+    mask_B1QK = mask_B1QK[::beams]
+  q_BQHD = q_NQHD.reshape(batch_size, beams * queries, heads, head_dim)
+  out_BQHD, weights_BHQK = attention_variants.cached_attention(q_BQHD, k_BHKD, v_BHKD,
+                                                               mask_B1QK)
+  weights_NHQK = weights_BHQK.reshape(batch_size, heads, beams, queries, -1).swapaxes(
+      1, 2).reshape(rows, heads, queries, -1)
+  return out_BQHD.reshape(rows, queries, heads, head_dim), weights_NHQK
