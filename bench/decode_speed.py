@@ -12,10 +12,13 @@ dims (vocab 8000, d_model 256, FFN 1024, 3+3 layers, 4 heads), pre-LN, 32 random
 tokens, random weights. Equal work by construction: both emit --output_length tokens per
 hypothesis (random weights end no hypothesis early; the work check in the output says so).
 Greedy runs against the reference's beam 1. With --profile, a third side joins the rounds,
-the matmul floor (bench/floor.py: the decoder's matrix products alone; the reference's time
-over its time is `ratio_ceiling_median`), and each side's line also says where one traced
-call's time goes: seconds in matrix products (XLA's library fusions and dots) against other
-ops, and the costliest op kinds.
+the matmul floor (bench/floor.py: the matrix products any search of the batch must do, and
+nothing else: the encoder and the cross-attention keys/values once, step i's self-attention
+over i + 1 positions, the W beams of a sentence sharing its cross-attention keys/values;
+`floor_flops` its work). The reference's time over the floor's is `ratio_ceiling_median`, and
+each side's `over_floor_median` is its time over the floor's (per round, the median); each
+side's line also says where one traced call's time goes: seconds in matrix products (XLA's
+library fusions and dots) against other ops, and the costliest op kinds.
 
 --mode=text: the `python -m t2t_jax.translate` path (translate.load, translate_lines) on the
 first --num_sentences lines of --sentences (repeated if short), with a model of --config's
@@ -189,10 +192,11 @@ def _reference_search(reference, shape, sources, beam_size: int, steps: int) -> 
                                        steps + 1).compile())
 
 
-def _matmul_floor(shape, rows: int, source_length: int, steps: int) -> _Search:
-  loop, x = floor.decoder_matmul_loop(shape, rows, source_length, steps)
-  return _Search('matmul_floor', lambda: jax.block_until_ready(loop(x)),
-                 lambda: loop.lower(x).compile())
+def _matmul_floor(shape, sentences: int, beam_size: int, source_length: int,
+                  steps: int) -> _Search:
+  search_floor, x = floor.search_floor(shape, sentences, beam_size, source_length, steps)
+  return _Search('matmul_floor', lambda: jax.block_until_ready(search_floor(x)),
+                 lambda: search_floor.lower(x).compile())
 
 
 def _reference_line(reference, beam_size: int, matmul: common.Matmul) -> dict:
@@ -202,7 +206,7 @@ def _reference_line(reference, beam_size: int, matmul: common.Matmul) -> dict:
   sides = [t2t_search(shape, sources, beam_size, steps, _ALPHA.value),
            _reference_search(reference, shape, sources, beam_size, steps)]
   if _PROFILE.value:
-    sides.append(_matmul_floor(shape, sources.shape[0] * beam_size, sources.shape[1], steps))
+    sides.append(_matmul_floor(shape, sources.shape[0], beam_size, sources.shape[1], steps))
   t2t_tokens = np.asarray(sides[0].output[0] if beam_size > 1 else sides[0].output)
   best_t2t = t2t_tokens[:, 0] if beam_size > 1 else t2t_tokens
   best_reference = np.asarray(sides[1].output)
@@ -228,7 +232,9 @@ def _reference_line(reference, beam_size: int, matmul: common.Matmul) -> dict:
   ceiling = {}
   if _PROFILE.value:  # The fastest any search doing this work could be, against the reference.
     ceilings = [r / f for f, r in zip(seconds['matmul_floor'], seconds['reference'])]
-    ceiling = {'ratio_ceiling_median': round(statistics.median(ceilings), 3)}
+    ceiling = {'ratio_ceiling_median': round(statistics.median(ceilings), 3),
+               'floor_flops': floor.floor_flops(shape, sources.shape[0], beam_size,
+                                                sources.shape[1], steps)}
   sentences = sources.shape[0]
   return {
       'benchmark': 'decode', 'mode': 'reference', 'shape': _SHAPE.value,
@@ -245,6 +251,9 @@ def _reference_line(reference, beam_size: int, matmul: common.Matmul) -> dict:
           'sentences_per_second': round(sentences / statistics.median(seconds[side.name]), 2),
           'xla_flops': side.xla_flops,  # A while loop's body counts once.
           'first_call_seconds': round(side.first_call_seconds, 2),
+          **({'over_floor_median': round(statistics.median(
+              [s / f for s, f in zip(seconds[side.name], seconds['matmul_floor'])]), 3)}
+             if _PROFILE.value else {}),
           **({'profile': common.op_profile(side)} if _PROFILE.value else {})}
          for side in sides},
   }

@@ -209,6 +209,8 @@ class CrossAttention(_Attention):
 
   In decode mode the memory is projected to keys and values on the first call only and read
   from the cache ('memory_key', 'memory_value') afterwards, where `memory_BKE` may be None.
+  Beam search keeps those entries at one row per sentence while the queries come one row per
+  beam (N = B * W): the W beams of a sentence then share its keys and values.
   """
 
   @nn.compact
@@ -220,8 +222,8 @@ class CrossAttention(_Attention):
                              'BHKD').value
       v_BHKD = self.variable('cache', 'memory_value', self._project, 'value', memory_BKE,
                              'BHKD').value
-      out_BQHD, weights_BHQK = attention_variants.cached_attention(q_BQHD, k_BHKD, v_BHKD,
-                                                                   mask_B1QK)
+      out_BQHD, weights_BHQK = attention_cache.shared_memory_attention(q_BQHD, k_BHKD, v_BHKD,
+                                                                       mask_B1QK)
       self.sow('intermediates', 'attention_weights', weights_BHQK)
       return self._output(out_BQHD)
     k_BKHD, v_BKHD = self._project('key', memory_BKE), self._project('value', memory_BKE)

@@ -101,3 +101,24 @@ def recompress(compressed_BHMD: Array, raw_BHKD: Array, positions_BQ: Array,
   per_row = jax.vmap(lambda compressed_HMD, raw_HKD, position: own_block(
       compressed_HMD[None], raw_HKD[None], position)[0])
   return per_row(compressed_BHMD, raw_BHKD, positions_BQ[:, 0])
+
+
+def shared_memory_attention(q_NQHD: Array, k_BHKD: Array, v_BHKD: Array,
+                            mask_B1QK: Array | None) -> tuple[Array, Array]:
+  """Cached cross-attention where each of the B memory rows serves W = N / B query rows (a
+  sentence's beams, consecutive): their queries attend together, as W * Q queries of one
+  row. Returns the output [N, Q, H, D] and weights [N, H, Q, K].
+
+  `mask_B1QK` has B or N rows (then each beam's is its sentence's) and one query row.
+  """
+  rows, queries, heads, head_dim = q_NQHD.shape
+  batch_size = k_BHKD.shape[0]
+  beams = rows // batch_size
+  if mask_B1QK is not None and mask_B1QK.shape[0] != batch_size:
+    mask_B1QK = mask_B1QK[::beams]
+  q_BQHD = q_NQHD.reshape(batch_size, beams * queries, heads, head_dim)
+  out_BQHD, weights_BHQK = attention_variants.cached_attention(q_BQHD, k_BHKD, v_BHKD,
+                                                               mask_B1QK)
+  weights_NHQK = weights_BHQK.reshape(batch_size, heads, beams, queries, -1).swapaxes(
+      1, 2).reshape(rows, heads, queries, -1)
+  return out_BQHD.reshape(rows, queries, heads, head_dim), weights_NHQK

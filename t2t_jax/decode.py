@@ -107,8 +107,26 @@ def _start(model, params, inputs_BS: jax.Array, config: TransformerConfig, max_l
 
 
 def _without_pad(logits_BV: jax.Array) -> jax.Array:
-  """PAD is never generated (its probability still counts in the softmax's normaliser)."""
-  return logits_BV.at[..., PAD_ID].set(_NEG)
+  """PAD is never generated (its probability still counts in the softmax's normaliser).
+
+  An elementwise select, not an update of a copy: it fuses into the reduction that reads it.
+  """
+  token_V = jax.lax.broadcasted_iota(jnp.int32, logits_BV.shape, logits_BV.ndim - 1)
+  return jnp.where(token_V == PAD_ID, _NEG, logits_BV)
+
+
+def _best_token(logits_BV: jax.Array) -> jax.Array:
+  """The argmax [B] over every token but PAD (the first of equal maxima).
+
+  Two plain reductions, the largest logit then the first token that reaches it: XLA's CPU
+  argmax is a (value, index) reduction that does not vectorise and took as long as the
+  output projection.
+  """
+  logits_BV = _without_pad(logits_BV)
+  best_B1 = logits_BV.max(-1, keepdims=True)
+  token_BV = jax.lax.broadcasted_iota(jnp.int32, logits_BV.shape, logits_BV.ndim - 1)
+  first_B = jnp.where(logits_BV == best_B1, token_BV, logits_BV.shape[-1]).min(-1)
+  return jnp.minimum(first_B, logits_BV.shape[-1] - 1)  # A NaN row: the last token.
 
 
 def _row_limits(max_lengths_B: jax.Array | None, batch_size: int, max_len: int) -> jax.Array:
@@ -128,13 +146,13 @@ def greedy_search(params, inputs_BS: jax.Array, config: TransformerConfig, max_l
   batch_size = inputs_BS.shape[0]
   limit_B = _row_limits(max_lengths_B, batch_size, max_len)
   logits_BV, cache = _start(model, params, inputs_BS, config, max_len)
-  first_B = _without_pad(logits_BV).argmax(-1)
+  first_B = _best_token(logits_BV)
   tokens_BL = jnp.zeros((batch_size, max_len), jnp.int32).at[:, 0].set(first_B)
 
   def step(carry):
     i, cache, tokens_BL, finished_B = carry
     logits_BV, cache = _decode_step(model, params, cache, None, inputs_BS, tokens_BL[:, i - 1])
-    next_B = jnp.where(finished_B, PAD_ID, _without_pad(logits_BV).argmax(-1))
+    next_B = jnp.where(finished_B, PAD_ID, _best_token(logits_BV))
     tokens_BL = jax.lax.dynamic_update_slice_in_dim(tokens_BL, next_B[:, None], i, 1)
     return i + 1, cache, tokens_BL, finished_B | (next_B == EOS_ID) | (i + 1 >= limit_B)
 
@@ -159,7 +177,9 @@ def _top_log_probs(logits_BWV: jax.Array, count: int) -> tuple[jax.Array, jax.Ar
   """The `count` largest log-softmax entries [B, W, count] of each row, and their tokens.
 
   Log-softmax shifts a row's logits by one constant, so its largest entries are those of the
-  largest logits: only they are normalised, never the whole [B, W, V] array.
+  largest logits: only they are normalised, never the whole [B, W, V] array. (A top-k of
+  `count` + 1 on the raw logits, giving the maximum and dropping PAD, would save a pass, but
+  XLA's CPU top-k of 9 or more entries is a full sort: 20 times slower.)
   """
   max_BW1 = jax.lax.stop_gradient(logits_BWV.max(-1, keepdims=True))
   log_norm_BW1 = jnp.log(jnp.exp(logits_BWV - max_BW1).sum(-1, keepdims=True))
@@ -254,8 +274,12 @@ def beam_search(params, inputs_BS: jax.Array, config: TransformerConfig, max_len
                     jnp.full((batch_size, beam_size), _NEG))
   state, _ = _beam_update(state, jnp.broadcast_to(logits_BV[:, None], (
       batch_size, beam_size, logits_BV.shape[-1])), limit_B, alpha)
-  cache = _map_rows(lambda x, axis: jnp.repeat(x, beam_size, axis=axis), cache, config)
-  inputs_NS = jnp.repeat(inputs_BS, beam_size, axis=0)
+  # The cross-attention keys and values stay one row per sentence, shared by its beams
+  # (attention.CrossAttention); a decoder-only model's prompt mask wants a row per beam.
+  cache = _map_rows(lambda x, axis: jnp.repeat(x, beam_size, axis=axis), cache, config,
+                    skip=_MEMORY_ENTRIES)
+  inputs_NS = (inputs_BS if config.kind == 'encoder_decoder'
+               else jnp.repeat(inputs_BS, beam_size, axis=0))
 
   def step(carry):
     state, cache = carry

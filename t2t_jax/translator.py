@@ -66,7 +66,7 @@ class TranslateStats:
   padding_rows: int = 0  # Batch rows that held no sentence.
   shapes_compiled: int = 0
   compile_seconds: float = 0.0
-  search_seconds: float = 0.0  # In compiled searches: dispatch to results on the host.
+  search_seconds: float = 0.0  # The host in compiled searches: dispatching, awaiting results.
   seconds: float = 0.0  # Whole `translate` calls (batching, searching, unpacking).
   text_seconds: float = 0.0  # Tokenising and detokenising around them (translate.py's).
 
@@ -157,6 +157,37 @@ class Translator:
       batches.append((length, min(rows, rows_of(length)), waiting))
     return batches
 
+  def _dispatch(self, params, inputs, lengths, length: int, rows: int, members: list[int],
+                beam_size: int, alpha: float) -> jax.Array:
+    """Starts one batch's search (compiling its shape first if new); returns its tokens."""
+    batch = np.full((rows, length), PAD_ID, np.int32)
+    max_lengths = np.zeros((rows,), np.int32)
+    for row, index in enumerate(members):
+      batch[row, :lengths[index]] = inputs[index]
+      max_lengths[row] = max_decode_length(lengths[index], self.max_extra_len,
+                                           self.config.max_len,
+                                           self.config.kind == 'decoder_only')
+    with sharding.mesh_context(self.mesh, self.axis_rules):
+      placed = sharding.global_batch({'inputs': batch, 'max_lengths': max_lengths},
+                                     self.mesh, whole=True)
+      search = self._search(params, placed['inputs'], placed['max_lengths'], beam_size, alpha)
+      search_start = time.perf_counter()
+      tokens = search(params, placed['inputs'], max_lengths_B=placed['max_lengths'])
+    self.stats.search_seconds += time.perf_counter() - search_start
+    self.stats.batches += 1
+    self.stats.padding_rows += rows - len(members)
+    return tokens
+
+  def _collect(self, tokens, members: list[int], outputs: list, progress) -> None:
+    """Waits for a dispatched batch's tokens and puts each row's output in its place."""
+    wait_start = time.perf_counter()
+    tokens = np.asarray(jax.device_get(tokens))
+    self.stats.search_seconds += time.perf_counter() - wait_start
+    for row, index in enumerate(members):
+      outputs[index] = tokens[row][tokens[row] != PAD_ID]  # PAD is never generated.
+    if progress:
+      progress(len(members))
+
   def translate(self, params, inputs: Sequence[np.ndarray], beam_size: int | None = None,
                 alpha: float | None = None,
                 progress: Callable[[int], object] | None = None) -> list[np.ndarray]:
@@ -178,27 +209,17 @@ class Translator:
                              else '') + ': truncate it first')
     lengths = [len(seq) for seq in inputs]
     outputs = [np.zeros((0,), np.int32)] * len(inputs)
+    pending = None  # The dispatched batch whose results are not fetched yet.
     for length, rows, members in self._batches(lengths, beam_size):
-      batch = np.full((rows, length), PAD_ID, np.int32)
-      max_lengths = np.zeros((rows,), np.int32)
-      for row, index in enumerate(members):
-        batch[row, :lengths[index]] = inputs[index]
-        max_lengths[row] = max_decode_length(lengths[index], self.max_extra_len,
-                                             self.config.max_len, decoder_only)
-      with sharding.mesh_context(self.mesh, self.axis_rules):
-        placed = sharding.global_batch({'inputs': batch, 'max_lengths': max_lengths},
-                                       self.mesh, whole=True)
-        search = self._search(params, placed['inputs'], placed['max_lengths'], beam_size, alpha)
-        search_start = time.perf_counter()
-        tokens = np.asarray(jax.device_get(search(params, placed['inputs'],
-                                                  max_lengths_B=placed['max_lengths'])))
-        self.stats.search_seconds += time.perf_counter() - search_start
-      for row, index in enumerate(members):
-        outputs[index] = tokens[row][tokens[row] != PAD_ID]  # PAD is never generated.
-      self.stats.batches += 1
-      self.stats.padding_rows += rows - len(members)
-      if progress:
-        progress(len(members))
+      # Batch k + 1 is dispatched before batch k's results are fetched: the device never
+      # waits on the host's batching and unpacking.
+      dispatched = self._dispatch(params, inputs, lengths, length, rows, members, beam_size,
+                                  alpha)
+      if pending:
+        self._collect(*pending, outputs, progress)
+      pending = dispatched, members
+    if pending:
+      self._collect(*pending, outputs, progress)
     empty = sum(1 for n in lengths if not n)
     if progress and empty:
       progress(empty)

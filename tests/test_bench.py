@@ -89,18 +89,25 @@ def test_compare_flags_keep_their_names_and_defaults():
     compare.parse_flags(['--shapes=small,no_such_shape'])
 
 
-@pytest.mark.parametrize('rows, source_length, steps', [(4, 5, 3), (12, 7, 6)])
-def test_matmul_floor_does_the_matrix_products_it_claims(rows, source_length, steps):
-  """XLA's count of the loop body's FLOPs is the formula's, plus a little elementwise work."""
+@pytest.mark.parametrize('sentences, beam_size, source_length', [(2, 1, 5), (3, 4, 7)])
+def test_matmul_floor_does_the_matrix_products_it_claims(sentences, beam_size, source_length):
+  """XLA's count of the floor's FLOPs is the formula's, plus a little elementwise work.
+
+  At two steps the loop's body (counted once by XLA) runs once; the formula also grows
+  step i's self-attention by i + 1 positions and runs the first step on one row per sentence.
+  """
   floor, shape = _load('floor'), _load('common').Shape(96, 32, 80, 2, 4, 0, 0)
-  loop, x = floor.decoder_matmul_loop(shape, rows, source_length, steps)
-  counted = _load('common').xla_flops(loop.lower(x).compile())
-  e, f, layers = 32, 80, 2
-  by_hand = layers * (
-      6 * 2 * rows * e * e + 2 * 2 * rows * e * f  # Projections and the feed-forward pair.
-      + 2 * 2 * rows * e * (steps + source_length)) + 2 * rows * e * 96  # Attention; output.
-  assert 1 <= counted / by_hand < 1.1
-  assert loop(x).shape == (rows, e)
+  search_floor, x = floor.search_floor(shape, sentences, beam_size, source_length, 2)
+  counted = _load('common').xla_flops(search_floor.lower(x).compile())
+  e, f, layers, v, s = 32, 80, 2, 96, source_length
+  tokens, rows = sentences * s, [sentences, sentences * beam_size]
+  by_hand = layers * (4 * 2 * tokens * e * e + 2 * 2 * tokens * e * f  # The encoder.
+                      + 2 * 2 * tokens * s * e + 2 * 2 * tokens * e * e)  # Cross keys/values.
+  for i, r in enumerate(rows):
+    by_hand += layers * 2 * r * e * (6 * e + 2 * f + 2 * s + 2 * (i + 1)) + 2 * r * e * v
+  assert by_hand == floor.floor_flops(shape, sentences, beam_size, source_length, 2)
+  assert 0.97 <= counted / by_hand < 1.05
+  assert search_floor(x).shape == (sentences * beam_size, e)
 
 
 def test_op_profile_splits_matrix_products_from_other_ops():
