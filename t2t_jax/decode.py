@@ -116,17 +116,17 @@ def _without_pad(logits_BV: jax.Array) -> jax.Array:
 
 
 def _best_token(logits_BV: jax.Array) -> jax.Array:
-  """The argmax [B] over every token but PAD (the first of equal maxima).
+  """The argmax [B] over every token but PAD: the first of equal maxima, or the first NaN.
 
   Two plain reductions, the largest logit then the first token that reaches it: XLA's CPU
   argmax is a (value, index) reduction that does not vectorise and took as long as the
-  output projection.
+  output projection. A NaN counts as the largest, as in argmax (the max is then NaN too).
   """
   logits_BV = _without_pad(logits_BV)
   best_B1 = logits_BV.max(-1, keepdims=True)
   token_BV = jax.lax.broadcasted_iota(jnp.int32, logits_BV.shape, logits_BV.ndim - 1)
-  first_B = jnp.where(logits_BV == best_B1, token_BV, logits_BV.shape[-1]).min(-1)
-  return jnp.minimum(first_B, logits_BV.shape[-1] - 1)  # A NaN row: the last token.
+  hits_BV = (logits_BV == best_B1) | jnp.isnan(logits_BV)
+  return jnp.where(hits_BV, token_BV, logits_BV.shape[-1]).min(-1)
 
 
 def _row_limits(max_lengths_B: jax.Array | None, batch_size: int, max_len: int) -> jax.Array:

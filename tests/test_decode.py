@@ -314,3 +314,13 @@ def test_bfloat16_decoding_gives_the_float32_outputs_where_scores_are_not_tied()
   # A score sums at most 8 log-probabilities, each off by at most twice the logits' deviation.
   np.testing.assert_allclose(np.asarray(scores16)[clear], np.asarray(scores)[clear],
                              atol=8 * 2 * deviation)
+
+
+def test_greedy_token_pick_is_numpys_argmax_without_pad_ties_and_nan_included():
+  rng = np.random.default_rng(0)
+  logits = rng.integers(0, 4, (64, 11)).astype(np.float32)  # Many ties.
+  logits[3] = np.nan  # A whole NaN row (an id outside the vocabulary gives one).
+  logits[5, 7] = np.nan  # NaN ranks first, as in argmax.
+  logits[9, PAD_ID] = 99.0  # PAD is never picked.
+  expected = np.where(np.arange(11) == PAD_ID, -np.inf, logits).argmax(-1)
+  np.testing.assert_array_equal(jax.jit(decode._best_token)(logits), expected)
