@@ -318,8 +318,8 @@ class SelfAttention(_Attention):
     cfg = self.config
     turn = None
     if cfg.positions == 'rotary':  # Keys are cached turned by their positions, heads-major.
-      def turn(k_BQHD, positions_BQ):
-        return positions.rotary(k_BQHD, positions_BQ).transpose(0, 2, 1, 3)
+      turn = lambda k_BQHD, positions_BQ: positions.rotary(k_BQHD, positions_BQ).transpose(
+          0, 2, 1, 3)
       v_BHQD = v_BHQD.transpose(0, 2, 1, 3)
     slots_BQ = None if mask is None else mask.positions_BL
     k_BHKD, v_BHKD, positions_BQ = self._update_cache(k_BHQD, v_BHQD, turn, slots_BQ)

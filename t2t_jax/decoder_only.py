@@ -9,7 +9,6 @@ import functools
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from t2t_jax import PAD_ID
 from t2t_jax import moe

@@ -1,6 +1,5 @@
 """Mixture of experts: dense equivalence, capacity, the balancing loss, sharding, training."""
 
-import dataclasses
 import math
 
 import flax.linen as nn
