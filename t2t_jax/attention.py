@@ -350,8 +350,12 @@ class SelfAttention(_Attention):
     if cfg.positions == 'alibi':
       bias_BHQK = positions.alibi_bias(positions_BQ, key_positions_1K,
                                        positions.alibi_slopes(cfg.num_heads))
+    origin_SWK = None
+    if self.has_variable('cache', 'origin'):  # Beam search's (decode.py): the cache stays put.
+      origin = self.variable('cache', 'origin', None)
+      origin.value = origin_SWK = attention_cache.own_slot(origin.value, positions_BQ)
     out_BQHD, weights_BHQK = attention_variants.cached_attention(
-        q_BQHD, k_BHKD, v_BHKD, mask_B1QK, relative, buckets_BQKR, bias_BHQK)
+        q_BQHD, k_BHKD, v_BHKD, mask_B1QK, relative, buckets_BQKR, bias_BHQK, origin_SWK)
     self.sow('intermediates', 'attention_weights', weights_BHQK)
     return out_BQHD
 

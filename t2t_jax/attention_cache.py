@@ -122,3 +122,12 @@ def shared_memory_attention(q_NQHD: Array, k_BHKD: Array, v_BHKD: Array,
   weights_NHQK = weights_BHQK.reshape(batch_size, heads, beams, queries, -1).swapaxes(
       1, 2).reshape(rows, heads, queries, -1)
   return out_BQHD.reshape(rows, queries, heads, head_dim), weights_NHQK
+
+
+def own_slot(origin_SWK: Array, positions_1Q: Array) -> Array:
+  """Beam search's ancestry after a step wrote each row's key at `positions_1Q` [1, 1]: every
+  beam finds that key in its own cache row."""
+  sentences, beams, _ = origin_SWK.shape
+  own_SW1 = jnp.broadcast_to(jnp.arange(beams, dtype=origin_SWK.dtype)[None, :, None],
+                             (sentences, beams, 1))
+  return jax.lax.dynamic_update_slice_in_dim(origin_SWK, own_SW1, positions_1Q[0, 0], 2)

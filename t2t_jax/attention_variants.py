@@ -66,12 +66,24 @@ def dense_attention(q_xQHD: Array, k_xKHD: Array, v_xKHD: Array, mask_x1QK: Arra
 
 def cached_attention(q_BQHD: Array, k_BHKD: Array, v_BHKD: Array, mask_B1QK: Array | None,
                      relative: Relative | None = None, buckets_BQKR: Array | None = None,
-                     bias_BHQK: Array | None = None) -> tuple[Array, Array]:
+                     bias_BHQK: Array | None = None,
+                     origin_SWK: Array | None = None) -> tuple[Array, Array]:
   """dense_attention against heads-major decode caches [B, H, K, D]: the output and weights.
 
-  Decoding is deterministic, so there is no dropout.
+  Decoding is deterministic, so there is no dropout. In beam search (`origin_SWK` given, for
+  S sentences of W beams, B = S * W rows, one query each) row b's cache row holds the keys
+  its beam wrote, and key k of beam w's hypothesis sits in row origin_SWK[s, w, k] of its
+  sentence: each query is scored against all W rows' keys, and the other rows' scores and
+  weights are zeroed, an exact selection (decode.py never moves the cache).
   """
-  logits_BHQK = jnp.einsum('BQHD,BHKD->BHQK', q_BQHD, k_BHKD).astype(jnp.float32)
+  if origin_SWK is None:
+    logits_BHQK = jnp.einsum('BQHD,BHKD->BHQK', q_BQHD, k_BHKD).astype(jnp.float32)
+  else:
+    picks_SW1VK, k_SVHKD, v_SVHKD = _ancestry(origin_SWK, k_BHKD, v_BHKD)
+    q_SWHD = q_BQHD.reshape(k_SVHKD.shape[:2] + q_BQHD.shape[2:])
+    every_SWHVK = jnp.einsum('SWHD,SVHKD->SWHVK', q_SWHD, k_SVHKD)
+    logits_BHQK = jnp.where(picks_SW1VK, every_SWHVK, 0).sum(3).reshape(
+        q_BQHD.shape[0], q_BQHD.shape[2], 1, -1).astype(jnp.float32)
   if relative is not None:
     q_BQHR = jnp.einsum('BQHD,RD->BQHR', q_BQHD, relative.key_RD)
     # The buckets' batch axis may be 1 (every row alike): '...' broadcasts it.
@@ -82,11 +94,26 @@ def cached_attention(q_BQHD: Array, k_BHKD: Array, v_BHKD: Array, mask_B1QK: Arr
   if mask_B1QK is not None:
     logits_BHQK = jnp.where(mask_B1QK, logits_BHQK, NEG_INF)
   weights_BHQK = jax.nn.softmax(logits_BHQK).astype(q_BQHD.dtype)
-  out_BQHD = jnp.einsum('BHQK,BHKD->BQHD', weights_BHQK, v_BHKD)
+  if origin_SWK is None:
+    out_BQHD = jnp.einsum('BHQK,BHKD->BQHD', weights_BHQK, v_BHKD)
+  else:
+    weights_SWH1K = weights_BHQK.reshape(k_SVHKD.shape[:3] + (1, -1))
+    out_SWHD = jnp.einsum('SWHVK,SVHKD->SWHD', jnp.where(picks_SW1VK, weights_SWH1K, 0),
+                          v_SVHKD)
+    out_BQHD = out_SWHD.reshape(q_BQHD.shape)
   if relative is not None:
     per_distance_BHQR = jnp.einsum('...HQK,...QKR->...HQR', weights_BHQK, buckets_BQKR)
     out_BQHD += jnp.einsum('BHQR,RD->BQHD', per_distance_BHQR, relative.value_RD)
   return out_BQHD, weights_BHQK
+
+
+def _ancestry(origin_SWK: Array, k_BHKD: Array, v_BHKD: Array):
+  """Whether beam w reads key k from cache row v [S, W, 1, V, K] (the rows of a sentence are
+  its beams: V = W), and the caches as [S, V, H, K, D]."""
+  sentences, beams, _ = origin_SWK.shape
+  picks_SWVK = origin_SWK[:, :, None, :] == jnp.arange(beams)[:, None]
+  as_sentences = lambda x: x.reshape((sentences, beams) + x.shape[1:])
+  return picks_SWVK[:, :, None], as_sentences(k_BHKD), as_sentences(v_BHKD)
 
 
 def _to_blocks(x_BL: Array, size: int) -> Array:

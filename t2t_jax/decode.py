@@ -236,11 +236,40 @@ def _can_improve(state: BeamState, limit_B: jax.Array, alpha: float) -> jax.Arra
 
 
 def _reorder_cache(cache, parent_BW: jax.Array, config: TransformerConfig):
-  """Each beam's self-attention cache follows its parent (the encoder-side entries agree)."""
+  """Each beam's self-attention cache follows its parent (the encoder-side entries agree).
+
+  A layer with an ancestry entry ('origin', `_with_origins`) keeps its keys and values where
+  they were written and moves only that [B, W, L] table of which row holds each key.
+  """
   batch_size, beam_size = parent_BW.shape
   rows_N = (jnp.arange(batch_size)[:, None] * beam_size + parent_BW).reshape(-1)
-  return _map_rows(lambda x, axis: x[(slice(None),) * axis + (rows_N,)], cache, config,
-                   skip=_MEMORY_ENTRIES)
+  row_axis = 1 if config.scan_layers else 0
+
+  def move(tree):
+    if 'origin' in tree:
+      return {**tree, 'origin': jnp.take_along_axis(tree['origin'], parent_BW[:, :, None],
+                                                    axis=1)}
+    return {name: move(value) if isinstance(value, dict)
+            else value if name in _COUNTERS + _MEMORY_ENTRIES
+            else value[(slice(None),) * row_axis + (rows_N,)] for name, value in tree.items()}
+  return move(cache)
+
+
+def _with_origins(cache, batch_size: int, beam_size: int, config: TransformerConfig):
+  """The cache with an ancestry table [B, W, L] beside each self-attention cache that can
+  read its keys through one (not compressed layers, whose blocks mix a row's keys, nor
+  scanned layers or the decoder-only model): every beam starts reading its own row."""
+  if config.scan_layers or config.kind != 'encoder_decoder':
+    return cache
+
+  def add(tree):
+    if 'key' in tree and 'index' in tree and 'compressed_key' not in tree:
+      origin_BWL = jnp.broadcast_to(jnp.arange(beam_size, dtype=jnp.int32)[None, :, None], (
+          batch_size, beam_size, tree['key'].shape[2]))
+      return {**tree, 'origin': origin_BWL}
+    return {name: add(value) if isinstance(value, dict) else value
+            for name, value in tree.items()}
+  return add(cache)
 
 
 def _map_rows(fn, cache, config: TransformerConfig, skip: tuple[str, ...] = ()):
@@ -278,6 +307,7 @@ def beam_search(params, inputs_BS: jax.Array, config: TransformerConfig, max_len
   # (attention.CrossAttention); a decoder-only model's prompt mask wants a row per beam.
   cache = _map_rows(lambda x, axis: jnp.repeat(x, beam_size, axis=axis), cache, config,
                     skip=_MEMORY_ENTRIES)
+  cache = _with_origins(cache, batch_size, beam_size, config)
   inputs_NS = (inputs_BS if config.kind == 'encoder_decoder'
                else jnp.repeat(inputs_BS, beam_size, axis=0))
 
