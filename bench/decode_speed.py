@@ -155,7 +155,8 @@ def t2t_search(shape, sources, beam_size: int, steps: int, alpha: float,
   else:
     search = functools.partial(decode.beam_search, config=setup.model_config, max_len=steps,
                                beam_size=beam_size, alpha=alpha)
-  jitted, inputs = jax.jit(search), jnp.asarray(sources)
+  jitted = jax.jit(search, compiler_options=decode.compiler_options())  # As Translator's.
+  inputs = jnp.asarray(sources)
 
   def run():
     with sharding.mesh_context(setup.mesh, setup.axis_rules):

@@ -208,7 +208,8 @@ class CrossAttention(_Attention):
   """The decoder's attention over the encoder output `memory_BKE`, under `mask_B1QK`.
 
   In decode mode the memory is projected to keys and values on the first call only and read
-  from the cache ('memory_key', 'memory_value') afterwards, where `memory_BKE` may be None.
+  from the cache ('memory_key' [B, H, D, K], 'memory_value' [B, H, K, D]) afterwards, where
+  `memory_BKE` may be None.
   Beam search keeps those entries at one row per sentence while the queries come one row per
   beam (N = B * W): the W beams of a sentence then share its keys and values.
   """
@@ -218,11 +219,12 @@ class CrossAttention(_Attention):
     q_BQHD = self._queries(x_BQE)
     if self.config.decode:
       # The init function runs only while the cache lacks the entry: once per batch.
-      k_BHKD = self.variable('cache', 'memory_key', self._project, 'key', memory_BKE,
-                             'BHKD').value
+      # Keys [B, H, D, K], as a step's product reads them (transposed once, not per step).
+      k_BHDK = self.variable('cache', 'memory_key', lambda: self._project(
+          'key', memory_BKE, 'BHKD').swapaxes(2, 3)).value
       v_BHKD = self.variable('cache', 'memory_value', self._project, 'value', memory_BKE,
                              'BHKD').value
-      out_BQHD, weights_BHQK = attention_cache.shared_memory_attention(q_BQHD, k_BHKD, v_BHKD,
+      out_BQHD, weights_BHQK = attention_cache.shared_memory_attention(q_BQHD, k_BHDK, v_BHKD,
                                                                        mask_B1QK)
       self.sow('intermediates', 'attention_weights', weights_BHQK)
       return self._output(out_BQHD)
@@ -322,15 +324,15 @@ class SelfAttention(_Attention):
           0, 2, 1, 3)
       v_BHQD = v_BHQD.transpose(0, 2, 1, 3)
     slots_BQ = None if mask is None else mask.positions_BL
-    k_BHKD, v_BHKD, positions_BQ = self._update_cache(k_BHQD, v_BHQD, turn, slots_BQ)
+    k_BHKD, v_BHKD, positions_BQ, fresh = self._update_cache(k_BHQD, v_BHQD, turn, slots_BQ)
     if positions_BQ is None:  # The init call, which only sizes the caches.
       return attention_variants.cached_attention(q_BQHD, k_BHKD, v_BHKD, None)[0]
-    length = k_BHKD.shape[2]
+    length = v_BHKD.shape[2]  # (Beam search's keys are laid out otherwise: _update_cache.)
     if cfg.positions == 'rotary':
       q_BQHD = positions.rotary(q_BQHD, positions_BQ)
     prompt = mask if slots_BQ is None else None  # A decoder-only model's prefill.
     mask_B1QK, compressed_B1QM, key_valid_BK = attention_cache.cached_mask(
-        self.kind, positions_BQ, length, prompt, k_BHKD.shape[0], cfg.local_half_width,
+        self.kind, positions_BQ, length, prompt, q_BQHD.shape[0], cfg.local_half_width,
         cfg.compression_stride)
     if self.kind == 'compressed':
       entries = self._compressed_cache(k_BHKD.shape)
@@ -355,14 +357,21 @@ class SelfAttention(_Attention):
       origin = self.variable('cache', 'origin', None)
       origin.value = origin_SWK = attention_cache.own_slot(origin.value, positions_BQ)
     out_BQHD, weights_BHQK = attention_variants.cached_attention(
-        q_BQHD, k_BHKD, v_BHKD, mask_B1QK, relative, buckets_BQKR, bias_BHQK, origin_SWK)
+        q_BQHD, k_BHKD, v_BHKD, mask_B1QK, relative, buckets_BQKR, bias_BHQK, origin_SWK, fresh)
     self.sow('intermediates', 'attention_weights', weights_BHQK)
     return out_BQHD
 
   def _update_cache(self, k_BHQD, v_BHQD, turn=None, slots_BQ=None):
     """Writes this call's Q keys/values from the cache index on, or row b's from
-    `slots_BQ[b, 0]` on when given; returns the whole cache and the written tokens' positions
-    [1 or B, Q], or, in the init call that only sizes the caches, the inputs and None.
+    `slots_BQ[b, 0]` on when given. Returns the whole cache, the written tokens' positions
+    [1 or B, Q] and None; in the init call that only sizes the caches, the inputs and None,
+    None.
+
+    In beam search's layers with an ancestry table (Q = 1) the caches are in
+    attention_cache.beam_layout's layout, and what returns is the cache as it was before
+    this write, with `fresh` = (the keys [B, H, 1, D], the values, their position) written:
+    a step reads the cache it was handed and the write updates that buffer in place, where
+    reading the written cache would have XLA copy it.
 
     `turn(k_BQHD, positions_BQ)`, given, makes the keys to cache from the projected [B, Q, H, D].
     """
@@ -381,11 +390,18 @@ class SelfAttention(_Attention):
     if not initialised:
       if self.kind == 'compressed':
         self._compressed_cache(shape)
-      return k_BHQD, v_BHQD, None
+      return k_BHQD, v_BHQD, None, None
+    index.value = i + queries
+    if self.has_variable('cache', 'origin'):  # Beam search's layout (decode.py).
+      sentences = self.get_variable('cache', 'origin').shape[0]
+      k_HSDVQ, v_HBQD = attention_cache.beam_layout(k_BHQD, v_BHQD, sentences)
+      before = key.value, value.value
+      key.value = jax.lax.dynamic_update_slice_in_dim(key.value, k_HSDVQ, i, 4)
+      value.value = jax.lax.dynamic_update_slice_in_dim(value.value, v_HBQD, i, 2)
+      return before + (positions_BQ, (k_BHQD, v_BHQD, i))
     key.value = attention_cache.write(key.value, k_BHQD, i, slots_BQ)
     value.value = attention_cache.write(value.value, v_BHQD, i, slots_BQ)
-    index.value = i + k_BHQD.shape[2]
-    return key.value, value.value, positions_BQ
+    return key.value, value.value, positions_BQ, None
 
   def _compressed_cache(self, shape_BHKD):
     """The cache entries of compressed keys and values, one per block of the raw cache."""

@@ -103,25 +103,43 @@ def recompress(compressed_BHMD: Array, raw_BHKD: Array, positions_BQ: Array,
   return per_row(compressed_BHMD, raw_BHKD, positions_BQ[:, 0])
 
 
-def shared_memory_attention(q_NQHD: Array, k_BHKD: Array, v_BHKD: Array,
+def shared_memory_attention(q_NQHD: Array, k_BHDK: Array, v_BHKD: Array,
                             mask_B1QK: Array | None) -> tuple[Array, Array]:
   """Cached cross-attention where each of the B memory rows serves W = N / B query rows (a
   sentence's beams, consecutive): their queries attend together, as W * Q queries of one
   row. Returns the output [N, Q, H, D] and weights [N, H, Q, K].
 
-  `mask_B1QK` has B or N rows (then each beam's is its sentence's) and one query row.
+  The keys come transposed, [B, H, D, K], so that both products are plain batched matrix
+  products ([W * Q, D] x [D, K] and [W * Q, K] x [K, D] per row and head), which XLA:CPU runs
+  without laying anything out again. `mask_B1QK` has B or N rows (then each beam's is its
+  sentence's) and one query row.
   """
   rows, queries, heads, head_dim = q_NQHD.shape
-  batch_size = k_BHKD.shape[0]
+  batch_size = k_BHDK.shape[0]
   beams = rows // batch_size
   if mask_B1QK is not None and mask_B1QK.shape[0] != batch_size:
     mask_B1QK = mask_B1QK[::beams]
-  q_BQHD = q_NQHD.reshape(batch_size, beams * queries, heads, head_dim)
-  out_BQHD, weights_BHQK = attention_variants.cached_attention(q_BQHD, k_BHKD, v_BHKD,
-                                                               mask_B1QK)
+  q_BHQD = q_NQHD.reshape(batch_size, beams * queries, heads, head_dim).swapaxes(1, 2)
+  logits_BHQK = jnp.einsum('BHQD,BHDK->BHQK', q_BHQD, k_BHDK).astype(jnp.float32)
+  if mask_B1QK is not None:
+    logits_BHQK = jnp.where(mask_B1QK, logits_BHQK, attention_variants.NEG_INF)
+  weights_BHQK = jax.nn.softmax(logits_BHQK).astype(q_NQHD.dtype)
+  out_BHQD = jnp.einsum('BHQK,BHKD->BHQD', weights_BHQK, v_BHKD)
   weights_NHQK = weights_BHQK.reshape(batch_size, heads, beams, queries, -1).swapaxes(
       1, 2).reshape(rows, heads, queries, -1)
-  return out_BQHD.reshape(rows, queries, heads, head_dim), weights_NHQK
+  return out_BHQD.swapaxes(1, 2).reshape(rows, queries, heads, head_dim), weights_NHQK
+
+
+def beam_layout(k_BHKD: Array, v_BHKD: Array, sentences: int) -> tuple[Array, Array]:
+  """Beam search's layout of keys and values whose B rows are S sentences of V beams: keys
+  [H, S, D, V, K], values heads-first [H, B, K, D]. Each step's products then read them as
+  they lie, with the batch axes (H, S) leading and the contracted axis where a matrix product
+  wants it (attention_variants.cached_attention), instead of copying every layer's cache into
+  that order at every step."""
+  rows, heads, length, head_dim = k_BHKD.shape
+  k_HSDVK = k_BHKD.reshape(sentences, rows // sentences, heads, length, head_dim).transpose(
+      2, 0, 4, 1, 3)
+  return k_HSDVK, v_BHKD.swapaxes(0, 1)
 
 
 def own_slot(origin_SWK: Array, positions_1Q: Array) -> Array:

@@ -21,10 +21,24 @@ import jax
 import jax.numpy as jnp
 
 from t2t_jax import EOS_ID, PAD_ID
+from t2t_jax import attention_cache
 from t2t_jax.decoder_only import make_model
 from t2t_jax.model_config import TransformerConfig
 
 _NEG = -1.0e9  # Log-probability of an impossible hypothesis; finite, so sums stay ordered.
+
+
+def compiler_options(platform: str | None = None) -> dict:
+  """The XLA options t2t_jax compiles its searches with on `platform` (default: JAX's).
+
+  On CPU: copy insertion with region analysis. Without it XLA:CPU copies every layer's
+  self-attention cache at every step of beam search, although the step reads the cache it
+  was handed before updating it in place (attention.py's `_update_cache`); with it, the
+  update happens in place. docs/performance.md has the measurement.
+  """
+  if (platform or jax.default_backend()) != 'cpu':
+    return {}
+  return {'xla_cpu_copy_insertion_use_region_analysis': True}
 
 
 def decode_config(config: TransformerConfig) -> TransformerConfig:
@@ -52,6 +66,7 @@ def _without_memory(tree):
 
 _MEMORY_ENTRIES = ('memory_key', 'memory_value')  # Cross-attention keys/values in the cache.
 _COUNTERS = ('index', 'position')  # Steps decoded so far, shared by all rows.
+TOP_K_BLOCK = 64  # Entries per block in beam search's top-k (`top_k`).
 
 
 def _named(path, names: tuple[str, ...]) -> bool:
@@ -183,8 +198,50 @@ def _top_log_probs(logits_BWV: jax.Array, count: int) -> tuple[jax.Array, jax.Ar
   """
   max_BW1 = jax.lax.stop_gradient(logits_BWV.max(-1, keepdims=True))
   log_norm_BW1 = jnp.log(jnp.exp(logits_BWV - max_BW1).sum(-1, keepdims=True))
-  top_logits_BWC, token_BWC = jax.lax.top_k(_without_pad(logits_BWV), count)
+  top_logits_BWC, token_BWC = top_k(_without_pad(logits_BWV), count)
   return (top_logits_BWC - max_BW1) - log_norm_BW1, token_BWC
+
+
+def top_k(x_xV: jax.Array, count: int, block: int | None = None) -> tuple[jax.Array, jax.Array]:
+  """lax.top_k's values and indices [..., count] (ties: the lower index first), in two stages
+  when the last axis holds at least 4 * count blocks of `block` (default TOP_K_BLOCK) entries.
+
+  XLA:CPU's top-k walks every entry of a row one at a time. Here a row's maximum per block
+  of `block` entries is one vectorised pass; the `count` blocks with the largest maxima hold
+  the row's `count` largest entries (a block holding one of them has a maximum at least as
+  large as it, and fewer than `count` blocks beat it; equal maxima rank the lower block
+  first, as equal entries rank the lower index first); the top `count` of those
+  count * block entries is the answer. Both small selections are `count` rounds of a max and
+  a first-index-of-max, which XLA vectorises (a top-k there became a sort). NaN is not
+  supported (it ranks first in lax.top_k, here nowhere in particular).
+  """
+  vocab, block = x_xV.shape[-1], block or TOP_K_BLOCK
+  blocks = -(-vocab // block)
+  if blocks < 4 * count:
+    return jax.lax.top_k(x_xV, count)
+  lead = x_xV.shape[:-1]
+  x_RNZ = jnp.pad(x_xV.reshape(-1, vocab), [(0, 0), (0, blocks * block - vocab)],
+                  constant_values=-jnp.inf).reshape(-1, blocks, block)
+  _, block_RC = _rounds_of_max(x_RNZ.max(-1), count)
+  block_RC = jnp.sort(block_RC, axis=-1)  # Token order, so ties keep resolving by index.
+  chosen_RCZ = jnp.take_along_axis(x_RNZ, block_RC[:, :, None], axis=1)
+  values_RC, at_RC = _rounds_of_max(chosen_RCZ.reshape(chosen_RCZ.shape[0], -1), count)
+  index_RC = jnp.take_along_axis(block_RC, at_RC // block, axis=1) * block + at_RC % block
+  return values_RC.reshape(lead + (count,)), index_RC.reshape(lead + (count,))
+
+
+def _rounds_of_max(x_RN: jax.Array, count: int) -> tuple[jax.Array, jax.Array]:
+  """top_k of a short last axis as `count` rounds: the maximum, the first index holding it,
+  that entry then set to -inf."""
+  index_RN = jax.lax.broadcasted_iota(jnp.int32, x_RN.shape, 1)
+  values, indices = [], []
+  for _ in range(count):
+    best_R1 = x_RN.max(-1, keepdims=True)
+    at_R1 = jnp.where(x_RN == best_R1, index_RN, x_RN.shape[1]).min(-1, keepdims=True)
+    values.append(best_R1)
+    indices.append(at_R1)
+    x_RN = jnp.where(index_RN == at_R1, -jnp.inf, x_RN)
+  return jnp.concatenate(values, axis=1), jnp.concatenate(indices, axis=1)
 
 
 def _beam_update(state: BeamState, logits_BWV: jax.Array, limit_B: jax.Array,
@@ -258,7 +315,8 @@ def _reorder_cache(cache, parent_BW: jax.Array, config: TransformerConfig):
 def _with_origins(cache, batch_size: int, beam_size: int, config: TransformerConfig):
   """The cache with an ancestry table [B, W, L] beside each self-attention cache that can
   read its keys through one (not compressed layers, whose blocks mix a row's keys, nor
-  scanned layers or the decoder-only model): every beam starts reading its own row."""
+  scanned layers or the decoder-only model): every beam starts reading its own row. Those
+  caches take attention_cache.beam_layout's layout."""
   if config.scan_layers or config.kind != 'encoder_decoder':
     return cache
 
@@ -266,7 +324,8 @@ def _with_origins(cache, batch_size: int, beam_size: int, config: TransformerCon
     if 'key' in tree and 'index' in tree and 'compressed_key' not in tree:
       origin_BWL = jnp.broadcast_to(jnp.arange(beam_size, dtype=jnp.int32)[None, :, None], (
           batch_size, beam_size, tree['key'].shape[2]))
-      return {**tree, 'origin': origin_BWL}
+      key, value = attention_cache.beam_layout(tree['key'], tree['value'], batch_size)
+      return {**tree, 'origin': origin_BWL, 'key': key, 'value': value}
     return {name: add(value) if isinstance(value, dict) else value
             for name, value in tree.items()}
   return add(cache)

@@ -17,6 +17,7 @@ import numpy as np
 from t2t_jax import ConfigError
 from t2t_jax import PAD_ID
 from t2t_jax import sharding
+from t2t_jax import decode as decode_lib
 from t2t_jax.decode import beam_search, greedy_search, max_decode_length
 from t2t_jax.model_config import TransformerConfig
 
@@ -128,7 +129,8 @@ class Translator:
                                    beam_size=beam_size, alpha=alpha)
       start = time.perf_counter()
       self._compiled[key] = jax.jit(search, out_shardings=replicated).lower(
-          params, inputs_BS, max_lengths_B=max_lengths_B).compile()
+          params, inputs_BS, max_lengths_B=max_lengths_B).compile(
+              compiler_options=decode_lib.compiler_options(self.mesh.devices.flat[0].platform))
       self.stats.compile_seconds += time.perf_counter() - start
       self.stats.shapes_compiled += 1
     return self._compiled[key]

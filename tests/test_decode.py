@@ -2,6 +2,7 @@
 
 import dataclasses
 import itertools
+import re
 
 import flax.linen as nn
 import jax
@@ -31,9 +32,12 @@ def _random_params(config=CONFIG, seed=1, std=1.0):
                                    for k, x in zip(keys, leaves)])
 
 
-greedy_search = jax.jit(decode.greedy_search, static_argnames=('config', 'max_len'))
+# Compiled as Translator compiles them.
+greedy_search = jax.jit(decode.greedy_search, static_argnames=('config', 'max_len'),
+                        compiler_options=decode.compiler_options())
 beam_search = jax.jit(decode.beam_search,
-                      static_argnames=('config', 'max_len', 'beam_size', 'alpha'))
+                      static_argnames=('config', 'max_len', 'beam_size', 'alpha'),
+                      compiler_options=decode.compiler_options())
 
 
 def _sources(vocab=9, rows=8, length=5, seed=0):
@@ -278,6 +282,72 @@ def test_beam_search_equals_a_plain_beam_search_over_many_seeds():
       seen['finished_early'] |= best[-1] == EOS_ID and len(best) < limit
       seen['cut_by_limit'] |= best[-1] != EOS_ID
   assert all(seen.values()), seen  # The seeds cover every way a hypothesis ends.
+
+
+def test_two_stage_top_k_is_lax_top_k_ties_included():
+  rng = np.random.default_rng(0)
+  for trial in range(60):
+    vocab, count = int(rng.integers(40, 700)), int(rng.integers(1, 9))
+    block = int(rng.choice([1, 2, 5, 8]))
+    # Few distinct values: many ties, across blocks and inside them; -inf entries too.
+    x = rng.integers(0, int(rng.choice([2, 4, 50, 10**6])), (2, 3, vocab)).astype(np.float32)
+    x[0, 0, rng.integers(0, vocab, 5)] = -np.inf
+    got_values, got_indices = decode.top_k(jnp.asarray(x), count, block)
+    values, indices = jax.lax.top_k(x, count)
+    np.testing.assert_array_equal(got_values, values, err_msg=str(trial))
+    np.testing.assert_array_equal(got_indices, indices, err_msg=str(trial))
+  assert decode.TOP_K_BLOCK * 4 * 8 <= 8000  # Beam 4 over an 8k vocabulary takes two stages.
+
+
+def test_beam_search_with_two_stage_top_k_is_bit_identical(monkeypatch):
+  vocab = 400
+  config = dataclasses.replace(CONFIG, vocab_size=vocab)
+  params, inputs = _random_params(config, seed=3, std=1.5), _sources(vocab, rows=6, seed=4)
+  results = {}
+  for block in (5, vocab):  # 80 blocks: two stages; one block: lax.top_k.
+    monkeypatch.setattr(decode, 'TOP_K_BLOCK', block)
+    # A new function each time, so each traces `beam_search` afresh.
+    search = jax.jit(lambda p, i: decode.beam_search(p, i, config, 10, 4, 0.6),
+                     compiler_options=decode.compiler_options())
+    results[block] = [np.asarray(x) for x in search(params, inputs)]
+  np.testing.assert_array_equal(results[5][0], results[vocab][0])
+  np.testing.assert_array_equal(results[5][1], results[vocab][1])
+  assert len({tuple(row[0]) for row in results[5][0]}) > 1  # Not one degenerate output.
+
+
+def _loop_body_ops(hlo_text: str) -> list[str]:
+  """The instructions of the (first) while loop's body in XLA's optimised HLO text."""
+  body = re.search(r'body=%?([\w.\-]+)', hlo_text).group(1)
+  computations, current = {}, None
+  for line in hlo_text.splitlines():
+    header = re.match(r'^(?:ENTRY )?%?([\w.\-]+) .*\{$', line)
+    if header:
+      current = computations.setdefault(header.group(1), [])
+    elif current is not None:
+      current.append(line)
+  return computations[body]
+
+
+def test_beam_search_steps_update_the_caches_in_place_without_copying_them():
+  # Heads 2, sentences 6, head dim 8, beams 4, length 10: keys [H, S, D, V, L] and values
+  # [H, S * V, L, D] (attention_cache.beam_layout), in each of the 2 decoder layers.
+  params, inputs = _random_params(seed=3), _sources(rows=6)
+  cache_shape = re.compile(r'= f32\[(2,6,8,4,10|2,24,10,8)\]\{[\d,]+\} (\S+)\((\S+?)[,)]')
+  writes = {}
+  for name, options in (('default', {}), ('t2t_jax', decode.compiler_options())):
+    compiled = jax.jit(lambda p, i: decode.beam_search(p, i, CONFIG, 10, 4, 0.6),
+                       compiler_options=options).lower(params, inputs).compile()
+    made = [cache_shape.search(line).groups()[1:] for line in
+            _loop_body_ops(compiled.as_text()) if cache_shape.search(line)]
+    writes[name] = [(op, operand) for op, operand in made  # Views of a buffer make nothing.
+                    if op not in ('get-tuple-element', 'bitcast', 'tuple')]
+  # Each step writes each of the 4 caches once, into the buffer the loop passed in; nothing
+  # else makes a cache-sized array.
+  assert len(writes['t2t_jax']) == 4, writes['t2t_jax']
+  assert all(op == 'fusion' and operand.startswith('%get-tuple-element')
+             for op, operand in writes['t2t_jax']), writes['t2t_jax']
+  # XLA:CPU's default copy insertion copies them (what decode.compiler_options is for).
+  assert any(op == 'copy' for op, _ in writes['default']), writes['default']
 
 
 @pytest.mark.slow
