@@ -1,7 +1,10 @@
 """Training metrics between log lines: per-step sums, the log line, TensorBoard scalars, the
 run's final speed figures, and the analytic model FLOPs they are measured against."""
 
+import collections
+import gc
 import math
+import os
 import time
 from typing import Any
 
@@ -20,6 +23,14 @@ class MetricLog:
 
   Beside loss and speed it reports model FLOP/s (the analytic count of `flops`, padding
   included) and, where the devices' peak is known (not on CPU), MFU against that peak.
+
+  And where the host's time went between two lines, to tell a slow stretch's cause: the
+  shares of the interval spent waiting for input batches (`wait('input', ...)`), for the
+  device (`wait('device', ...)`: reading a step's metrics blocks until that step is done) and
+  saving and evaluating (`wait('save_and_evaluation', ...)`, which the steps/s include),
+  the seconds in Python's garbage collector and its collections of the oldest generation,
+  and the process's resident memory (`host_*` scalars, and the log line's tail). Call
+  `close()` to stop timing the collector.
   """
 
   def __init__(self, writer, schedule, num_steps: int, start_step: int,
@@ -29,6 +40,36 @@ class MetricLog:
     self.sums, self.steps, self.model_flops, self.start = None, 0, 0.0, time.perf_counter()
     self.last_good_step = start_step
     self.last_loss, self.intervals = None, []  # (steps, seconds, model FLOPs) each.
+    # Host timings use their own clock (time.monotonic), apart from the interval's.
+    self.waits, self._gc_started = collections.Counter(), None
+    gc.callbacks.append(self._time_gc)
+
+  def wait(self, kind: str, seconds: float) -> None:
+    """Adds `seconds` the host spent waiting for `kind` ('input' or 'device')."""
+    self.waits[kind] += seconds
+
+  def _time_gc(self, phase: str, info: dict) -> None:
+    if phase == 'start':
+      self._gc_started = time.monotonic()
+    elif self._gc_started is not None:
+      self.waits['gc'] += time.monotonic() - self._gc_started
+      self.waits['gc_oldest'] += info.get('generation') == 2
+      self._gc_started = None
+
+  def close(self) -> None:
+    if self._time_gc in gc.callbacks:
+      gc.callbacks.remove(self._time_gc)
+
+  def _host_figures(self, elapsed: float) -> dict[str, float]:
+    figures = {f'host_{kind}_wait_share': self.waits[kind] / elapsed
+               for kind in ('input', 'device', 'save_and_evaluation')}
+    figures.update(host_gc_seconds=self.waits['gc'],
+                   host_gc_oldest_collections=self.waits['gc_oldest'])
+    rss = resident_bytes()
+    if rss is not None:
+      figures['host_resident_gib'] = rss / 2**30
+    self.waits.clear()
+    return figures
 
   def add(self, step: int, metrics, model_flops: float) -> None:
     metrics = jax.device_get(metrics)
@@ -55,16 +96,24 @@ class MetricLog:
                    model_flops_per_second=self.model_flops / elapsed)
     if self.peak:
       summary['mfu'] = flops.mfu(self.model_flops, elapsed, self.peak)
+    summary.update(self._host_figures(elapsed))
     eta = (self.num_steps - step) / steps_per_second
     experts = (f', MoE aux loss {summary["moe_aux_loss"]:.4f}, dropped '
                f'{summary["moe_dropped_fraction"]:.2%}' if 'moe_aux_loss' in summary else '')
+    memory = (f', {summary["host_resident_gib"]:.2f} GiB resident'
+              if 'host_resident_gib' in summary else '')
     logging.info('step %d: loss %.4f%s, accuracy %.4f, lr %.3g, %.0f target tokens/s, '
-                 '%.2f steps/s, %.4g model TFLOP/s%s, ETA %s', step, summary['loss'], experts,
+                 '%.2f steps/s, %.4g model TFLOP/s%s, ETA %s; host: input wait %.1f%%, '
+                 'device wait %.1f%%, saving/evaluating %.1f%%, gc %.2f s%s', step,
+                 summary['loss'], experts,
                  summary['accuracy'], summary['learning_rate'],
                  summary['target_tokens_per_second'], steps_per_second,
                  summary['model_flops_per_second'] / 1e12,
                  f', MFU {summary["mfu"]:.1%}' if self.peak else '',
-                 time.strftime('%H:%M:%S', time.gmtime(eta)))
+                 time.strftime('%H:%M:%S', time.gmtime(eta)),
+                 100 * summary['host_input_wait_share'], 100 * summary['host_device_wait_share'],
+                 100 * summary['host_save_and_evaluation_wait_share'], summary['host_gc_seconds'],
+                 memory)
     for name, value in summary.items():
       self.writer.add_scalar(f'train/{name}', value, step)
     self.last_loss = summary['loss']
@@ -87,6 +136,15 @@ class MetricLog:
     if not self.peak:
       figures['null_reasons'] = {'mfu': 'the peak FLOP/s of this device kind is not known'}
     return figures
+
+
+def resident_bytes() -> int | None:
+  """This process's resident memory, from /proc (None where there is no /proc)."""
+  try:
+    with open('/proc/self/statm') as f:
+      return int(f.read().split()[1]) * os.sysconf('SC_PAGE_SIZE')
+  except (OSError, ValueError, IndexError):
+    return None
 
 
 def step_flops(model_config: TransformerConfig, host_batch: dict) -> float:

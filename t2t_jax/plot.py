@@ -25,6 +25,8 @@ from t2t_jax import cli
 LOSSES = (('train/loss', 'training loss'), ('eval/loss', 'validation loss'),
           ('averaged_eval/loss', 'validation loss, averaged checkpoints'))
 BLEUS = (('bleu', 'validation BLEU'), ('averaged_bleu', 'validation BLEU, averaged checkpoints'))
+RATES = (('train/steps_per_second', 'updates/s, per log interval (saving and evaluating '
+          'included)'),)
 
 
 @dataclasses.dataclass
@@ -104,7 +106,8 @@ def summary(scalars: dict[str, Series], workdir: str,
 
   The record holds {tag: {last, last_step, best, best_step, best_minutes, minutes_to_target,
   step_to_target}} for each BLEU tag the run logged, with a reason in null_reasons for each
-  null, and the run's total training minutes.
+  null, the run's total training minutes, and the median and range of its updates/s per log
+  interval (the first interval, which compiles, left out).
   """
   lines = []
   reasons = {}
@@ -139,22 +142,30 @@ def summary(scalars: dict[str, Series], workdir: str,
       if bleu_target:
         lines.append(f'{tag}: {why}')
       reasons[f'{tag}.minutes_to_target'] = reasons[f'{tag}.step_to_target'] = why
+  if rates := scalars.get('train/steps_per_second'):
+    ordered = sorted(rates.values[1:] or rates.values)  # The first interval compiles.
+    spread = {'median': ordered[len(ordered) // 2], 'min': ordered[0], 'max': ordered[-1],
+              'intervals': len(ordered)}
+    record['steps_per_second'] = {k: round(v, 3) for k, v in spread.items()}
+    lines.append(f'updates/s per log interval (the first left out): median '
+                 f'{spread["median"]:.2f}, {spread["min"]:.2f} to {spread["max"]:.2f} over '
+                 f'{len(ordered)} intervals')
   record['null_reasons'] = reasons
   return lines, record
 
 
 def draw(scalars: dict[str, Series], output: str, title: str = '',
          bleu_target: float = 0.0) -> None:
-  """Writes the 2x2 figure (loss and BLEU against steps and hours) to `output`."""
+  """Writes the 3x2 figure (loss, BLEU and updates/s against steps and hours) to `output`."""
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use('Agg')
   from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
 
-  figure, axes = plt.subplots(2, 2, figsize=(12, 8), sharex='col')
+  figure, axes = plt.subplots(3, 2, figsize=(12, 11), sharex='col')
   for column, (x_name, x_label) in enumerate((('steps', 'training steps'),
                                               ('seconds', 'training wall time (hours)'))):
     for row, (series_list, y_label) in enumerate(((LOSSES, 'loss (label-smoothed)'),
-                                                  (BLEUS, 'BLEU'))):
+                                                  (BLEUS, 'BLEU'), (RATES, 'updates/s'))):
       ax = axes[row][column]
       for tag, label in series_list:
         if tag not in scalars:
@@ -171,7 +182,7 @@ def draw(scalars: dict[str, Series], output: str, title: str = '',
       ax.grid(alpha=0.3)
       if ax.has_data():
         ax.legend(fontsize=8)
-      if row == 1:
+      if row == 2:
         ax.set_xlabel(x_label)
   if title:
     figure.suptitle(title)

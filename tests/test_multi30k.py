@@ -240,6 +240,22 @@ def test_summary_reports_the_target_or_why_not_and_every_null_has_a_reason(tmp_p
       for key in ('minutes_to_target', 'step_to_target')}
 
 
+def test_summary_gives_the_update_rate_spread_without_the_compiling_interval(tmp_path):
+  writer = tensorboardX.SummaryWriter(str(tmp_path))
+  rates = [0.4, 2.7, 2.6, 2.0, 2.9, 2.5]  # The first interval compiled.
+  for i, rate in enumerate(rates):
+    writer.add_scalar('train/steps_per_second', rate, 100 * (i + 1))
+    writer.add_scalar('train/loss', 3.0 - i / 10, 100 * (i + 1))
+  writer.close()
+  scalars = plot.read_scalars(str(tmp_path))
+  lines, record = plot.summary(scalars, str(tmp_path))
+  assert record['steps_per_second'] == {'median': 2.6, 'min': 2.0, 'max': 2.9, 'intervals': 5}
+  assert ('updates/s per log interval (the first left out): median 2.60, 2.00 to 2.90 over 5 '
+          'intervals') in lines
+  plot.draw(scalars, str(tmp_path / 'curves.png'))
+  assert (tmp_path / 'curves.png').stat().st_size > 10_000
+
+
 @pytest.mark.slow
 def test_plot_command_prints_the_time_to_target_and_ends_with_a_json_line(tmp_path):
   seconds, _ = _resumed_bleu_run(tmp_path / 'run')

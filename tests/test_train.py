@@ -1,6 +1,7 @@
 """The training loop end to end on the tiny config, resume, NaN handling and the dry run."""
 
 import collections
+import gc
 import glob
 import json
 import os
@@ -77,6 +78,37 @@ def test_metric_log_reports_model_flops_and_mfu(monkeypatch):
   final = log.final()
   assert final['model_flops_per_second'] == pytest.approx(2e9)
   assert final['mfu'] == pytest.approx(0.5) and final['steps_per_second'] == pytest.approx(1.0)
+
+
+def test_metric_log_says_where_the_host_time_went(monkeypatch):
+  clock = iter([0.0, 8.0, 8.0])  # Start, then an 8 s interval.
+  monkeypatch.setattr(metric_log.time, 'perf_counter', lambda: next(clock))
+  written = {}
+  writer = types.SimpleNamespace(add_scalar=lambda name, value, step: written.update(
+      {name: value}))
+  log = metric_log.MetricLog(writer, lambda step: 1e-3, num_steps=10, start_step=0,
+                             peak_flops_per_second=None)
+  try:
+    metrics = {'loss': np.float32(2.0), 'nll': np.float32(2.0), 'correct': np.float32(1.0),
+               'weight': np.float32(4.0)}
+    log.add(1, metrics, model_flops=1e9)
+    log.wait('input', 0.4)
+    log.wait('device', 2.0)
+    log.wait('device', 4.0)
+    log.wait('save_and_evaluation', 1.0)
+    gc.collect()  # A full collection: the oldest generation.
+    log.write(1)
+  finally:
+    log.close()
+  assert log._time_gc not in gc.callbacks
+  assert written['train/host_input_wait_share'] == pytest.approx(0.05)
+  assert written['train/host_device_wait_share'] == pytest.approx(0.75)
+  assert written['train/host_save_and_evaluation_wait_share'] == pytest.approx(0.125)
+  assert written['train/host_gc_oldest_collections'] >= 1
+  assert 0 < written['train/host_gc_seconds'] < 8
+  with open('/proc/self/status') as f:  # Another reading of the same figure, in kB.
+    rss_kib = next(int(line.split()[1]) for line in f if line.startswith('VmRSS:'))
+  assert written['train/host_resident_gib'] == pytest.approx(rss_kib / 2**20, rel=0.1)
 
 
 @pytest.mark.slow
