@@ -29,8 +29,9 @@ class MetricLog:
   device (`wait('device', ...)`: reading a step's metrics blocks until that step is done) and
   saving and evaluating (`wait('save_and_evaluation', ...)`, which the steps/s include),
   the seconds in Python's garbage collector and its collections of the oldest generation,
-  and the process's resident memory (`host_*` scalars, and the log line's tail). Call
-  `close()` to stop timing the collector.
+  and the process's resident memory: the log line's tail, and `write`'s `host_*` figures
+  (not TensorBoard scalars: more events per line made a run that fills its disk hang at
+  exit, in tensorboardX's queue). Call `close()` to stop timing the collector.
   """
 
   def __init__(self, writer, schedule, num_steps: int, start_step: int,
@@ -84,9 +85,10 @@ class MetricLog:
     self.steps += 1
     self.model_flops += model_flops
 
-  def write(self, step: int) -> None:
+  def write(self, step: int) -> dict[str, float] | None:
+    """Logs the figures of the steps since the last line; returns them (None if no step)."""
     if not self.steps:
-      return
+      return None
     elapsed = time.perf_counter() - self.start
     summary = optim.summarize(self.sums)
     steps_per_second = self.steps / elapsed
@@ -115,10 +117,12 @@ class MetricLog:
                  100 * summary['host_save_and_evaluation_wait_share'], summary['host_gc_seconds'],
                  memory)
     for name, value in summary.items():
-      self.writer.add_scalar(f'train/{name}', value, step)
+      if not name.startswith('host_'):  # The host figures go to the log line only.
+        self.writer.add_scalar(f'train/{name}', value, step)
     self.last_loss = summary['loss']
     self.intervals.append((self.steps, elapsed, self.model_flops))
     self.sums, self.steps, self.model_flops, self.start = None, 0, 0.0, time.perf_counter()
+    return summary
 
   def final(self) -> dict[str, Any]:
     """Last logged loss, steps/s, model FLOP/s and MFU, compiling left out; None says why."""
