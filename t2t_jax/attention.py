@@ -324,7 +324,7 @@ class SelfAttention(_Attention):
           0, 2, 1, 3)
       v_BHQD = v_BHQD.transpose(0, 2, 1, 3)
     slots_BQ = None if mask is None else mask.positions_BL
-    k_BHKD, v_BHKD, positions_BQ, fresh = self._update_cache(k_BHQD, v_BHQD, turn, slots_BQ)
+    k_BHKD, v_BHKD, positions_BQ, ancestry = self._update_cache(k_BHQD, v_BHQD, turn, slots_BQ)
     if positions_BQ is None:  # The init call, which only sizes the caches.
       return attention_variants.cached_attention(q_BQHD, k_BHKD, v_BHKD, None)[0]
     length = v_BHKD.shape[2]  # (Beam search's keys are laid out otherwise: _update_cache.)
@@ -352,12 +352,8 @@ class SelfAttention(_Attention):
     if cfg.positions == 'alibi':
       bias_BHQK = positions.alibi_bias(positions_BQ, key_positions_1K,
                                        positions.alibi_slopes(cfg.num_heads))
-    origin_SWK = None
-    if self.has_variable('cache', 'origin'):  # Beam search's (decode.py): the cache stays put.
-      origin = self.variable('cache', 'origin', None)
-      origin.value = origin_SWK = attention_cache.own_slot(origin.value, positions_BQ)
     out_BQHD, weights_BHQK = attention_variants.cached_attention(
-        q_BQHD, k_BHKD, v_BHKD, mask_B1QK, relative, buckets_BQKR, bias_BHQK, origin_SWK, fresh)
+        q_BQHD, k_BHKD, v_BHKD, mask_B1QK, relative, buckets_BQKR, bias_BHQK, ancestry)
     self.sow('intermediates', 'attention_weights', weights_BHQK)
     return out_BQHD
 
@@ -367,11 +363,9 @@ class SelfAttention(_Attention):
     [1 or B, Q] and None; in the init call that only sizes the caches, the inputs and None,
     None.
 
-    In beam search's layers with an ancestry table (Q = 1) the caches are in
-    attention_cache.beam_layout's layout, and what returns is the cache as it was before
-    this write, with `fresh` = (the keys [B, H, 1, D], the values, their position) written:
-    a step reads the cache it was handed and the write updates that buffer in place, where
-    reading the written cache would have XLA copy it.
+    Beam search's layers with an ancestry table (decode.py, Q = 1) return the cache as it was
+    before this write and its attention_variants.Ancestry: a step reads the cache it was
+    handed and the write updates that buffer in place (reading the written one, XLA copies).
 
     `turn(k_BQHD, positions_BQ)`, given, makes the keys to cache from the projected [B, Q, H, D].
     """
@@ -392,13 +386,13 @@ class SelfAttention(_Attention):
         self._compressed_cache(shape)
       return k_BHQD, v_BHQD, None, None
     index.value = i + queries
-    if self.has_variable('cache', 'origin'):  # Beam search's layout (decode.py).
-      sentences = self.get_variable('cache', 'origin').shape[0]
-      k_HSDVQ, v_HBQD = attention_cache.beam_layout(k_BHQD, v_BHQD, sentences)
+    if self.has_variable('cache', 'origin'):  # Beam search's: the cache stays put.
+      origin = self.variable('cache', 'origin', None)
+      origin.value = attention_cache.own_slot(origin.value, positions_BQ)
       before = key.value, value.value
-      key.value = jax.lax.dynamic_update_slice_in_dim(key.value, k_HSDVQ, i, 4)
-      value.value = jax.lax.dynamic_update_slice_in_dim(value.value, v_HBQD, i, 2)
-      return before + (positions_BQ, (k_BHQD, v_BHQD, i))
+      key.value, value.value = attention_cache.write_beams(*before, k_BHQD, v_BHQD, i,
+                                                           origin.value.shape[0])
+      return before + (positions_BQ, attention_variants.Ancestry(origin.value, k_BHQD, v_BHQD, i))
     key.value = attention_cache.write(key.value, k_BHQD, i, slots_BQ)
     value.value = attention_cache.write(value.value, v_BHQD, i, slots_BQ)
     return key.value, value.value, positions_BQ, None

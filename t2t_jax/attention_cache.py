@@ -142,6 +142,14 @@ def beam_layout(k_BHKD: Array, v_BHKD: Array, sentences: int) -> tuple[Array, Ar
   return k_HSDVK, v_BHKD.swapaxes(0, 1)
 
 
+def write_beams(k_HSDVK: Array, v_HBKD: Array, k_BHQD: Array, v_BHQD: Array, index: Array,
+                sentences: int) -> tuple[Array, Array]:
+  """Caches in beam_layout's layout with this step's keys and values written at `index`."""
+  k_HSDVQ, v_HBQD = beam_layout(k_BHQD, v_BHQD, sentences)
+  return (jax.lax.dynamic_update_slice_in_dim(k_HSDVK, k_HSDVQ, index, 4),
+          jax.lax.dynamic_update_slice_in_dim(v_HBKD, v_HBQD, index, 2))
+
+
 def own_slot(origin_SWK: Array, positions_1Q: Array) -> Array:
   """Beam search's ancestry after a step wrote each row's key at `positions_1Q` [1, 1]: every
   beam finds that key in its own cache row."""

@@ -64,39 +64,35 @@ def dense_attention(q_xQHD: Array, k_xKHD: Array, v_xKHD: Array, mask_x1QK: Arra
   return out_xQHD, weights_xHQK
 
 
+class Ancestry(NamedTuple):
+  """How beam search reads self-attention caches that never move (decode.py).
+
+  For S sentences of W beams (B = S * W rows, one query each) the caches are in
+  attention_cache.beam_layout's layout, keys [H, S, D, V, K] and values [H, B, K, D], as they
+  were before this step. Row b's cache row holds the keys its beam wrote, and key k of beam
+  w's hypothesis sits in row origin_SWK[s, w, k] of its sentence (V = W rows): each query is
+  scored against all W rows' keys, and the other rows' scores and weights are zeroed, an
+  exact selection. This step's key and value join apart, at `slot`.
+  """
+  origin_SWK: Array
+  new_key_BH1D: Array
+  new_value_BH1D: Array
+  slot: Array
+
+
 def cached_attention(q_BQHD: Array, k_BHKD: Array, v_BHKD: Array, mask_B1QK: Array | None,
                      relative: Relative | None = None, buckets_BQKR: Array | None = None,
                      bias_BHQK: Array | None = None,
-                     origin_SWK: Array | None = None,
-                     fresh: tuple[Array, Array, Array] | None = None) -> tuple[Array, Array]:
-  """dense_attention against heads-major decode caches [B, H, K, D]: the output and weights.
+                     ancestry: Ancestry | None = None) -> tuple[Array, Array]:
+  """dense_attention against heads-major decode caches [B, H, K, D]: the output and weights;
+  in beam search, against caches read through their `ancestry`.
 
-  Decoding is deterministic, so there is no dropout. In beam search (`origin_SWK` given, for
-  S sentences of W beams, B = S * W rows, one query each) the caches are in
-  attention_cache.beam_layout's layout, keys [H, S, D, V, K] and values [H, B, K, D], as they
-  were before this step; `fresh` holds the step's keys and values [B, H, 1, D] and the slot
-  they went to. Row b's cache row holds the keys its beam wrote, and key k of beam w's
-  hypothesis sits in row origin_SWK[s, w, k] of its sentence (V = W rows): each query is
-  scored against all W rows' keys, and the other rows' scores and weights are zeroed, an
-  exact selection (decode.py never moves the cache).
+  Decoding is deterministic, so there is no dropout.
   """
-  if origin_SWK is None:
+  if ancestry is None:
     logits_BHQK = jnp.einsum('BQHD,BHKD->BHQK', q_BQHD, k_BHKD).astype(jnp.float32)
   else:
-    sentences, beams, length = origin_SWK.shape
-    heads, head_dim = q_BQHD.shape[2:]
-    k_new_BH1D, v_new_BH1D, slot = fresh
-    older_K = jnp.arange(length) != slot
-    picks_SWVK = (origin_SWK[:, :, None, :] == jnp.arange(beams)[:, None]) & older_K
-    q_HSWD = q_BQHD.reshape(sentences, beams, heads, head_dim).transpose(2, 0, 1, 3)
-    k_HSDJ = k_BHKD.reshape(heads, sentences, head_dim, beams * length)  # J: (V, K).
-    every_HSWVK = jnp.einsum('HSWD,HSDJ->HSWJ', q_HSWD, k_HSDJ).reshape(
-        heads, sentences, beams, beams, length)
-    new_HSW1 = jnp.einsum('HSWD,SWHD->HSW', q_HSWD, k_new_BH1D.reshape(
-        sentences, beams, heads, head_dim))[..., None]
-    logits_HSWK = jnp.where(older_K, jnp.where(picks_SWVK, every_HSWVK, 0).sum(3),
-                            new_HSW1).astype(jnp.float32)
-    logits_BHQK = logits_HSWK.reshape(heads, -1, 1, length).transpose(1, 0, 2, 3)
+    logits_BHQK, picks_SWVK = _ancestry_logits(q_BQHD, k_BHKD, ancestry)
   if relative is not None:
     q_BQHR = jnp.einsum('BQHD,RD->BQHR', q_BQHD, relative.key_RD)
     # The buckets' batch axis may be 1 (every row alike): '...' broadcasts it.
@@ -107,26 +103,52 @@ def cached_attention(q_BQHD: Array, k_BHKD: Array, v_BHKD: Array, mask_B1QK: Arr
   if mask_B1QK is not None:
     logits_BHQK = jnp.where(mask_B1QK, logits_BHQK, NEG_INF)
   weights_BHQK = jax.nn.softmax(logits_BHQK).astype(q_BQHD.dtype)
-  if origin_SWK is None:
+  if ancestry is None:
     out_BQHD = jnp.einsum('BHQK,BHKD->BQHD', weights_BHQK, v_BHKD)
   else:
-    weights_HSW1K = weights_BHQK.reshape(sentences, beams, heads, 1, length).transpose(
-        2, 0, 1, 3, 4)
-    weights_HSWJ = jnp.where(picks_SWVK, weights_HSW1K, 0).reshape(heads, sentences, beams, -1)
-    v_HSJD = v_BHKD.reshape(heads, sentences, beams * length, head_dim)
-    # Both parts sum in float32 and round once, as one product over every key would.
-    out_HSWD = jnp.einsum('HSWJ,HSJD->HSWD', weights_HSWJ, v_HSJD,
-                          preferred_element_type=jnp.float32)
-    new_weights_SWH1 = jax.lax.dynamic_index_in_dim(weights_BHQK, slot, 3).reshape(
-        sentences, beams, heads, 1)
-    new_SWHD = new_weights_SWH1.astype(jnp.float32) * v_new_BH1D.reshape(
-        sentences, beams, heads, head_dim)
-    out_BQHD = (out_HSWD.transpose(1, 2, 0, 3) + new_SWHD).astype(q_BQHD.dtype).reshape(
-        q_BQHD.shape)
+    out_BQHD = _ancestry_output(weights_BHQK, v_BHKD, picks_SWVK, ancestry)
   if relative is not None:
     per_distance_BHQR = jnp.einsum('...HQK,...QKR->...HQR', weights_BHQK, buckets_BQKR)
     out_BQHD += jnp.einsum('BHQR,RD->BQHD', per_distance_BHQR, relative.value_RD)
   return out_BQHD, weights_BHQK
+
+
+def _ancestry_logits(q_BQHD: Array, k_HSDVK: Array, ancestry: Ancestry) -> tuple[Array, Array]:
+  """The [B, H, 1, K] scores of beam search's queries, and which of its sentence's cache rows
+  [S, W, V, K] each hypothesis reads each older key from."""
+  sentences, beams, length = ancestry.origin_SWK.shape
+  heads, head_dim = q_BQHD.shape[2:]
+  older_K = jnp.arange(length) != ancestry.slot
+  picks_SWVK = (ancestry.origin_SWK[:, :, None, :] == jnp.arange(beams)[:, None]) & older_K
+  q_HSWD = q_BQHD.reshape(sentences, beams, heads, head_dim).transpose(2, 0, 1, 3)
+  k_HSDJ = k_HSDVK.reshape(heads, sentences, head_dim, beams * length)  # J: (V, K).
+  every_HSWVK = jnp.einsum('HSWD,HSDJ->HSWJ', q_HSWD, k_HSDJ).reshape(
+      heads, sentences, beams, beams, length)
+  new_HSW1 = jnp.einsum('HSWD,SWHD->HSW', q_HSWD, ancestry.new_key_BH1D.reshape(
+      sentences, beams, heads, head_dim))[..., None]
+  logits_HSWK = jnp.where(older_K, jnp.where(picks_SWVK, every_HSWVK, 0).sum(3),
+                          new_HSW1).astype(jnp.float32)
+  return logits_HSWK.reshape(heads, -1, 1, length).transpose(1, 0, 2, 3), picks_SWVK
+
+
+def _ancestry_output(weights_BHQK: Array, v_HBKD: Array, picks_SWVK: Array,
+                     ancestry: Ancestry) -> Array:
+  """The [B, 1, H, D] output of beam search's queries under `weights_BHQK`."""
+  sentences, beams, _, length = picks_SWVK.shape
+  heads, head_dim = v_HBKD.shape[0], v_HBKD.shape[-1]
+  weights_HSW1K = weights_BHQK.reshape(sentences, beams, heads, 1, length).transpose(
+      2, 0, 1, 3, 4)
+  weights_HSWJ = jnp.where(picks_SWVK, weights_HSW1K, 0).reshape(heads, sentences, beams, -1)
+  v_HSJD = v_HBKD.reshape(heads, sentences, beams * length, head_dim)
+  # Both parts sum in float32 and round once, as one product over every key would.
+  out_HSWD = jnp.einsum('HSWJ,HSJD->HSWD', weights_HSWJ, v_HSJD,
+                        preferred_element_type=jnp.float32)
+  new_weights_SWH1 = jax.lax.dynamic_index_in_dim(weights_BHQK, ancestry.slot, 3).reshape(
+      sentences, beams, heads, 1)
+  new_SWHD = new_weights_SWH1.astype(jnp.float32) * ancestry.new_value_BH1D.reshape(
+      sentences, beams, heads, head_dim)
+  return (out_HSWD.transpose(1, 2, 0, 3) + new_SWHD).astype(weights_BHQK.dtype).reshape(
+      sentences * beams, 1, heads, head_dim)
 
 
 def _to_blocks(x_BL: Array, size: int) -> Array:

@@ -2,6 +2,7 @@
 run's final speed figures, and the analytic model FLOPs they are measured against."""
 
 import collections
+import contextlib
 import gc
 import math
 import os
@@ -25,9 +26,9 @@ class MetricLog:
   included) and, where the devices' peak is known (not on CPU), MFU against that peak.
 
   And where the host's time went between two lines, to tell a slow stretch's cause: the
-  shares of the interval spent waiting for input batches (`wait('input', ...)`), for the
-  device (`wait('device', ...)`: reading a step's metrics blocks until that step is done) and
-  saving and evaluating (`wait('save_and_evaluation', ...)`, which the steps/s include),
+  shares of the interval spent waiting for input batches (`waiting('input')`), for the device
+  (`add` reads a step's metrics, which blocks until that step is done) and saving and
+  evaluating (`waiting('save_and_evaluation')`, which the steps/s include),
   the seconds in Python's garbage collector and its collections of the oldest generation,
   and the process's resident memory: the log line's tail, and `write`'s `host_*` figures
   (not TensorBoard scalars: more events per line made a run that fills its disk hang at
@@ -45,9 +46,14 @@ class MetricLog:
     self.waits, self._gc_started = collections.Counter(), None
     gc.callbacks.append(self._time_gc)
 
-  def wait(self, kind: str, seconds: float) -> None:
-    """Adds `seconds` the host spent waiting for `kind` ('input' or 'device')."""
-    self.waits[kind] += seconds
+  @contextlib.contextmanager
+  def waiting(self, kind: str):
+    """Counts the time inside the block as the host's waiting for `kind`."""
+    started = time.monotonic()
+    try:
+      yield
+    finally:
+      self.waits[kind] += time.monotonic() - started
 
   def _time_gc(self, phase: str, info: dict) -> None:
     if phase == 'start':
@@ -73,7 +79,8 @@ class MetricLog:
     return figures
 
   def add(self, step: int, metrics, model_flops: float) -> None:
-    metrics = jax.device_get(metrics)
+    with self.waiting('device'):  # Blocks until the step that made `metrics` is done.
+      metrics = jax.device_get(metrics)
     loss = float(metrics['loss']) / max(float(metrics['weight']), 1.0)
     if not math.isfinite(loss):
       raise NonFiniteLoss(

@@ -152,9 +152,8 @@ def _train(launch: _Launch, log: metric_log.MetricLog) -> tuple[dict, int | None
   with hang_guard.HangGuard(config.train.step_timeout_seconds) as guard:
     for step in range(int(launch.state.step) + 1, num_steps + 1):
       guard.arm(f'training step {step} (or reading the metrics of step {step - 1})')
-      asked = time.monotonic()
-      host_batch = next(launch.train_iter)
-      log.wait('input', time.monotonic() - asked)
+      with log.waiting('input'):
+        host_batch = next(launch.train_iter)
       if host_batch['targets'].shape not in seen_shapes:  # Compiles the step: not guarded.
         seen_shapes.add(host_batch['targets'].shape)
         guard.disarm()
@@ -162,29 +161,24 @@ def _train(launch: _Launch, log: metric_log.MetricLog) -> tuple[dict, int | None
           launch.state, sharding.global_batch(host_batch, setup.mesh), launch.dropout_rng)
       launch.checkpointer.check()  # A save that failed in the background stops the run here.
       if pending:  # Read the previous step's metrics only now, so the device never waits.
-        asked = time.monotonic()
         log.add(*pending)
-        log.wait('device', time.monotonic() - asked)
       pending = (step, metrics, metric_log.step_flops(setup.model_config, host_batch))
       is_last, preempted = step == num_steps, sigterm.requested(step)
       evaluate_now = is_last or step % config.train.eval_every == 0
       save_now = is_last or preempted or launch.checkpointer.should_save(step)
       if is_last or evaluate_now or save_now or step % config.train.log_every == 0:
-        asked = time.monotonic()
         log.add(*pending)
-        log.wait('device', time.monotonic() - asked)
         pending = None
         log.write(step)
       guard.disarm()  # Saving and evaluating (which compiles decoding) are not steps.
-      asked = time.monotonic()
-      if save_now:
-        launch.checkpointer.save(step, launch.state, launch.dropout_rng,
-                                 launch.train_iter.get_state(), launch.config_json)
+      with log.waiting('save_and_evaluation'):
+        if save_now:
+          launch.checkpointer.save(step, launch.state, launch.dropout_rng,
+                                   launch.train_iter.get_state(), launch.config_json)
+        if evaluate_now and not preempted:
+          results = _evaluate(launch, step, save_now)
       if preempted:
         break
-      if evaluate_now:
-        results = _evaluate(launch, step, save_now)
-      log.wait('save_and_evaluation', time.monotonic() - asked)
   sigterm.close()
   return results, sigterm.signum if preempted else None
 
