@@ -15,6 +15,7 @@ import os
 import shutil
 import sys
 import time
+import traceback
 from typing import Any
 
 from absl import logging
@@ -267,23 +268,23 @@ def _with_ema(state, abstract_state):
 
 def _drop_late_writer_callbacks() -> None:
   """After a failed save, the writes still in flight finish on tensorstore's threads and try to
-  wake orbax's event loop, which asyncio has already closed: each prints a traceback of
-  RuntimeError('Event loop is closed') through sys.excepthook, dozens in all. They say nothing
-  the failed save's error does not; drop exactly those, and pass every other exception on."""
-  previous = sys.excepthook
+  wake orbax's event loop, which has already been closed: each reports RuntimeError('Event loop
+  is closed') as an unraisable exception (sys.unraisablehook: a bare traceback on stderr),
+  dozens in all. They say nothing the failed save's error does not; drop exactly those, and
+  pass every other report on."""
+  previous = sys.unraisablehook
   if getattr(previous, 'drops_late_writer_callbacks', False):
     return
 
-  def hook(kind, value, traceback):
-    last = traceback
-    while last is not None and last.tb_next is not None:
-      last = last.tb_next
-    if (kind is RuntimeError and str(value) == 'Event loop is closed' and last is not None
-        and last.tb_frame.f_code.co_name == '_check_closed'):
+  def hook(unraisable):
+    calls = [frame.f_code.co_name for frame, _ in
+             traceback.walk_tb(unraisable.exc_traceback)]
+    if (unraisable.exc_type is RuntimeError and str(unraisable.exc_value) ==
+        'Event loop is closed' and calls[-2:] == ['call_soon_threadsafe', '_check_closed']):
       return
-    previous(kind, value, traceback)
+    previous(unraisable)
   hook.drops_late_writer_callbacks = True
-  sys.excepthook = hook
+  sys.unraisablehook = hook
 
 
 class _UnretrievedTaskErrors(std_logging.Filter):

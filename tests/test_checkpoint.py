@@ -211,6 +211,32 @@ def test_failed_save_stops_with_the_cause_and_keeps_the_previous_checkpoint(tmp_
   assert np.array_equal(restored['state']['w'], np.arange(4.0))
 
 
+def test_late_writer_wakeups_of_a_closed_loop_are_dropped_and_other_reports_kept(
+    tmp_path, monkeypatch):
+  """Writes still in flight after a failed save wake orbax's closed event loop from a thread
+  with no Python caller: Python reports each through sys.unraisablehook. Only those go."""
+  reported = []
+  monkeypatch.setattr(sys, 'unraisablehook', lambda report: reported.append(report.exc_value))
+  checkpoint.Checkpointer(str(tmp_path), _config().ckpt)
+  import asyncio  # pylint: disable=import-outside-toplevel
+  loop = asyncio.new_event_loop()
+  loop.close()
+
+  class LateWakeup:  # An exception in __del__ has no caller either: it goes the same way.
+    def __init__(self, wake):
+      self.wake = wake
+
+    def __del__(self):
+      self.wake()
+
+  LateWakeup(lambda: loop.call_soon_threadsafe(print))
+  assert reported == []
+  LateWakeup(lambda: loop.call_soon(print))  # The same error, but not a thread's wake-up...
+  LateWakeup(lambda: 1 / 0)  # ...and another error: both still reported.
+  assert [type(error) for error in reported] == [RuntimeError, ZeroDivisionError]
+  assert str(reported[0]) == 'Event loop is closed'
+
+
 def test_failed_final_save_raises_at_close(tmp_path, monkeypatch):
   checkpointer = checkpoint.Checkpointer(str(tmp_path), _config().ckpt)
   _disk_full_in_background(monkeypatch)
