@@ -124,6 +124,9 @@ def train_step_flops(model_config, rows: int, source_length: int, target_length:
       layers, as for full attention);
     'compressed' layers: ceil(n / Z) compressed keys plus the Z of its own block, and the
       key and value convolutions, 2 x 2 d D per token (Z the stride, D the head size).
+      Packed rows compute more (every block slot of the row, up to 2n / (Z + 1), and the three
+      raw blocks around a query, to find each segment's own): that is the implementation's
+      cost of packing, not the model's, so it is not counted.
   Cross-attention stays full.
   """
   cfg = model_config

@@ -3,14 +3,15 @@
 A router scores each token against X experts (Shazeer et al. 2017); the token goes to its P
 best (Switch Transformer: P=1, GShard: P=2), each expert a ReLU feed-forward network of
 width d_ff. Routing groups are the batch rows, or groups of `moe_group_size` tokens of a row:
-an expert takes at most A tokens of a group, A = ceil(capacity_factor x group x P / X), and a
-choice past that is dropped (its share of the output is zero, so the residual connection
-carries the token). Dispatch and combine are
+an expert takes at most ceil(capacity_factor x n x P / X) tokens of a group holding n real
+(non-padding) tokens, and a choice past that is dropped (its share of the output is zero, so
+the residual connection carries the token). Counting real tokens, not the group's width, keeps
+a sentence's output independent of how far its batch pads it. Dispatch and combine are
 one-hot einsums as in GShard, so the experts' [X, ...] weights and their inputs split over an
 'expert' mesh axis through the logical-axis rules, like every other weight.
 
 Shapes in names follow the package legend (t2t_jax/__init__.py): X experts, P experts picked
-per token (top-k), A capacity (slots per expert and row).
+per token (top-k), A slots per expert and group (the capacity of a group with no padding).
 """
 
 import math
@@ -84,8 +85,12 @@ def expert_capacity(length: int, experts: int, top_k: int, capacity_factor: floa
   return max(1, min(length, math.ceil(capacity_factor * length * top_k / experts)))
 
 
-def route(probs_BLX: Array, valid_BL: Array, top_k: int, capacity: int):
+def route(probs_BLX: Array, valid_BL: Array, top_k: int, capacity: int,
+          capacity_B: Array | None = None):
   """Top-k routing with capacity: (dispatch_BLXA, combine_BLXA, expert_BLP, kept_BLP).
+
+  Each row has `capacity` slots per expert, of which an expert fills at most `capacity_B`
+  (each row's own limit, at most `capacity`; None: all of them).
 
   Combine weights: with P=1 the chosen expert's router probability (Switch: the gradient
   reaches the router through it); with P>1 the P probabilities renormalised to sum to 1
@@ -103,8 +108,11 @@ def route(probs_BLX: Array, valid_BL: Array, top_k: int, capacity: int):
   # Slot of each choice in its expert: how many choices of the row went there before it.
   earlier_BLPX = jnp.cumsum(choice_BLPX.reshape(batch, length * top_k, experts), axis=1)
   position_BLPX = earlier_BLPX.reshape(choice_BLPX.shape) - 1
+  taken_BLPX = choice_BLPX > 0
+  if capacity_B is not None:
+    taken_BLPX &= position_BLPX < capacity_B[:, None, None, None]
   # one_hot gives a zero row for positions >= capacity (dropped) and -1 (not chosen).
-  slot_BLPXA = jax.nn.one_hot(jnp.where(choice_BLPX > 0, position_BLPX, -1), capacity,
+  slot_BLPXA = jax.nn.one_hot(jnp.where(taken_BLPX, position_BLPX, -1), capacity,
                               dtype=jnp.float32)
   dispatch_BLXA = slot_BLPXA.sum(2)  # A token's P experts differ: still 0 or 1.
   combine_BLXA = jnp.einsum('BLK,BLKXC->BLXC', gate_BLP, slot_BLPXA)
@@ -160,8 +168,11 @@ class MoeFeedForward(nn.Module):
     group = cfg.moe_group_size or length
     x_BLE, probs_BLX, valid_BL = (_groups(a, group) for a in (x_BLE, probs_BLX, valid_BL))
     capacity = expert_capacity(group, experts, cfg.moe_top_k, cfg.moe_capacity_factor)
-    dispatch_BLXA, combine_BLXA, expert_BLP, kept_BLP = route(probs_BLX, valid_BL,
-                                                              cfg.moe_top_k, capacity)
+    # Each group's limit from its real tokens: the same formula, looked up by their count.
+    capacity_N = jnp.asarray([expert_capacity(n, experts, cfg.moe_top_k,
+                                              cfg.moe_capacity_factor) for n in range(group + 1)])
+    dispatch_BLXA, combine_BLXA, expert_BLP, kept_BLP = route(
+        probs_BLX, valid_BL, cfg.moe_top_k, capacity, capacity_N[valid_BL.sum(-1)])
 
     routed = valid_BL.sum().astype(jnp.float32) * cfg.moe_top_k
     self.sow(COLLECTION, 'aux_loss', load_balancing_loss(probs_BLX, expert_BLP, valid_BL))

@@ -22,6 +22,7 @@ from t2t_jax import decode
 from t2t_jax import decoder_only
 from t2t_jax import model as model_lib
 from t2t_jax import model_config
+from t2t_jax import moe as moe_lib
 
 VOCAB = 13
 CONFIG = model_lib.TransformerConfig(
@@ -153,3 +154,32 @@ def test_compressed_layers_refuse_the_positions_a_block_cannot_have(positions):
   with pytest.raises(ConfigError, match=rf"positions='{positions}' cannot be used with "
                                         r"config.model.attention_pattern='local,compressed'"):
     model_config.check_family(config)
+
+
+@pytest.mark.parametrize('kind', ['encoder_decoder', 'decoder_only'])
+def test_expert_capacity_counts_a_sentences_tokens_not_its_batchs_padding(kind):
+  """Experts with a tight capacity: a row's limit comes from its real tokens, so a sentence
+  beside a longer source (its row padded four times over) keeps the drops it has alone."""
+  config = dataclasses.replace(CONFIG, kind=kind, moe_experts=4, moe_top_k=2,
+                               moe_capacity_factor=1.0, moe_layers='all')
+  model = (decoder_only.make_model(config) if kind == 'decoder_only'
+           else model_lib.Transformer(config))
+  params = nn.meta.unbox(model.init(jax.random.PRNGKey(1), jnp.ones((1, 4), jnp.int32),
+                                    jnp.ones((1, 4), jnp.int32))['params'])
+
+  @jax.jit
+  def logits(params):
+    alone, sown = model.apply({'params': params}, _rows([SOURCE], 3), _rows([TARGET], 5),
+                              mutable=['moe'])
+    beside = model.apply({'params': params}, _rows([SOURCE, LONG_SOURCE], 12),
+                         _rows([TARGET, LONG_TARGET], 7))
+    return alone, beside, moe_lib.metrics(sown['moe'])['dropped']
+
+  alone, beside, dropped = logits(params)
+  assert dropped > 0  # The capacity binds: the sentence alone loses some choices.
+  np.testing.assert_allclose(np.asarray(beside)[0, :len(TARGET)], alone[0], **TOLERANCE)
+  alone = _translate(params, config, _rows([SOURCE], 3))
+  beside = _translate(params, config, _rows([SOURCE, LONG_SOURCE], 12))
+  np.testing.assert_array_equal(beside[0], alone[0])
+  np.testing.assert_array_equal(beside[1], alone[1])
+  np.testing.assert_allclose(beside[2], alone[2], **TOLERANCE)

@@ -45,11 +45,12 @@ def _run(cfg, x_BLE, valid_BL, params=None):
   return y_BLE, params, moe.metrics(sown[moe.COLLECTION]), sown['intermediates']['router_probs'][0]
 
 
-def _numpy_routing(probs_BLX, valid_BL, top_k, capacity):
-  """Kept choices {(b, l, expert)} and the dropped count, slot by slot in token order."""
+def _numpy_routing(probs_BLX, valid_BL, top_k, capacity_B):
+  """Kept choices {(b, l, expert)} and the dropped count, slot by slot in token order; row b's
+  experts take at most capacity_B[b] tokens each."""
   kept, dropped = set(), 0
   for b in range(probs_BLX.shape[0]):
-    load = np.zeros(probs_BLX.shape[-1], int)
+    load, capacity = np.zeros(probs_BLX.shape[-1], int), capacity_B[b]
     for l in range(probs_BLX.shape[1]):
       if not valid_BL[b, l]:
         continue
@@ -103,13 +104,16 @@ def test_routing_respects_capacity_and_counts_the_dropped_choices(top_k, capacit
   y_BLE, _, sums, probs_BLX = _run(cfg, x_BLE, valid_BL)
   capacity = math.ceil(capacity_factor * 6 * top_k / 4)
   assert moe.expert_capacity(6, 4, top_k, capacity_factor) == capacity
-  kept, dropped = _numpy_routing(np.asarray(probs_BLX), np.asarray(valid_BL), top_k, capacity)
+  # A row's limit counts its real tokens (6, 4 and 1), not its width: at least 1 slot.
+  capacity_B = [max(1, math.ceil(capacity_factor * n * top_k / 4)) for n in (6, 4, 1)]
+  kept, dropped = _numpy_routing(np.asarray(probs_BLX), np.asarray(valid_BL), top_k, capacity_B)
   assert dropped > 0  # The settings are tight enough to drop some.
   assert sums['dropped'] == dropped and sums['routed'] == top_k * int(valid_BL.sum())
 
-  dispatch_BLXC, combine_BLXC, _, _ = moe.route(probs_BLX, valid_BL, top_k, capacity)
+  dispatch_BLXC, combine_BLXC, _, _ = moe.route(probs_BLX, valid_BL, top_k, capacity,
+                                                jnp.asarray(capacity_B))
   assert np.all(np.asarray(dispatch_BLXC).sum(1) <= 1)  # One token per slot.
-  assert np.all(np.asarray(dispatch_BLXC).sum((1, 3)) <= capacity)  # Per row and expert.
+  assert np.all(np.asarray(dispatch_BLXC).sum((1, 3)) <= np.asarray(capacity_B)[:, None])
   routed = {tuple(int(i) for i in index) for index in np.argwhere(dispatch_BLXC.sum(-1))}
   assert routed == kept
   # Padding, and tokens whose every choice was dropped, get a zero output.
