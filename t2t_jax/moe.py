@@ -169,10 +169,11 @@ class MoeFeedForward(nn.Module):
     x_BLE, probs_BLX, valid_BL = (_groups(a, group) for a in (x_BLE, probs_BLX, valid_BL))
     capacity = expert_capacity(group, experts, cfg.moe_top_k, cfg.moe_capacity_factor)
     # Each group's limit from its real tokens: the same formula, looked up by their count.
-    capacity_N = jnp.asarray([expert_capacity(n, experts, cfg.moe_top_k,
-                                              cfg.moe_capacity_factor) for n in range(group + 1)])
+    capacity_by_count = jnp.asarray([expert_capacity(n, experts, cfg.moe_top_k,
+                                                     cfg.moe_capacity_factor)
+                                     for n in range(group + 1)])
     dispatch_BLXA, combine_BLXA, expert_BLP, kept_BLP = route(
-        probs_BLX, valid_BL, cfg.moe_top_k, capacity, capacity_N[valid_BL.sum(-1)])
+        probs_BLX, valid_BL, cfg.moe_top_k, capacity, capacity_by_count[valid_BL.sum(-1)])
 
     routed = valid_BL.sum().astype(jnp.float32) * cfg.moe_top_k
     self.sow(COLLECTION, 'aux_loss', load_balancing_loss(probs_BLX, expert_BLP, valid_BL))
