@@ -4,10 +4,12 @@ Variants, chosen after the file name:
   configs/multi30k.py:tok  lowercased, Moses-tokenised `*.lc.norm.tok.*` files; BLEU with
                            tokenize='none', the form published Multi30k figures use (default).
   configs/multi30k.py:raw  the cased raw text; sacreBLEU with its 13a tokenizer.
-  configs/multi30k.py:relative, :predictive, :local_compressed, :moe (and :raw_relative, ...)
-                           the same recipe with one member of the model family changed: relative
-                           or predictive positions, local + memory-compressed self-attention,
-                           or mixture-of-experts feed-forward layers (see MEMBERS below).
+  configs/multi30k.py:relative, :rotary, :alibi, :learned, :predictive, :local_compressed,
+                      :moe (and :raw_relative, ...)
+                           the same recipe with one member of the model family changed: relative,
+                           rotary, ALiBi, learned or predictive positions, local +
+                           memory-compressed self-attention, or mixture-of-experts feed-forward
+                           layers (see MEMBERS below).
   configs/multi30k.py:speedrun, :raw_speedrun
                            the same architecture trained for under an hour on 2 CPU cores
                            to 41 valid BLEU: a budget of updates with a schedule that ends
@@ -40,6 +42,21 @@ def _relative(config) -> None:
   config.model.max_relative_distance = 16  # Multi30k sentences are about 13 tokens long.
 
 
+def _rotary(config) -> None:
+  """Rotary positions (Su et al. 2021): queries and keys turned by their position."""
+  config.model.positions = 'rotary'
+
+
+def _alibi(config) -> None:
+  """ALiBi (Press et al. 2022): a per-head linear distance penalty on the scores."""
+  config.model.positions = 'alibi'
+
+
+def _learned(config) -> None:
+  """A learned position table per side instead of sinusoids."""
+  config.model.positions = 'learned'
+
+
 def _predictive(config) -> None:
   """The lecture's predictive-information sinusoids, p = 0.883."""
   config.model.positions = 'predictive'
@@ -58,7 +75,8 @@ def _moe(config) -> None:
 
 
 # Model-family variants: a suffix after the data variant, e.g. :relative or :raw_moe.
-MEMBERS = {'relative': _relative, 'predictive': _predictive,
+MEMBERS = {'relative': _relative, 'rotary': _rotary, 'alibi': _alibi, 'learned': _learned,
+           'predictive': _predictive,
            'local_compressed': _local_compressed, 'moe': _moe}
 
 

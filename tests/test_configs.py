@@ -17,8 +17,8 @@ from t2t_jax import train
 sys.path.insert(0, os.path.join(ROOT, 'launch'))
 import sweep as sweep_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
 
-_MULTI30K_MEMBERS = ('decoder_only', 'relative', 'predictive', 'local_compressed', 'moe',
-                     'speedrun')
+_MULTI30K_MEMBERS = ('decoder_only', 'relative', 'rotary', 'alibi', 'learned', 'predictive',
+                     'local_compressed', 'moe', 'speedrun')
 # Each shipped config file and the variants its get_config documents ('' = no argument).
 VARIANTS = {
     'base': [''],
@@ -28,8 +28,9 @@ VARIANTS = {
     'wmt14_ende': ['', 'base', 'big'],
     'lm': ['', 'base', 'tiny'],
     # Each file set and each member once (with either file set); the test below checks all.
-    'multi30k': ['', 'raw', 'decoder_only', 'raw_decoder_only', 'raw_relative', 'predictive',
-                 'tok_local_compressed', 'raw_moe', 'speedrun', 'raw_speedrun'],
+    'multi30k': ['', 'raw', 'decoder_only', 'raw_decoder_only', 'raw_relative', 'rotary',
+                 'raw_alibi', 'tok_learned', 'predictive', 'tok_local_compressed', 'raw_moe',
+                 'speedrun', 'raw_speedrun'],
 }
 # The config each shipped sweep is run on (the command in its docstring), and the overrides
 # that command passes before the sweep's own.
@@ -43,6 +44,9 @@ SWEEP_BASES = {
                                                  'train.num_steps': 1200,
                                                  'train.eval_every': 1200,
                                                  'model.dropout': 0.3}),
+    'multi30k_family': ('multi30k', 'speedrun', {'train.num_steps': 2300,
+                                                 'opt.cooldown_steps': 767,
+                                                 'train.eval_every': 2300, 'ckpt.keep': 10}),
 }
 
 
@@ -53,9 +57,18 @@ def _load(name, variant):
 
 def _override(config, overrides):
   for key, value in overrides.items():
-    section, name = key.split('.')
-    assert name in config[section], f'sweep key {key} is not a config key'
-    config[section][name] = value  # ConfigDict refuses a value of another type.
+    *sections, name = key.split('.')  # 'opt.lr_scale', or a top-level key such as 'seed'.
+    parent = config
+    for section in sections:
+      parent = parent[section]
+    assert name in parent, f'sweep key {key} is not a config key'
+    parent[name] = value  # ConfigDict refuses a value of another type.
+  return config
+
+
+def _lookup(config, key):
+  for part in key.split('.'):
+    config = config[part]
   return config
 
 
@@ -94,6 +107,9 @@ def test_each_shipped_config_and_variant_is_valid_and_builds(name, variant):
   if name == 'multi30k':
     expected = {'decoder_only': ('decoder_only', 'sinusoidal', 'full', 0),
                 'relative': ('encoder_decoder', 'relative', 'full', 0),
+                'rotary': ('encoder_decoder', 'rotary', 'full', 0),
+                'alibi': ('encoder_decoder', 'alibi', 'full', 0),
+                'learned': ('encoder_decoder', 'learned', 'full', 0),
                 'predictive': ('encoder_decoder', 'predictive', 'full', 0),
                 'local_compressed': ('encoder_decoder', 'sinusoidal', 'local,compressed', 0),
                 'moe': ('encoder_decoder', 'sinusoidal', 'full', 4)}
@@ -133,9 +149,11 @@ def test_every_point_of_each_shipped_sweep_is_a_valid_config(sweep_name):
     config = _override(_override(_load(name, variant), base_overrides), point)
     config_check.check(config)
     for key, value in point.items():  # The point's values are the ones in force.
-      section, key_name = key.split('.')
-      assert config[section][key_name] == value
+      assert _lookup(config, key) == value
     seen.add(tuple(sorted(point.items())))
+    if sweep_name == 'multi30k_family':  # Each point another member: each one builds.
+      _assert_valid_and_builds(config)
   assert len(seen) == len(points)  # No two points are the same run.
-  # One build per sweep: the points change no shape, except the vocabulary of multi30k_budget.
+  # One build per sweep otherwise: the points change no shape (multi30k_budget's vocabulary
+  # changes only the embedding's size).
   _assert_valid_and_builds(config)
