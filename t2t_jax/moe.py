@@ -168,12 +168,8 @@ class MoeFeedForward(nn.Module):
     group = cfg.moe_group_size or length
     x_BLE, probs_BLX, valid_BL = (_groups(a, group) for a in (x_BLE, probs_BLX, valid_BL))
     capacity = expert_capacity(group, experts, cfg.moe_top_k, cfg.moe_capacity_factor)
-    # Each group's limit from its real tokens: the same formula, looked up by their count.
-    capacity_by_count = jnp.asarray([expert_capacity(n, experts, cfg.moe_top_k,
-                                                     cfg.moe_capacity_factor)
-                                     for n in range(group + 1)])
     dispatch_BLXA, combine_BLXA, expert_BLP, kept_BLP = route(
-        probs_BLX, valid_BL, cfg.moe_top_k, capacity, capacity_by_count[valid_BL.sum(-1)])
+        probs_BLX, valid_BL, cfg.moe_top_k, capacity, _group_capacities(valid_BL, cfg))
 
     routed = valid_BL.sum().astype(jnp.float32) * cfg.moe_top_k
     self.sow(COLLECTION, 'aux_loss', load_balancing_loss(probs_BLX, expert_BLP, valid_BL))
@@ -207,6 +203,13 @@ class MoeFeedForward(nn.Module):
     y_BLE = jnp.einsum('XBCE,BLXC->BLE', y_XBAE, combine_BLXA.astype(cfg.dtype))
     y_BLE = y_BLE.reshape(rows, -1, width)[:, :length]  # The rows again, group padding cut.
     return nn.with_logical_constraint(y_BLE, ('batch', 'length', 'embed'))
+
+
+def _group_capacities(valid_BL: Array, cfg) -> Array:
+  """Each routing group's limit from its real tokens: `expert_capacity` of their count."""
+  by_count = [expert_capacity(n, cfg.moe_experts, cfg.moe_top_k, cfg.moe_capacity_factor)
+              for n in range(valid_BL.shape[1] + 1)]
+  return jnp.asarray(by_count)[valid_BL.sum(-1)]
 
 
 def _groups(x_BL: Array, group: int) -> Array:
