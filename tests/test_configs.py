@@ -39,11 +39,13 @@ SWEEP_BASES = {
     'wmt14_ende_big': ('wmt14_ende', 'big', {}),
     'multi30k_schedule': ('multi30k', 'speedrun', {'train.num_steps': 1200,
                                                    'train.eval_every': 1200,
-                                                   'model.dropout': 0.3}),
+                                                   'model.dropout': 0.3,
+                                                   'model.positions': 'sinusoidal'}),
     'multi30k_budget': ('multi30k', 'speedrun', {'opt.lr_scale': 2.0, 'opt.cooldown_steps': 400,
                                                  'train.num_steps': 1200,
                                                  'train.eval_every': 1200,
-                                                 'model.dropout': 0.3}),
+                                                 'model.dropout': 0.3,
+                                                 'model.positions': 'sinusoidal'}),
     'multi30k_family': ('multi30k', 'speedrun', {'train.num_steps': 2300,
                                                  'opt.cooldown_steps': 767,
                                                  'train.eval_every': 2300, 'ckpt.keep': 10}),
@@ -112,7 +114,8 @@ def test_each_shipped_config_and_variant_is_valid_and_builds(name, variant):
                 'learned': ('encoder_decoder', 'learned', 'full', 0),
                 'predictive': ('encoder_decoder', 'predictive', 'full', 0),
                 'local_compressed': ('encoder_decoder', 'sinusoidal', 'local,compressed', 0),
-                'moe': ('encoder_decoder', 'sinusoidal', 'full', 4)}
+                'moe': ('encoder_decoder', 'sinusoidal', 'full', 4),
+                'speedrun': ('encoder_decoder', 'rotary', 'full', 0)}
     member = next((m for m in expected if variant.endswith(m)), None)
     assert (model.kind, model.positions, model.attention_pattern, model.moe_experts) == (
         expected.get(member, ('encoder_decoder', 'sinusoidal', 'full', 0)))

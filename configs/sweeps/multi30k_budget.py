@@ -3,7 +3,7 @@
   python launch/sweep.py configs/sweeps/multi30k_budget.py -- \
     python -m t2t_jax.main --config=configs/multi30k.py:speedrun --workdir=/tmp/m30_budget \
     --config.opt.lr_scale=2.0 --config.opt.cooldown_steps=400 --config.train.num_steps=1200 \
-    --config.train.eval_every=1200 --config.model.dropout=0.3
+    --config.train.eval_every=1200 --config.model.dropout=0.3 --config.model.positions=sinusoidal
   python launch/sweep.py --summarize /tmp/m30_budget --sort=bleu
 
 Each point changes one thing from sweep 1's best (rsqrt at twice the paper's rate, cooled down
