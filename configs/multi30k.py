@@ -14,7 +14,8 @@ Variants, chosen after the file name:
                            the same model size with rotary positions, trained for under an
                            hour on 2 CPU cores past 42 valid BLEU: a budget of updates with a
                            schedule that ends there, and dropout 0.2 (see _speedrun).
-                           Measured: 42.34 tokenised BLEU (:speedrun, mean of 3 seeds).
+                           Measured: 42.34 tokenised BLEU (:speedrun, mean of 3 seeds),
+                           sacreBLEU 13a 41.99 (:raw_speedrun, one seed).
   configs/multi30k.py:decoder_only, :tok_decoder_only, :raw_decoder_only
                            the same data for Transformer-D (Liu et al. 2018): one stack of 10
                            layers reads "source, target" as one sequence, the loss on the
