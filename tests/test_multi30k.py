@@ -318,7 +318,7 @@ def test_each_model_family_variant_trains_and_evaluates(tmp_path, variant, key, 
   assert json.load(open(tmp_path / 'run' / 'config.json'))['model'][key] == value
 
 
-def test_speedrun_is_the_reference_architecture_with_a_schedule_that_ends_at_its_budget():
+def test_speedrun_is_the_reference_model_with_rotary_positions_and_a_budgeted_schedule():
   tok, speedrun = multi30k.get_config('tok'), multi30k.get_config('speedrun')
   # The reference's architecture with rotary positions (the family comparison's best at this
   # rate); the dropout rate differs too (the run sees a third of the reference's tokens).
