@@ -61,8 +61,15 @@ class TransformerConfig:
   decode: bool = False
 
   @classmethod
-  def from_config(cls, model_config, vocab_size: int, **overrides) -> 'TransformerConfig':
-    """Builds from the `model` section of an ml_collections config."""
+  def from_config(cls, model_config, vocab_size: int, platform: str | None = None,
+                  **overrides) -> 'TransformerConfig':
+    """Builds from the `model` section of an ml_collections config.
+
+    'auto' settings resolve for `platform` ('cpu', 'gpu', 'tpu'): the platform of the devices
+    the model runs on, which a dry run for a named target gives; None means JAX's default
+    backend's.
+    """
+    platform = platform or jax.devices()[0].platform
     if model_config.d_model % model_config.num_heads:
       raise ConfigError(f'config.model.d_model={model_config.d_model} is not divisible by '
                         f'config.model.num_heads={model_config.num_heads}')
@@ -70,7 +77,7 @@ class TransformerConfig:
       raise ConfigError(f"config.model.norm must be 'post' or 'pre', got {model_config.norm!r}")
     given = with_current_keys({'model': dict(model_config.items())})['model']
     kwargs = {f.name: given[f.name] for f in dataclasses.fields(cls) if f.name in given}
-    kwargs['dtype'] = compute_dtype(kwargs['dtype'], jax.devices()[0].platform)
+    kwargs['dtype'] = compute_dtype(kwargs['dtype'], platform)
     kwargs['param_dtype'] = jnp.dtype(kwargs['param_dtype'])
     if kwargs.get('kind', cls.kind) not in MODEL_KINDS:
       raise ConfigError(f'config.model.kind={kwargs["kind"]!r} must be one of {MODEL_KINDS}')
@@ -81,8 +88,7 @@ class TransformerConfig:
       kwargs['num_encoder_layers'] = 0
     kwargs['attention_impl'] = resolve_attention_impl(
         model_config.attention_impl, kwargs['dtype'],
-        model_config.d_model // model_config.num_heads, model_config.attention_dropout,
-        jax.devices()[0].platform)
+        model_config.d_model // model_config.num_heads, model_config.attention_dropout, platform)
     config = cls(vocab_size=vocab_size, **{**kwargs, **overrides})
     # Checked on the result: configs saved before the key existed lack it and mean 'none'.
     if config.remat not in REMAT_POLICIES:

@@ -52,11 +52,12 @@ def init_state(rng: jax.Array, *, model_config: TransformerConfig,
 def abstract_tree(init: Callable, mesh, axis_rules) -> tuple:
   """What `init(rng)` gives, as ShapeDtypeStructs carrying their shardings, and the shardings.
 
-  Nothing is materialised: the shapes come from `jax.eval_shape`, the shardings from the
-  logical axes the parameters are boxed with.
+  Nothing is materialised: the shapes come from `jax.eval_shape` of an abstract key (a
+  concrete one would be an array on the mesh's devices, which a mesh of a compile-only
+  target does not have), the shardings from the logical axes the parameters are boxed with.
   """
   with sharding.mesh_context(mesh, axis_rules):
-    boxed = jax.eval_shape(init, jax.random.PRNGKey(0))
+    boxed = jax.eval_shape(init, jax.ShapeDtypeStruct((2,), jnp.uint32))
     shardings = sharding.logical_shardings(boxed, mesh, axis_rules)
   abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                           nn.meta.unbox(boxed), shardings)
@@ -73,7 +74,8 @@ def build(config, vocab_size: int, mesh=None) -> Setup:
   """Model, optimiser and the jitted init/train/eval with shardings from the logical axes."""
   mesh = mesh if mesh is not None else sharding.make_mesh(config.mesh)
   axis_rules = sharding.rules(config.mesh)
-  model_config = TransformerConfig.from_config(config.model, vocab_size)
+  model_config = TransformerConfig.from_config(config.model, vocab_size,
+                                               platform=mesh.devices.flat[0].platform)
   optimizer = optim.make_optimizer(config.opt, config.model.d_model, config.train.num_steps)
 
   init = functools.partial(init_state, model_config=model_config, optimizer=optimizer,
