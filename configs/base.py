@@ -73,7 +73,8 @@ def get_config():
   model.dtype = 'float32'  # Activations: 'float32', 'bfloat16' or 'auto' (bf16 on GPU/TPU).
   model.param_dtype = 'float32'  # Storage dtype of parameters.
   # Attention: 'einsum' (explicit softmax, attention dropout), 'xla' or 'cudnn' (fused, through
-  # jax.nn.dot_product_attention; no attention dropout), 'auto' (cuDNN where it applies).
+  # jax.nn.dot_product_attention), 'pallas' (TPU splash attention; interpreted on CPU); the
+  # fused ones have no attention dropout. 'auto' (cuDNN where it applies).
   model.attention_impl = 'auto'
   # 'encoder_decoder' (the paper) or 'decoder_only' (Transformer-D, Liu et al. 2018: one stack
   # of num_decoder_layers over source + target; num_encoder_layers is ignored).

@@ -16,13 +16,14 @@ import jax.numpy as jnp
 from t2t_jax import ConfigError
 from t2t_jax import attention_cache
 from t2t_jax import attention_variants
+from t2t_jax import pallas_attention
 from t2t_jax import positions
 from t2t_jax.attention_variants import ATTENTION_KINDS
 
 Array = jax.Array
 
 
-ATTENTION_IMPLS = ('auto', 'einsum', 'xla', 'cudnn')
+ATTENTION_IMPLS = ('auto', 'einsum', 'xla', 'cudnn', 'pallas')
 
 
 def resolve_attention_impl(impl: str, dtype, head_dim: int, attention_dropout: float,
@@ -31,10 +32,12 @@ def resolve_attention_impl(impl: str, dtype, head_dim: int, attention_dropout: f
 
   'einsum' is the explicit softmax(QK^T)V with dropout on the weights; 'xla' and 'cudnn' go
   through `jax.nn.dot_product_attention` (cuDNN's fused flash attention on NVIDIA GPUs in
-  bfloat16/float16 with head sizes up to 128 in multiples of 8). Neither fused one applies
-  dropout to the attention weights, so they need config.model.attention_dropout=0. 'xla'
-  runs the same arithmetic as 'einsum' (measured equal on CPU), so 'auto' is 'einsum' until
-  cuDNN passes the equality test on a GPU (docs/performance.md); it logs why once.
+  bfloat16/float16 with head sizes up to 128 in multiples of 8); 'pallas' runs JAX's Pallas
+  splash-attention kernel on TPUs (pallas_attention.py), on a CPU in the Pallas interpreter
+  (for tests). No fused one applies dropout to the attention weights, so they need
+  config.model.attention_dropout=0. 'xla' runs the same arithmetic as 'einsum' (measured equal
+  on CPU), so 'auto' is 'einsum' until cuDNN passes the equality test on a GPU
+  (docs/performance.md); it logs why once.
   """
   if impl not in ATTENTION_IMPLS:
     raise ConfigError(f'config.model.attention_impl={impl!r} must be one of {ATTENTION_IMPLS}')
@@ -55,6 +58,12 @@ def resolve_attention_impl(impl: str, dtype, head_dim: int, attention_dropout: f
   problem = dropout_problem if impl != 'einsum' else None
   if impl == 'cudnn':
     problem = problem or cudnn_problem
+  if impl == 'pallas' and platform == 'gpu':
+    raise ConfigError("config.model.attention_impl='pallas' runs Pallas TPU kernels (splash "
+                      "attention), not GPU ones: use 'cudnn' or 'xla' on a gpu platform.")
+  if impl == 'pallas' and platform == 'cpu' and not problem:
+    _log_once("config.model.attention_impl='pallas' runs the TPU kernel in the Pallas "
+              'interpreter on cpu: the same arithmetic, slowly (for tests).')
   if problem:
     raise ConfigError(f'config.model.attention_impl={impl!r} cannot run: {problem}. Use '
                       "'auto' (which falls back) or change the setting named.")
@@ -183,7 +192,8 @@ class _Attention(nn.Module):
     return self._fused_attention(q_BQHD, k_BKHD, v_BKHD, mask_B1QK, lengths)
 
   def _fused_attention(self, q_BQHD, k_BKHD, v_BKHD, mask_B1QK, lengths=None):
-    """jax.nn.dot_product_attention: XLA's or cuDNN's, no dropout on the weights.
+    """jax.nn.dot_product_attention (XLA's or cuDNN's) or splash attention ('pallas', which
+    takes `lengths` as pallas_attention.SplashRows, padded or packed), no weight dropout.
 
     `lengths` (FusedLengths), given for right-padded rows, replaces the mask by sequence
     lengths: cuDNN then skips the padding itself, where a boolean mask would become a
@@ -192,6 +202,8 @@ class _Attention(nn.Module):
     """
     # One query per decoding step is no work for a flash kernel: XLA's path serves it.
     impl = 'xla' if self.config.decode else self.config.attention_impl
+    if impl == 'pallas':
+      return pallas_attention.splash_attention(q_BQHD, k_BKHD, v_BKHD, lengths)
     if lengths is not None and not self.config.decode:
       return jax.nn.dot_product_attention(
           q_BQHD, k_BKHD, v_BKHD, scale=1.0, is_causal=lengths.causal,
@@ -230,8 +242,10 @@ class CrossAttention(_Attention):
       return self._output(out_BQHD)
     k_BKHD, v_BKHD = self._project('key', memory_BKE), self._project('value', memory_BKE)
     lengths = None
-    if (self.config.attention_impl != 'einsum' and mask_B1QK is not None
-        and mask_B1QK.shape[2] == 1):  # Source padding only: not packed.
+    if self.config.attention_impl == 'pallas' and mask_B1QK is not None:
+      lengths = pallas_attention.cross_rows(mask_B1QK, q_BQHD.shape[1])
+    elif (self.config.attention_impl != 'einsum' and mask_B1QK is not None
+          and mask_B1QK.shape[2] == 1):  # Source padding only: not packed.
       lengths = fused_lengths(mask_B1QK[:, 0, 0, :], queries_too=False, causal=False)
     return self._output(self._full_attention(q_BQHD, k_BKHD, v_BKHD, mask_B1QK,
                                              lengths=lengths))
@@ -298,8 +312,10 @@ class SelfAttention(_Attention):
     if slopes_H is not None:
       bias_BHQK = positions.alibi_bias(positions_BL, positions_BL, slopes_H)
     lengths = None
-    if (cfg.attention_impl != 'einsum' and mask.segments_BL is None
-        and cfg.kind == 'encoder_decoder'):  # Right-padded rows.
+    if cfg.attention_impl == 'pallas' and not cfg.decode:  # Padded or packed, any model kind.
+      lengths = pallas_attention.self_rows(mask.valid_BL, mask.segments_BL, self.causal)
+    elif (cfg.attention_impl != 'einsum' and mask.segments_BL is None
+          and cfg.kind == 'encoder_decoder'):  # Right-padded rows.
       lengths = fused_lengths(mask.valid_BL, queries_too=True, causal=self.causal)
     return self._full_attention(q_BQHD, k_BKHD, v_BKHD, mask.full_B1LL, relative, buckets_BQKR,
                                 bias_BHQK, lengths)

@@ -119,8 +119,9 @@ def _range_problem(key: str, value) -> str:
   return ''
 
 
-def check(config, mesh: bool = True) -> None:
-  """Raises ConfigError listing every violation in `config`; `mesh`: also against the devices."""
+def check(config, mesh: bool = True, devices=None) -> None:
+  """Raises ConfigError listing every violation in `config`; `mesh`: also against the devices
+  (`devices`, a compile-only target's, or this process's)."""
   problems = [problem for key in RANGES if (problem := _range_problem(key, _value(config, key)))]
   problems += [f'config.{key}={_value(config, key)!r} must be one of {choices}'
                for key, choices in CHOICES.items() if _value(config, key) not in choices]
@@ -138,26 +139,28 @@ def check(config, mesh: bool = True) -> None:
                     "attention_impl 'xla' (exact with packed rows), 'einsum' or 'auto'")
   if problems:  # Checks below need the values above to be sane.
     raise ConfigError('; '.join(problems))
-  for call in (lambda: TransformerConfig.from_config(config.model, data.vocab_size(config)),
+  platform = devices[0].platform if devices else None
+  for call in (lambda: TransformerConfig.from_config(config.model, data.vocab_size(config),
+                                                     platform=platform),
                lambda: prng.impl(config.model.dropout_prng),
                lambda: optim.learning_rate_schedule(config.opt, config.model.d_model,
                                                     config.train.num_steps),
-               lambda: mesh and sharding.make_mesh(config.mesh)):
+               lambda: mesh and sharding.make_mesh(config.mesh, devices)):
     try:
       call()
     except ConfigError as e:
       problems.append(str(e))
   if not problems and mesh:
-    problems += _batch_problems(config)
+    problems += _batch_problems(config, devices)
   if problems:
     raise ConfigError('; '.join(problems))
 
 
-def _batch_problems(config) -> list[str]:
+def _batch_problems(config, devices=None) -> list[str]:
   """The token budget must give every data shard of the mesh (and micro-batch) a row of the
   shortest batch length (the packed row, or the smallest bucket); a longer bucket it cannot
   fill that way gets one row per shard (batching.py), more tokens than the budget."""
-  shards = sharding.batch_shards(sharding.make_mesh(config.mesh))
+  shards = sharding.batch_shards(sharding.make_mesh(config.mesh, devices))
   parts = shards * config.opt.grad_accum_steps
   if config.data.batching == 'packed':
     length, what = batching.pack_length(config.data), 'the packed row'

@@ -13,7 +13,8 @@ import jax.numpy as jnp
 # float32 follows what JAX's default matmul precision lets XLA do: on TPU a float32 matmul
 # runs as one bfloat16 pass (bfloat16 peak); on A100/H100/H200 it may use TF32 tensor cores
 # (TF32 peak). A run with jax_default_matmul_precision='highest' reaches far less than that.
-# Sources: cloud.google.com/tpu/docs/{v4,v5e,v5p,v6e}; NVIDIA A100, H100 and H200 datasheets.
+# Sources: cloud.google.com/tpu/docs/{v4,v5e,v5p,v6e}; NVIDIA A100, H100, H200 and HGX B200
+# datasheets (the B200's dense figures are half its datasheet's figures with sparsity).
 _A100 = {'bfloat16': 312e12, 'float16': 312e12, 'float32': 156e12}  # fp32 without TF32: 19.5e12.
 _H100_SXM = {'bfloat16': 989e12, 'float16': 989e12, 'float32': 494.7e12}  # fp32 no TF32: 67e12.
 _H100_PCIE = {'bfloat16': 756e12, 'float16': 756e12, 'float32': 378e12}  # fp32 no TF32: 51e12.
@@ -26,6 +27,7 @@ PEAK_FLOPS = {
     'h100_sxm': _H100_SXM,
     'h100_pcie': _H100_PCIE,
     'h200': _H100_SXM,  # The H200 has the H100 SXM's compute and more, faster memory.
+    'b200': {'bfloat16': 2250e12, 'float16': 2250e12, 'float32': 1100e12},
 }
 # (version, variant) of a 'TPU v5 lite' / 'TPU v5e' / 'TPU v5p' / 'TPU v5' kind string.
 _TPU_FAMILIES = {('4', ''): 'tpu_v4', ('5', 'e'): 'tpu_v5e', ('5', 'p'): 'tpu_v5p',
@@ -47,6 +49,8 @@ def device_family(device_kind: str) -> str | None:
     return None if 'nvl' in kind else 'h100_sxm'  # H100 NVL: a different peak, not listed.
   if re.search(r'\bh200\b', kind):
     return 'h200'
+  if re.search(r'\bb200\b', kind):
+    return 'b200'
   return None
 
 

@@ -3,6 +3,7 @@
   python -m t2t_jax.main --config=configs/default.py --workdir=/tmp/t2t_default
   python -m t2t_jax.main --config=configs/wmt14_ende.py:big --dry_run --dry_run_devices=8 \
       --config.mesh.shape='(2,4,1)'
+  python -m t2t_jax.main --config=configs/wmt14_ende.py:big --dry_run --dry_run_target=tpu:v5e-8
   python -m t2t_jax.main ... --coordinator_address=10.0.0.1:1234 --num_processes=2 --process_id=0
 """
 
@@ -24,11 +25,16 @@ def main(argv):
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
   from t2t_jax import xla_flags  # pylint: disable=g-import-not-at-top
   xla_flags.apply()  # Before anything starts a backend, which reads XLA_FLAGS once.
-  if FLAGS.dry_run_devices:  # Before anything creates the devices.
-    if not FLAGS.dry_run:
-      raise app.UsageError('--dry_run_devices only applies with --dry_run')
-    os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') + ' --xla_force_host_platform_'
-                               f'device_count={FLAGS.dry_run_devices}')
+  for name in ('dry_run_devices', 'dry_run_target', 'search_mesh'):
+    if FLAGS[name].value and not FLAGS.dry_run:
+      raise app.UsageError(f'--{name} only applies with --dry_run')
+  if FLAGS.search_mesh and not FLAGS.dry_run_target:
+    raise app.UsageError('--search_mesh needs --dry_run_target: the target whose meshes to rank')
+  if FLAGS.dry_run_devices or FLAGS.dry_run_target:  # Before anything creates the devices.
+    if FLAGS.dry_run_devices:
+      os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') + ' --xla_force_host_platform_'
+                                 f'device_count={FLAGS.dry_run_devices}')
+    # A target is compiled for, never run on: no accelerator of this machine is opened.
     jax.config.update('jax_platforms', 'cpu')
   else:
     from t2t_jax import sharding  # pylint: disable=g-import-not-at-top
@@ -37,15 +43,12 @@ def main(argv):
   if FLAGS.compilation_cache:
     jax.config.update('jax_compilation_cache_dir', os.path.expanduser(FLAGS.compilation_cache))
     jax.config.update('jax_persistent_cache_min_compile_time_secs', 1.0)
-  from t2t_jax import dry_run, train  # After flag parsing, so --help stays fast.
+  from t2t_jax import dry_run, mesh_search, train  # After flag parsing: --help stays fast.
   if FLAGS.dry_run:
-    result = dry_run.dry_run(FLAGS.config)
-    print(cli.json_line(result), flush=True)
-    if not result.get('fits', True):
-      raise SystemExit(f'The train step needs {result["memory_per_device_bytes"]["total"]} bytes '
-                       f'per device but the device has {result["device_memory_bytes"]}: shard '
-                       'more (config.mesh), lower config.data.batch_tokens, raise '
-                       'config.opt.grad_accum_steps or use config.model.dtype=bfloat16.')
+    if FLAGS.search_mesh:
+      mesh_search.command(FLAGS.config, FLAGS.dry_run_target)
+    else:
+      dry_run.command(FLAGS.config, FLAGS.dry_run_target)
     return
   if not FLAGS.workdir:
     raise app.UsageError('--workdir is required to train')
@@ -70,6 +73,13 @@ def _define_flags():
   flags.DEFINE_integer('dry_run_devices', 0, 'With --dry_run: simulate this many CPU devices, to '
                        'check a mesh larger than this machine (memory figures then come from '
                        'the CPU compiler).')
+  flags.DEFINE_string('dry_run_target', '', 'With --dry_run: compile for this accelerator '
+                      'target without it, e.g. tpu:v5e-8, tpu:2xv5e-16, gpu:h100x8 '
+                      '(docs/accelerators.md): memory and fit per device, collectives, and a '
+                      'predicted step time.')
+  flags.DEFINE_bool('search_mesh', False, 'With --dry_run_target: compile the candidate meshes '
+                    '(data/fsdp/tensor splits, remat, scan) and rank those that fit by '
+                    'predicted step time.')
   flags.DEFINE_string('coordinator_address', '', 'host:port of process 0 for a multi-process run '
                       '(env T2T_COORDINATOR_ADDRESS); not needed on TPU VMs and SLURM, which are '
                       'detected.')

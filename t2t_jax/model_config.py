@@ -150,6 +150,12 @@ def check_family(config) -> None:
     raise ConfigError(f"{fused} runs the encoder-decoder only: the decoder-only model's "
                       "prefix mask is not given to cuDNN as sequence lengths (only a boolean "
                       "mask, which cuDNN mishandles). Use 'xla', 'einsum' or 'auto'.")
+  if (config.attention_impl == 'pallas' and config.kind == 'decoder_only'
+      and config.prefix_attention == 'full'):
+    raise ConfigError(f"{fused} masks by segment ids and one causal pattern for every row, "
+                      "which cannot say that each row's source (of its own length) sees later "
+                      "source positions (config.model.prefix_attention='full'): set "
+                      "prefix_attention to 'causal', or attention_impl to 'xla' or 'einsum'.")
   if (config.kind == 'decoder_only' and config.prefix_attention == 'full'
       and set(kinds) != {'full'}):
     raise ConfigError(f"config.model.prefix_attention='full' (the source sees later source "

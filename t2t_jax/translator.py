@@ -45,6 +45,16 @@ def _best_beam(params, inputs_BS, config, max_len, beam_size, alpha, max_lengths
   return beam_search(params, inputs_BS, config, max_len, beam_size, alpha, max_lengths_B)[0][:, 0]
 
 
+def search_function(config: TransformerConfig, max_len: int, beam_size: int,
+                    alpha: float) -> Callable:
+  """search(params, inputs_BS, max_lengths_B=...) -> the best output [B, max_len] of each
+  row: greedy search for beam size 1, as in tensor2tensor, else beam search."""
+  if beam_size == 1:
+    return functools.partial(greedy_search, config=config, max_len=max_len)
+  return functools.partial(_best_beam, config=config, max_len=max_len, beam_size=beam_size,
+                           alpha=alpha)
+
+
 def bucket_lengths(min_bucket: int, max_len: int) -> list[int]:
   """Padded source lengths of decoding batches: two per octave, so few shapes compile.
 
@@ -122,11 +132,7 @@ class Translator:
     key = (rows, length, beam_size, alpha if beam_size > 1 else None)
     if key not in self._compiled:
       replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
-      if beam_size == 1:
-        search = functools.partial(greedy_search, config=self.config, max_len=max_len)
-      else:
-        search = functools.partial(_best_beam, config=self.config, max_len=max_len,
-                                   beam_size=beam_size, alpha=alpha)
+      search = search_function(self.config, max_len, beam_size, alpha)
       start = time.perf_counter()
       self._compiled[key] = jax.jit(search, out_shardings=replicated).lower(
           params, inputs_BS, max_lengths_B=max_lengths_B).compile(

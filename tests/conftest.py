@@ -226,3 +226,35 @@ def learns_to_copy(config, steps=60):
   config.train.num_steps = config.train.eval_every = steps
   config.ckpt.every = 0
   return config
+
+
+def _compiler_or_skip(module: str, what: str, extra: str, required_in_ci: bool):
+  """Skips a test whose compiler package is missing, with the reason; in CI, where .ci/run
+  installs the test extra, a missing package is a failure, not a skip."""
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  if importlib.util.find_spec(module) is None:
+    reason = f'{what} is not installed here: pip install -e \'.[{extra}]\''
+    if required_in_ci and os.environ.get('CI'):
+      pytest.fail(reason)
+    pytest.skip(reason)
+
+
+@pytest.fixture
+def libtpu():
+  """libtpu, the TPU compiler, which compiles for TPU targets on this CPU."""
+  _compiler_or_skip('libtpu', 'libtpu (the TPU compiler)', 'test', required_in_ci=True)
+
+
+@pytest.fixture
+def cuda_compiler():
+  """JAX's CUDA plugin, whose XLA compiles for GPU targets on this CPU."""
+  _compiler_or_skip('jax_cuda12_plugin', "JAX's CUDA 12 plugin", 'gpu-compile',
+                    required_in_ci=True)
+
+
+@pytest.fixture
+def cudnn_compiler(cuda_compiler):
+  """cuDNN beside JAX's CUDA plugin: JAX reads its version to lower cuDNN attention."""
+  del cuda_compiler
+  _compiler_or_skip('nvidia.cudnn', 'cuDNN (nvidia-cudnn-cu12)', 'gpu-compile',
+                    required_in_ci=True)

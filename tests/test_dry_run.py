@@ -1,0 +1,193 @@
+"""Dry runs for named accelerator targets: the real train step, eval step and search compiled
+by the TPU compiler (libtpu) and XLA's GPU compiler on this CPU, with no TPU or GPU here.
+
+Expectations are independent of the compiler: the state a device must hold (parameters and
+Adam's two moments, float32), the gradient bytes data parallelism must reduce, the FLOPs
+counted from the shapes (flops.py), and what fits a device's published memory.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from t2t_jax import dry_run as dry_run_lib
+from t2t_jax import mesh_search
+from t2t_jax import setup as setup_lib
+from t2t_jax import sharding
+from t2t_jax import targets
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _check_state_and_step(result, params):
+  """What any target's report of the tiny data-parallel step must say."""
+  train = result['programs']['train_step']
+  memory = train['memory_per_device_bytes']
+  # Each device holds float32 parameters and Adam's two moments (a TPU pads small arrays to
+  # its tiles, so at least that), and gets the state back in place (donated).
+  assert memory['argument'] >= 3 * 4 * params and memory['alias'] >= 3 * 4 * params
+  assert train['fits'] and 0 < train['needs_bytes'] < result['usable_memory_bytes']
+  assert set(result['programs']) == {'train_step', 'eval_step', 'search'}
+  assert all(p['fits'] and p['compile_seconds'] > 0 for p in result['programs'].values())
+  # The compiled kernels do exactly the matmuls the shapes call for (this model has no
+  # other matmul): the analytic count split over the 8 devices.
+  assert result['compiled_flops_per_device'] * 8 == pytest.approx(
+      result['analytic_flops_per_step'], rel=1e-6)
+  prediction = result['prediction']
+  assert prediction['step_seconds'] >= max(prediction['compute_seconds'],
+                                           prediction['memory_seconds']) > 0
+  assert 0 < prediction['mfu'] < 1 and prediction['unknown_trip_counts'] == 0
+
+
+def test_tiny_compiles_for_a_tpu_slice(libtpu, tiny_config):
+  del libtpu
+  result = dry_run_lib.dry_run(tiny_config, 'tpu:v5e-8')
+  assert (result['device_kind'], result['device_count'], result['dtype']) == (
+      'TPU v5 lite', 8, 'float32')
+  assert result['compiler'].startswith('libtpu ')
+  assert result['usable_memory_bytes'] == 16 * 2**30
+  _check_state_and_step(result, result['params'])
+  # Data parallelism: the float32 gradient of every weight is summed over the 8 devices, and
+  # nothing else of that size crosses them.
+  assert set(result['collectives']) == {'all-reduce'}
+  reduced = result['collectives']['all-reduce']['bytes']
+  assert 4 * result['params'] <= reduced <= 4 * result['params'] * 1.01 + 1024
+  table = dry_run_lib.table(result)
+  assert 'tpu:v5e-8' in table and 'train_step' in table and 'predicted' in table
+
+
+def test_auto_dtype_is_the_targets_and_its_gradients_are_summed_in_bfloat16(libtpu,
+                                                                              tiny_config):
+  """'auto' resolves for the TPU compiled for, not for this CPU; in bfloat16 the weight
+  gradients are bfloat16 matmul outputs, and XLA sums them over the devices before they
+  become float32: 2 bytes per weight cross the interconnect (docs/accelerators.md)."""
+  del libtpu
+  tiny_config.model.dtype = 'auto'
+  result = dry_run_lib.dry_run(tiny_config, 'tpu:v5e-8', evaluation=False)
+  assert result['dtype'] == 'bfloat16'
+  reduced = result['collectives']['all-reduce']['bytes']
+  assert 2 * result['params'] <= reduced < 2.2 * result['params']
+
+
+def test_tiny_compiles_for_eight_h100s(cuda_compiler, tiny_config):
+  del cuda_compiler
+  tiny_config.mesh.shape = (2, 4, 1)
+  result = dry_run_lib.dry_run(tiny_config, 'gpu:h100x8')
+  assert result['device_kind'] == 'NVIDIA H100 80GB HBM3' and result['platform'] == 'gpu'
+  assert result['compiler'].startswith('jax-cuda12-plugin ')
+  # JAX preallocates 75% of a GPU's memory: that is what a step may use.
+  assert result['usable_memory_bytes'] == int(0.75 * targets.CHIPS['h100'].memory_bytes)
+  train = result['programs']['train_step']['memory_per_device_bytes']
+  # FSDP over 4: each device holds a quarter of the state (plus the replicated biases and
+  # norms, all of whose sizes are d_model or d_ff, which do divide by 4 but are tiny).
+  assert 3 * 4 * result['params'] / 4 <= train['argument'] < 3 * 4 * result['params'] / 2
+  assert {'all-gather', 'reduce-scatter'} <= set(result['collectives'])
+  assert result['compiled_flops_per_device'] * 8 == pytest.approx(
+      result['analytic_flops_per_step'], rel=1e-6)
+
+
+def test_cudnn_attention_lowers_for_an_h100(cudnn_compiler, tiny_config):
+  """cuDNN's fused attention, with the sequence-length path of padded rows, in the train step."""
+  del cudnn_compiler
+  config = tiny_config
+  config.model.dtype, config.model.attention_dropout = 'bfloat16', 0.0
+  config.model.attention_impl = 'cudnn'
+  mesh = sharding.make_mesh(config.mesh, targets.devices(targets.parse('gpu:h100x1')))
+  setup = setup_lib.build(config, 12, mesh=mesh)
+  assert setup.model_config.attention_impl == 'cudnn'
+  batch, _, _ = dry_run_lib.abstract_batch(config, mesh)
+  hlo = setup.train_step.lower(setup.abstract_state, batch,
+                               jax.ShapeDtypeStruct((2,), jnp.uint32)).compile().as_text()
+  calls = [line for line in hlo.splitlines() if '__cudnn$fmha' in line]
+  # Forward and backward of the encoder's, decoder's and cross-attention.
+  assert len([c for c in calls if 'Backward' in c]) >= 3
+  assert len([c for c in calls if 'Backward' not in c]) >= 3
+
+
+def test_two_slices_reduce_over_the_data_centre_network(libtpu, tiny_config):
+  del libtpu
+  tiny_config.mesh.shape, tiny_config.mesh.dcn_data = (2, 8, 1), 2
+  tiny_config.data.batch_tokens = 512
+  result = dry_run_lib.dry_run(tiny_config, 'tpu:2xv5e-8', evaluation=False)
+  assert result['device_count'] == 16
+  prediction = result['prediction']
+  assert 0 < prediction['network_collective_seconds'] <= prediction['collective_seconds']
+
+
+@pytest.mark.slow
+def test_a_step_that_does_not_fit_is_one_error_line():
+  command = [sys.executable, '-m', 't2t_jax.main', '--config=configs/tiny.py', '--dry_run',
+             '--dry_run_target=tpu:v5e-8', '--config.model.d_model=8192',
+             '--config.model.d_ff=32768', '--config.model.num_heads=8', '--compilation_cache=']
+  run = subprocess.run(command, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
+                       capture_output=True, text=True, timeout=600)
+  if 'libtpu' in run.stderr and 'not installed' in run.stderr:
+    pytest.skip('libtpu is not installed')
+  assert run.returncode == 1, run.stderr[-2000:]
+  error = run.stderr.strip().splitlines()[-1]
+  assert error.startswith('error: the train_step does not fit a tpu:v5e-8 device')
+  assert 'Traceback' not in run.stderr
+  for advice in ('config.mesh.shape=(4,2,1)', 'config.model.remat=full',
+                 'config.opt.grad_accum_steps=2'):
+    assert advice in error
+  result = json.loads(run.stdout.strip().splitlines()[-1])
+  assert result['fits'] is False
+  assert 'compiler_error' in result['programs']['train_step']
+  assert 'refused by the compiler' in run.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('flags, message', [
+    (['--dry_run_target=tpu:v5e-8'], '--dry_run_target only applies with --dry_run'),
+    (['--dry_run', '--search_mesh'], '--search_mesh needs --dry_run_target'),
+    (['--dry_run', '--dry_run_target=tpu:v7-8'], "error: --dry_run_target='tpu:v7-8' is not a "
+                                                 'target t2t_jax knows'),
+])
+def test_target_flags_refuse_bad_use_in_one_line(flags, message):
+  run = subprocess.run([sys.executable, '-m', 't2t_jax.main', '--config=configs/tiny.py',
+                        '--workdir=/tmp/unused'] + flags, cwd=ROOT,
+                       env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True,
+                       timeout=300)
+  assert run.returncode != 0 and message in run.stderr and 'Traceback' not in run.stderr
+
+
+@pytest.mark.slow
+def test_mesh_search_ranks_the_meshes_that_fit_by_predicted_time(libtpu, tiny_config):
+  del libtpu
+  ranked = mesh_search.search(tiny_config, 'tpu:v5e-8')
+  meshes = {(c.mesh, c.scan_layers, c.remat) for c in ranked}
+  # Every split of 8 devices with tensor dividing the 2 heads, scanned; the best unrolled.
+  assert {m for m, scan, remat in meshes if scan} == set(mesh_search.splits(8, 2))
+  assert len(mesh_search.splits(8, 2)) == 7
+  assert any(not scan for _, scan, _ in meshes)
+  fitting = [c for c in ranked if c.fits]
+  assert fitting and ranked[:len(fitting)] == fitting
+  times = [c.step_seconds for c in fitting]
+  assert times == sorted(times)
+  assert set(ranked[0].result['programs']) == {'train_step', 'eval_step', 'search'}
+  assert mesh_search.table(ranked).splitlines()[1].lstrip().startswith('1 ')
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('changes', [
+    {'model.positions': 'rotary'}, {'model.positions': 'relative'},
+    {'model.attention_pattern': 'local,compressed'},
+    {'model.moe_experts': 4, 'model.moe_layers': 'all', 'mesh.shape': (2, 1, 1, 4)},
+    {'model.kind': 'decoder_only', 'data.max_len': 32},
+    {'data.batching': 'packed', 'data.max_len': 32, 'eval.beam_size': 4},
+    {'model.scan_layers': True, 'model.remat': 'full', 'mesh.shape': (2, 2, 2)},
+], ids=lambda changes: ','.join(f'{k}={v}' for k, v in changes.items()))
+def test_family_members_compile_for_a_tpu_slice(libtpu, tiny_config, changes):
+  """Every program of each family member: the eval and decode paths too."""
+  del libtpu
+  for key, value in changes.items():
+    section, name = key.split('.')
+    setattr(getattr(tiny_config, section), name, value)
+  result = dry_run_lib.dry_run(tiny_config, 'tpu:v5e-8')
+  assert result['fits'] and set(result['programs']) == {'train_step', 'eval_step', 'search'}
+  assert result['prediction']['unknown_trip_counts'] == 0

@@ -1,0 +1,164 @@
+"""hlo_cost: FLOPs, memory traffic and collectives of compiled programs, loops counted.
+
+Programs are compiled for the 8 simulated CPU devices; the expectations are counted by hand
+from the shapes (2 FLOPs per multiply-add, 4 bytes per float32).
+"""
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec as P
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from t2t_jax import hlo_cost
+from t2t_jax import roofline
+from t2t_jax import targets
+
+
+def _cost(fn, *args, devices=1):
+  compiled = jax.jit(fn).lower(*args).compile()
+  return hlo_cost.analyse(compiled.as_text(), devices), compiled
+
+
+def _f32(*shape):
+  return jax.ShapeDtypeStruct(shape, jnp.float32)
+
+
+def test_a_matmul_costs_2mnk_flops_and_reads_and_writes_its_arrays_once():
+  cost, _ = _cost(lambda a, b: a @ b, _f32(64, 128), _f32(128, 32))
+  assert cost.flops == 2 * 64 * 128 * 32
+  assert cost.hbm_bytes == 4 * (64 * 128 + 128 * 32 + 64 * 32)
+  assert cost.collectives == [] and cost.unknown_trip_counts == 0
+
+
+def test_a_scanned_loop_counts_its_body_once_per_trip_where_xla_counts_it_once():
+  weights = _f32(6, 128, 128)
+
+  def layers(x, w):
+    return jax.lax.scan(lambda h, w_i: (jnp.tanh(h @ w_i), None), x, w)[0]
+
+  cost, compiled = _cost(layers, _f32(32, 128), weights)
+  one_layer = 2 * 32 * 128 * 128
+  assert cost.flops == 6 * one_layer and cost.unknown_trip_counts == 0
+  xla = compiled.cost_analysis()
+  xla = xla[0] if isinstance(xla, (list, tuple)) else xla
+  assert xla['flops'] < 2 * one_layer  # XLA's own analysis: the body once.
+  # Each trip reads its layer's slice of the stacked weights, not the whole stack: more than
+  # every layer read once, less than the whole stack read on every trip.
+  stack = 6 * 4 * 128 * 128
+  assert stack < cost.hbm_bytes < 6 * stack
+
+
+def test_a_convolution_counts_only_the_window_taps_that_meet_the_input():
+  # Length 10, kernel 3, 'SAME' padding: the two edge outputs see 2 taps, the others 3.
+  def conv(x, k):
+    return jax.lax.conv_general_dilated(x, k, (1,), 'SAME', dimension_numbers=('NWC', 'WIO',
+                                                                                'NWC'))
+  cost, _ = _cost(conv, _f32(4, 10, 16), _f32(3, 16, 8))
+  taps = 10 * 3 - 2
+  assert cost.flops == 2 * 4 * 8 * 16 * taps
+
+
+def _mesh(shape, names):
+  return jax.make_mesh(shape, names, devices=jax.devices()[:int(np.prod(shape))])
+
+
+def _sharded(mesh, shape, spec):
+  return jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, spec))
+
+
+@pytest.mark.parametrize('name, body, kind, operand, wire', [
+    ('psum', lambda x: jax.lax.psum(x, 'x'), 'all-reduce', 4096, 2 * 7 / 8 * 4096),
+    ('all_gather', lambda x: jax.lax.all_gather(x, 'x'), 'all-gather', 4096, 7 * 4096),
+    ('psum_scatter', lambda x: jax.lax.psum_scatter(x, 'x', tiled=True), 'reduce-scatter',
+     4096, 7 / 8 * 4096),
+    ('ppermute', lambda x: jax.lax.ppermute(x, 'x', [(i, (i + 1) % 8) for i in range(8)]),
+     'collective-permute', 4096, 4096),
+])
+def test_collectives_are_found_with_their_bytes_and_groups(name, body, kind, operand, wire):
+  del name
+  mesh = _mesh((8,), ('x',))
+  fn = jax.shard_map(body, mesh=mesh, in_specs=P('x'), out_specs=P('x'), check_vma=False)
+  cost, _ = _cost(fn, _sharded(mesh, (8 * 1024,), P('x')), devices=8)
+  (collective,) = cost.collectives
+  assert (collective.kind, collective.operand_bytes, collective.count) == (kind, operand, 1)
+  assert collective.wire_bytes == pytest.approx(wire)
+  members = sorted(d for group in collective.groups for d in group)
+  assert members == list(range(8)) or kind == 'collective-permute'
+
+
+def test_a_collective_over_one_mesh_axis_groups_the_devices_along_it():
+  mesh = _mesh((2, 4), ('slow', 'fast'))
+  x = _sharded(mesh, (2, 4, 256), P('slow', 'fast'))
+  over_fast = jax.shard_map(lambda v: jax.lax.psum(v, 'fast'), mesh=mesh,
+                            in_specs=P('slow', 'fast'), out_specs=P('slow', 'fast'))
+  over_slow = jax.shard_map(lambda v: jax.lax.psum(v, 'slow'), mesh=mesh,
+                            in_specs=P('slow', 'fast'), out_specs=P('slow', 'fast'))
+  fast, _ = _cost(over_fast, x, devices=8)
+  slow, _ = _cost(over_slow, x, devices=8)
+  ids = [d.id for d in mesh.devices.flat]
+  position = {device_id: i for i, device_id in enumerate(ids)}
+  assert sorted(sorted(position[d] for d in g) for g in fast.collectives[0].groups) == [
+      [0, 1, 2, 3], [4, 5, 6, 7]]
+  assert sorted(sorted(position[d] for d in g) for g in slow.collectives[0].groups) == [
+      [0, 4], [1, 5], [2, 6], [3, 7]]
+  # Two "hosts" of 4: only the collective over 'slow' crosses between them.
+  target = targets.parse('gpu:2xh100x4')
+  granules = [i // 4 for i in range(8)]
+  assert roofline.predict(fast, target, granules).network_collective_seconds == 0
+  crossing = roofline.predict(slow, target, granules)
+  assert crossing.network_collective_seconds == crossing.collective_seconds > 0
+  bytes_on_wire = 2 * 1 / 2 * 4 * 256  # All-reduce of 1 KiB among 2.
+  assert crossing.collective_seconds == pytest.approx(
+      bytes_on_wire / target.chip.network_bandwidth)
+
+
+@pytest.mark.parametrize('attributes, expected', [
+    ("replica_groups={{0,1},{2,3}}, to_apply=%add", [[0, 1], [2, 3]]),
+    ("replica_groups=[2,4]<=[8], to_apply=%add", [[0, 1, 2, 3], [4, 5, 6, 7]]),
+    ("replica_groups=[4,2]<=[2,4]T(1,0), to_apply=%add", [[0, 4], [1, 5], [2, 6], [3, 7]]),
+    ("replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'}, use_global_device_ids=true",
+     [[0, 1, 2, 3], [4, 5, 6, 7]]),
+    ("replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0'}, use_global_device_ids=true",
+     [[0, 4], [1, 5], [2, 6], [3, 7]]),
+    ("replica_groups=mesh['axis_0'=2,'axis_1'=4], device_ids=([4,2]T(1,0)) {'axis_1'}, x=1",
+     [[0, 2, 4, 6], [1, 3, 5, 7]]),
+    ("replica_groups={}, to_apply=%add", [list(range(8))]),
+    ("source_target_pairs={{0,1},{1,0}}, channel_id=1", [[0, 1], [1, 0]]),
+])
+def test_replica_groups_in_each_printed_form(attributes, expected):
+  assert hlo_cost.replica_groups(attributes, 8) == expected
+
+
+def test_roofline_takes_the_longer_of_compute_and_memory_per_kernel():
+  target = targets.parse('tpu:v5e-8')
+  chip = target.chip
+  compute_bound = hlo_cost.Kernel('a', 'fusion', 197e12 * 1e-3, 819e9 * 1e-4, 'bf16', 2)
+  memory_bound = hlo_cost.Kernel('b', 'fusion', 197e12 * 1e-4, 819e9 * 1e-3, 'bf16', 3)
+  cost = hlo_cost.ProgramCost([compute_bound, memory_bound], [], 0)
+  prediction = roofline.predict(cost, target, [0] * 8)
+  assert roofline.peak(chip, 'bf16') == 197e12 and chip.memory_bandwidth == 819e9
+  assert prediction.kernel_seconds == pytest.approx(2 * 1e-3 + 3 * 1e-3)
+  assert prediction.compute_seconds == pytest.approx(2 * 1e-3 + 3 * 1e-4)
+  assert prediction.memory_seconds == pytest.approx(2 * 1e-4 + 3 * 1e-3)
+  assert prediction.step_seconds == prediction.kernel_seconds
+  rates = roofline.throughput(prediction, 1000, 8 * 197e12 * 2.5e-3, target, 'bfloat16')
+  assert rates['target_tokens_per_second'] == round(1000 / 5e-3)
+  assert rates['mfu'] == pytest.approx(0.5)
+
+
+def test_a_trip_count_the_hlo_cannot_give_is_counted_once_and_reported():
+  def until_small(x):
+    return jax.lax.while_loop(lambda v: v.sum() > 1.0, lambda v: (v @ v) * 0.5, x)
+  cost, _ = _cost(until_small, _f32(16, 16))
+  assert cost.unknown_trip_counts == 1
+  assert cost.flops == 2 * 16 ** 3
+
+
+def test_arrays_of_a_shape_with_layouts_tiles_and_memory_spaces():
+  shape = ('(f32[2,3]{1,0:T(8,128)}, bf16[4]{0:T(128)S(1)}, /*index=2*/s32[], '
+           'pred[5]{0})')
+  assert hlo_cost.arrays(shape) == [('f32', (2, 3), 0), ('bf16', (4,), 1), ('s32', (), 0),
+                                    ('pred', (5,), 0)]
+  assert hlo_cost.hbm_bytes(shape) == 24 + 4 + 5  # The bf16 array is in another memory.
+  assert hlo_cost.total_bytes(shape) == 24 + 8 + 4 + 5
