@@ -59,7 +59,10 @@ from t2t_jax import ConfigError
 from t2t_jax import cli
 from t2t_jax import data
 from t2t_jax import flops
+from t2t_jax import hlo_cost
+from t2t_jax import roofline
 from t2t_jax import sharding
+from t2t_jax import targets
 from t2t_jax import train
 from t2t_jax import xla_flags
 from t2t_jax.model import Transformer
@@ -173,8 +176,24 @@ def measure_step(config, shape_name: str, rows: int, length: int, steps: int) ->
       'step_seconds': seconds, 'target_tokens_per_second': target_tokens / seconds,
       'model_flops_per_step': model_flops, 'model_flops_per_second': model_flops / seconds,
       'xla_flops_per_step': common.xla_flops(compiled),
-      **_peak_and_reasons(config.model.dtype, peak and flops.mfu(model_flops, seconds, peak)),
+      **_with_prediction(_peak_and_reasons(config.model.dtype,
+                                           peak and flops.mfu(model_flops, seconds, peak)),
+                         compiled, seconds),
       'compile_seconds': round(compile_seconds, 2), 'timed_steps': steps}
+
+
+def _with_prediction(fields: dict, compiled, seconds: float) -> dict:
+  """`fields` and the roofline prediction of the very program timed (what `--dry_run_target`
+  predicts for this device without it, docs/accelerators.md), beside the measurement."""
+  target = targets.of_device(jax.devices()[0])
+  if target is None:
+    return {**fields, 'predicted_step_seconds': None, 'null_reasons': {
+        **fields['null_reasons'], 'predicted_step_seconds': f'no figures for device kind '
+        f'{jax.devices()[0].device_kind!r} (t2t_jax/targets.py)'}}
+  predicted = roofline.predict(hlo_cost.analyse(compiled.as_text(), 1), target, [0])
+  return {**fields, 'predicted_step_seconds': predicted.step_seconds,
+          'measured_over_predicted': seconds / predicted.step_seconds,
+          'prediction': predicted.as_dict()}
 
 
 def train_step_lines(plan: Plan):

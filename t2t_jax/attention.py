@@ -5,10 +5,8 @@ decode cache's bookkeeping in attention_cache.py.
 Shapes in names follow the package legend (t2t_jax/__init__.py).
 """
 
-import functools
 from typing import Any, NamedTuple, Sequence
 
-from absl import logging
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -21,58 +19,6 @@ from t2t_jax import positions
 from t2t_jax.attention_variants import ATTENTION_KINDS
 
 Array = jax.Array
-
-
-ATTENTION_IMPLS = ('auto', 'einsum', 'xla', 'cudnn', 'pallas')
-
-
-def resolve_attention_impl(impl: str, dtype, head_dim: int, attention_dropout: float,
-                           platform: str) -> str:
-  """The attention implementation to run: 'auto' picks the fastest verified one.
-
-  'einsum' is the explicit softmax(QK^T)V with dropout on the weights; 'xla' and 'cudnn' go
-  through `jax.nn.dot_product_attention` (cuDNN's fused flash attention on NVIDIA GPUs in
-  bfloat16/float16 with head sizes up to 128 in multiples of 8); 'pallas' runs JAX's Pallas
-  splash-attention kernel on TPUs (pallas_attention.py), on a CPU in the Pallas interpreter
-  (for tests). No fused one applies dropout to the attention weights, so they need
-  config.model.attention_dropout=0. 'xla' runs the same arithmetic as 'einsum' (measured equal
-  on CPU), so 'auto' is 'einsum' until cuDNN passes the equality test on a GPU
-  (docs/performance.md); it logs why once.
-  """
-  if impl not in ATTENTION_IMPLS:
-    raise ConfigError(f'config.model.attention_impl={impl!r} must be one of {ATTENTION_IMPLS}')
-  cudnn_problem = (
-      f'the platform is {platform}, not gpu' if platform != 'gpu' else
-      f'config.model.dtype={jnp.dtype(dtype).name}, not bfloat16 or float16'
-      if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16) else
-      f'the head size {head_dim} is not a multiple of 8 up to 128'
-      if head_dim % 8 or head_dim > 128 else None)
-  dropout_problem = (f'config.model.attention_dropout={attention_dropout} is not 0, and fused '
-                     'attention has no dropout on its weights' if attention_dropout else None)
-  if impl == 'auto':
-    why_not = dropout_problem or cudnn_problem or (
-        'cuDNN attention applies, but on an H100 with jax 0.11.2 it failed the equality test '
-        "against einsum and was no faster at 64-token rows, so only an explicit 'cudnn' runs it")
-    _log_once(f"config.model.attention_impl='auto' uses 'einsum' attention: {why_not}.")
-    return 'einsum'
-  problem = dropout_problem if impl != 'einsum' else None
-  if impl == 'cudnn':
-    problem = problem or cudnn_problem
-  if impl == 'pallas' and platform == 'gpu':
-    raise ConfigError("config.model.attention_impl='pallas' runs Pallas TPU kernels (splash "
-                      "attention), not GPU ones: use 'cudnn' or 'xla' on a gpu platform.")
-  if impl == 'pallas' and platform == 'cpu' and not problem:
-    _log_once("config.model.attention_impl='pallas' runs the TPU kernel in the Pallas "
-              'interpreter on cpu: the same arithmetic, slowly (for tests).')
-  if problem:
-    raise ConfigError(f'config.model.attention_impl={impl!r} cannot run: {problem}. Use '
-                      "'auto' (which falls back) or change the setting named.")
-  return impl
-
-
-@functools.cache
-def _log_once(message: str) -> None:
-  logging.info('%s', message)
 
 
 def attention_mask(key_valid_BK: Array, query_segments_BQ: Array | None = None,

@@ -76,29 +76,32 @@ def dry_run(config, target: str = '', evaluation: bool = True) -> dict:
       'compile_seconds': train.seconds,
   }
   if named is None:
-    result.update(_device_fit(train.memory))
-    result.update(_collectives(train))
-    return result
-  state_bytes = shard_bytes(setup.abstract_state)
-  params_bytes = shard_bytes(setup.abstract_state.params)
-  programs = {TRAIN: train}
-  if evaluation:
-    programs[EVAL] = _compile(lambda: setup.eval_step.lower(setup.abstract_state.params, batch),
-                              mesh)
-  if evaluation and config.data.source != 'lm' and config.eval.bleu_sentences:
-    programs[SEARCH] = _compile_search(config, setup, named.platform)
-  result.update(target=named.name, platform=named.platform, compiler=compiler_version(named),
-                device_memory_bytes=named.chip.memory_bytes,
-                usable_memory_bytes=named.usable_memory_bytes)
-  result['programs'] = {
-      name: program.report(named.usable_memory_bytes,
-                           0 if name == TRAIN else state_bytes - params_bytes)
-      for name, program in programs.items()}
-  result['fits'] = all(p['fits'] for p in result['programs'].values())
+    return {**result, **_device_fit(train.memory), **_collectives(train)}
+  result.update(_target_report(config, setup, named, train, batch, evaluation))
   if train.cost is not None:
     result.update(_collectives(train))
     result.update(_prediction(train.cost, named, setup, rows * length, analytic))
   return result
+
+
+def _target_report(config, setup, named: targets.Target, train: 'Program', batch,
+                   evaluation: bool) -> dict:
+  """The target, its compiler and memory, and each program's line: the train step, and with
+  `evaluation` the eval step and the search (when the run decodes for BLEU)."""
+  programs = {TRAIN: train}
+  if evaluation:
+    programs[EVAL] = _compile(lambda: setup.eval_step.lower(setup.abstract_state.params, batch),
+                              setup.mesh)
+  if evaluation and config.data.source != 'lm' and config.eval.bleu_sentences:
+    programs[SEARCH] = _compile_search(config, setup, named.platform)
+  # What evaluating leaves in memory besides its arguments: the optimiser state (and average).
+  resident = shard_bytes(setup.abstract_state) - shard_bytes(setup.abstract_state.params)
+  reports = {name: program.report(named.usable_memory_bytes, 0 if name == TRAIN else resident)
+             for name, program in programs.items()}
+  return {'target': named.name, 'platform': named.platform,
+          'compiler': compiler_version(named), 'device_memory_bytes': named.chip.memory_bytes,
+          'usable_memory_bytes': named.usable_memory_bytes, 'programs': reports,
+          'fits': all(report['fits'] for report in reports.values())}
 
 
 @dataclasses.dataclass

@@ -122,21 +122,28 @@ class ProgramCost:
 
 def parse_module(text: str) -> tuple[dict[str, dict[str, Instruction]], str]:
   """{computation: {instruction name: Instruction}} (in order) and the entry's name."""
-  computations, entry, current = {}, None, None
+  computations, entry, current, pending = {}, None, None, []
+
+  def finish():  # An instruction may span lines (a kernel's metadata holds line breaks).
+    if pending and current is not None:
+      instruction = _parse_instruction('\n'.join(pending))
+      if instruction:
+        current[instruction.name] = instruction
+    pending.clear()
+
   for line in text.splitlines():
     header = _HEADER.match(line)
+    if header or line.strip() == '}' or _INSTRUCTION.match(line):
+      finish()
     if header:
       current = computations.setdefault(header.group(2), {})
       if header.group(1):
         entry = header.group(2)
-      continue
-    if line.startswith('}'):
+    elif line.strip() == '}':
       current = None
-      continue
-    if current is not None:
-      instruction = _parse_instruction(line)
-      if instruction:
-        current[instruction.name] = instruction
+    elif _INSTRUCTION.match(line) or pending:
+      pending.append(line)
+  finish()
   if entry is None:
     raise ValueError('no ENTRY computation in the HLO text')
   return computations, entry
@@ -233,8 +240,9 @@ class _Walker:
         for name in called.get('calls', called.get('to_apply', [])):
           self._walk(name, count)
       elif ins.opcode == 'conditional':
-        for name in called.get('branch_computations', []) or called.get('true_computation',
-                                                                        []):
+        branches = (called.get('branch_computations', []) + called.get('true_computation', [])
+                    + called.get('false_computation', []))
+        for name in branches:
           self._walk(name, count)  # Every branch counted: an upper bound.
       elif _collective_kind(ins.opcode):
         self._collective(ins, table, count)
@@ -434,10 +442,37 @@ def _convolution_flops(ins: Instruction, lhs, rhs, out) -> float:
   return 2.0 * batch * features * rhs[rhs_labels.index('i')] * taps
 
 
+# Fused attention kernels: matmuls of Q x K x D per head and row they do, 2 FLOPs each.
+# Forward: scores and the weighted values. Backward, flash-style, recomputing the scores:
+# splash's dq kernel (scores, dP, dQ) and dkv kernel (scores, dP, dV, dK); cuDNN's backward in
+# one call (scores, dP, dV, dQ, dK). Causal kernels skip some blocks: counted as full.
+_ATTENTION_MATMULS = (
+    (re.compile(r'splash_m[hq]a_fwd'), 2, -2), (re.compile(r'splash_m[hq]a_dq'), 3, -2),
+    (re.compile(r'splash_m[hq]a_dkv'), 4, -2),
+    (re.compile(r'^__cudnn\$fmha\w*Backward$'), 5, -3), (re.compile(r'^__cudnn\$fmha'), 2, -3))
+
+
+def _attention_flops(ins: Instruction, table, target: str) -> tuple[float, str] | None:
+  """FLOPs of a fused attention kernel, from its query and key shapes ([B, H, Q, D] and
+  [B, H, K, D] for splash, whose B goes where a device holds one row; [B, Q, H, D] and
+  [B, K, H, D] for cuDNN); None if it is not one."""
+  for pattern, matmuls, key_axis in _ATTENTION_MATMULS:
+    if pattern.search(ins.name if pattern.pattern.startswith('splash') else target):
+      operands = [arrays(table[name].shape)[0] for name in ins.operands if name in table
+                  and arrays(table[name].shape)]
+      q, k = [a for a in operands if len(a[1]) >= 3 and a[0][0] in 'fb'][:2]
+      return 2.0 * matmuls * math.prod(q[1]) * k[1][key_axis], q[0]
+  return None
+
+
 def library_call_flops(ins: Instruction, table) -> tuple[float, str]:
-  """FLOPs of a library call the compiler emitted: cuBLAS GEMMs (their dot dimensions are in
-  the backend config); 0 for calls whose arithmetic is not known here."""
+  """FLOPs of a library call or kernel the compiler emitted: cuBLAS GEMMs (their dot
+  dimensions are in the backend config), fused attention (splash, cuDNN); 0 for calls whose
+  arithmetic is not known here."""
   target = re.search(r'custom_call_target="([^"]*)"', ins.attributes)
+  attention = _attention_flops(ins, table, target.group(1) if target else '')
+  if attention is not None:
+    return attention
   if not target or not any(word in target.group(1).lower() for word in ('gemm', 'matmul')):
     return 0.0, ''
   lhs = arrays(table[ins.operands[0]].shape) if ins.operands and ins.operands[0] in table else []

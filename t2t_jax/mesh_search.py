@@ -15,6 +15,8 @@ The winner is then compiled with its eval step and search, as a plain target dry
 import dataclasses
 import sys
 
+import jax
+
 from t2t_jax import cli
 
 from t2t_jax import ConfigError
@@ -73,8 +75,8 @@ def _try(config, target: str, candidate: Candidate, log) -> Candidate:
   trial.model.scan_layers, trial.model.remat = candidate.scan_layers, candidate.remat
   try:
     candidate.result = dry_run_lib.dry_run(trial, target, evaluation=False)
-  except ConfigError as e:
-    candidate.refused = str(e)
+  except (ConfigError, jax.errors.JaxRuntimeError) as e:  # The compiler's refusal too.
+    candidate.refused = str(e).strip().splitlines()[0]
   log(candidate)
   return candidate
 

@@ -15,6 +15,7 @@ import os
 import re
 
 from t2t_jax import ConfigError
+from t2t_jax import flops
 
 GB = 1e9
 
@@ -38,6 +39,18 @@ class Chip:
   gpu: dict | None = None  # GPU: the device description XLA's GPU compiler targets.
 
 
+def _nvidia(family: str, name: str, memory_bytes: int, memory_gb_s: float, nvlink_gb_s: float,
+            network_gb_s: float, capability: tuple[int, int], cores: int, clock_ghz: float,
+            l2_mib: int, fpus_per_core: int = 128, shared_kib: int = 228) -> Chip:
+  """An NVIDIA GPU in a host of 8: NVLink within the host, InfiniBand out of it; JAX takes 75%
+  of its memory. `shared_kib`: shared memory per SM (a block may opt in to 1 KiB less)."""
+  return Chip(family, 'gpu', memory_bytes, memory_gb_s * GB, nvlink_gb_s * GB, network_gb_s * GB,
+              8, 0.75, gpu=dict(name=name, capability=capability, cores=cores,
+                                fpus_per_core=fpus_per_core, clock_ghz=clock_ghz,
+                                l2_bytes=l2_mib * 2**20, shared_per_core=shared_kib * 2**10,
+                                shared_optin=(shared_kib - 1) * 2**10))
+
+
 # Sources: cloud.google.com/tpu/docs/{v4,v5e,v5p,v6e} (peak, HBM, ICI, host NICs); NVIDIA's
 # H100, H200, A100 and HGX B200 datasheets (HBM, NVLink); 400 Gb/s (A100: 200 Gb/s)
 # InfiniBand per GPU as in DGX systems. v4's ICI is not in Cloud's table: six links of about
@@ -53,22 +66,14 @@ CHIPS = {
                 tpu_name='v5p', accelerator_type='v5p', cores_per_chip=2),
     'v6e': Chip('tpu_v6e', 'tpu', 32 * GB, 1640 * GB, 400 * GB, _TPU_DCN_PER_HOST / 8, 8,
                 tpu_name='v6e', accelerator_type='v6e'),
-    'a100': Chip('a100', 'gpu', 85_100_068_864, 2039 * GB, 300 * GB, 25 * GB, 8, 0.75,
-                 gpu=dict(name='NVIDIA A100-SXM4-80GB', capability=(8, 0), cores=108,
-                          fpus_per_core=64, clock_ghz=1.41, l2_bytes=40 * 2**20,
-                          shared_per_core=164 * 2**10, shared_optin=163 * 2**10)),
-    'h100': Chip('h100_sxm', 'gpu', 84_978_434_048, 3352 * GB, 450 * GB, 50 * GB, 8, 0.75,
-                 gpu=dict(name='NVIDIA H100 80GB HBM3', capability=(9, 0), cores=132,
-                          fpus_per_core=128, clock_ghz=1.98, l2_bytes=50 * 2**20,
-                          shared_per_core=228 * 2**10, shared_optin=227 * 2**10)),
-    'h200': Chip('h200', 'gpu', 150_754_820_096, 4800 * GB, 450 * GB, 50 * GB, 8, 0.75,
-                 gpu=dict(name='NVIDIA H200', capability=(9, 0), cores=132,
-                          fpus_per_core=128, clock_ghz=1.98, l2_bytes=50 * 2**20,
-                          shared_per_core=228 * 2**10, shared_optin=227 * 2**10)),
-    'b200': Chip('b200', 'gpu', 191_514_673_152, 8000 * GB, 900 * GB, 50 * GB, 8, 0.75,
-                 gpu=dict(name='NVIDIA B200', capability=(10, 0), cores=148,
-                          fpus_per_core=128, clock_ghz=1.965, l2_bytes=126 * 2**20,
-                          shared_per_core=228 * 2**10, shared_optin=227 * 2**10)),
+    'a100': _nvidia('a100', 'NVIDIA A100-SXM4-80GB', 85_100_068_864, 2039, 300, 25, (8, 0),
+                    cores=108, clock_ghz=1.41, l2_mib=40, fpus_per_core=64, shared_kib=164),
+    'h100': _nvidia('h100_sxm', 'NVIDIA H100 80GB HBM3', 84_978_434_048, 3352, 450, 50, (9, 0),
+                    cores=132, clock_ghz=1.98, l2_mib=50),
+    'h200': _nvidia('h200', 'NVIDIA H200', 150_754_820_096, 4800, 450, 50, (9, 0), cores=132,
+                    clock_ghz=1.98, l2_mib=50),
+    'b200': _nvidia('b200', 'NVIDIA B200', 191_514_673_152, 8000, 900, 50, (10, 0), cores=148,
+                    clock_ghz=1.965, l2_mib=126),
 }
 # The cuDNN version the compiler is told the GPUs have: the oldest jax-cuda12-plugin accepts.
 CUDNN_VERSION = (9, 8)
@@ -117,6 +122,9 @@ def parse(name: str) -> Target:
   if slices < 1 or size < 1:
     raise ConfigError(f'--dry_run_target={name!r}: sizes must be positive')
   per_slice = size // chip.cores_per_chip if tpu else size
+  if tpu and size % chip.cores_per_chip:
+    raise ConfigError(f'--dry_run_target={name!r}: a {chip_name} slice\'s size counts its '
+                      f'TensorCores, {chip.cores_per_chip} a chip, so it is even')
   if tpu:
     _tpu_grid(name, chip, per_slice, size)  # Refuses sizes no slice has.
   elif size > chip.per_host:
@@ -129,9 +137,9 @@ def parse(name: str) -> Target:
 def _tpu_grid(name: str, chip: Chip, chips: int, size: int) -> tuple[int, ...]:
   """The chip grid of a slice of `chips` chips: 2D for v5e/v6e, 3D for v4/v5p."""
   if chips < 1 or chips & (chips - 1):
+    counting = ' (the size counts 2 TensorCores a chip)' if chip.cores_per_chip > 1 else ''
     raise ConfigError(f'--dry_run_target={name!r}: a {chip.tpu_name} slice has a power of two '
-                      f'chips{" (the size counts 2 TensorCores a chip)" if chip.cores_per_chip > 1 else ""}, '
-                      f'and {size} gives {chips}')
+                      f'chips{counting}, and {size} gives {chips}')
   dims = [1, 1] if chip.cores_per_chip == 1 else [1, 1, 1]
   if chip.cores_per_chip > 1 and chips >= 4:
     dims = [2, 2, 1]
@@ -142,6 +150,18 @@ def _tpu_grid(name: str, chip: Chip, chips: int, size: int) -> tuple[int, ...]:
     chips //= 2
     axis += 1
   return tuple(sorted(dims[:2])) + tuple(dims[2:])
+
+
+def of_device(device) -> Target | None:
+  """The one-device Target of a real device (`jax.Device`), to predict a program that runs on
+  it beside its measurement; None where its kind is not one of CHIPS (a CPU)."""
+  family = flops.device_family(device.device_kind)
+  name = next((n for n, chip in CHIPS.items() if chip.family == family), None) if family else None
+  if name is None:
+    return None
+  chip = CHIPS[name]
+  return Target(f'gpu:{name}x1' if chip.platform == 'gpu' else
+                f'tpu:{name}-{chip.cores_per_chip}', name, chip, 1, 1)
 
 
 def devices(target: Target) -> list:
@@ -155,22 +175,28 @@ def devices(target: Target) -> list:
 def _tpu_devices(chip_name: str, chips: int, slices: int) -> list:
   chip = CHIPS[chip_name]
   prepare_libtpu(f'{chip.accelerator_type}-{chips * chip.cores_per_chip}')
-  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
   grid = _tpu_grid(f'tpu:{chip_name}', chip, chips, chips * chip.cores_per_chip)
   host = (2, 2, 1) if chip.per_host == 4 else (2, 4, 1)
   host = tuple(min(h, g) for h, g in zip(host, grid + (1,) * (3 - len(grid))))
+  return _compile_only_devices(
+      f'tpu:{chip_name}', 'libtpu (the TPU compiler, which runs on a CPU)', 'tpu', platform='tpu',
+      topology_name=f'{chip.tpu_name}:{"x".join(map(str, grid))}',
+      chip_config_name='megacore' if chip.cores_per_chip > 1 else 'default',
+      chips_per_host_bounds=host, num_slices=slices, wrap=(False, False, False))
+
+
+def _compile_only_devices(what: str, needed: str, extra: str, **topology) -> list:
+  """The devices of `jax.experimental.topologies.get_topology_desc(**topology)`; a missing
+  compiler is one ConfigError saying which extra installs it."""
+  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
   try:
-    topology = topologies.get_topology_desc(
-        platform='tpu', topology_name=f'{chip.tpu_name}:{"x".join(map(str, grid))}',
-        chip_config_name='megacore' if chip.cores_per_chip > 1 else 'default',
-        chips_per_host_bounds=host, num_slices=slices, wrap=(False, False, False))
-  except RuntimeError as e:
-    if 'not installed' in str(e):
-      raise ConfigError(f'compiling for tpu:{chip_name} needs libtpu, which is not installed '
-                        "here: pip install -e '.[tpu]' (libtpu runs the TPU compiler on the "
-                        'CPU; no TPU is needed)') from None
+    return list(topologies.get_topology_desc(**topology).devices)
+  except (NotImplementedError, RuntimeError) as e:
+    if any(sign in str(e) for sign in ('not installed', 'topology not implemented',
+                                       'Unknown backend')):
+      raise ConfigError(f'compiling for {what} needs {needed}, which is not installed here: '
+                        f"pip install -e '.[{extra}]' (no accelerator is needed)") from None
     raise
-  return list(topology.devices)
 
 
 def prepare_libtpu(accelerator_type: str) -> None:
@@ -190,18 +216,9 @@ def prepare_libtpu(accelerator_type: str) -> None:
 
 @functools.cache
 def _gpu_devices(chip_name: str, per_host: int, hosts: int) -> list:
-  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
-  try:
-    topology = topologies.get_topology_desc(
-        platform='cuda', target_config=gpu_target_config(CHIPS[chip_name]),
-        topology=f'1x{hosts}x{per_host}')
-  except (NotImplementedError, RuntimeError) as e:
-    if 'topology not implemented' in str(e) or 'Unknown backend' in str(e):
-      raise ConfigError(f'compiling for gpu:{chip_name} needs JAX\'s CUDA plugin, which is not '
-                        "installed here: pip install -e '.[gpu-compile]' (the plugin alone, "
-                        'about 480 MB; no GPU or CUDA libraries are needed)') from None
-    raise
-  return list(topology.devices)
+  return _compile_only_devices(
+      f'gpu:{chip_name}', "JAX's CUDA plugin (XLA's GPU compiler)", 'gpu-compile', platform='cuda',
+      target_config=gpu_target_config(CHIPS[chip_name]), topology=f'1x{hosts}x{per_host}')
 
 
 def gpu_target_config(chip: Chip) -> str:

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from t2t_jax import attention
+from t2t_jax import model_config
 from t2t_jax import model as model_lib
 
 VOCAB = 19
@@ -155,8 +155,8 @@ def test_cudnn_attention_equals_einsum_in_bfloat16(kind):
 def test_auto_picks_the_fastest_verified_implementation(impl, dtype, head, dropout, platform,
                                                         expected, caplog):
   caplog.set_level('INFO')
-  attention._log_once.cache_clear()  # pylint: disable=protected-access
-  assert attention.resolve_attention_impl(impl, dtype, head, dropout, platform) == expected
+  model_config._log_once.cache_clear()  # pylint: disable=protected-access
+  assert model_config.resolve_attention_impl(impl, dtype, head, dropout, platform) == expected
   if impl == 'auto':  # Says why once, naming the reason that applies.
     reason = ('not 0' if dropout else f'platform is {platform}' if platform != 'gpu' else
               'not bfloat16' if dtype == jnp.float32 else 'head size' if head > 128 else
@@ -173,4 +173,4 @@ def test_auto_picks_the_fastest_verified_implementation(impl, dtype, head, dropo
 def test_an_implementation_that_cannot_run_is_a_config_error(impl, dtype, dropout, platform,
                                                              message):
   with pytest.raises(ValueError, match=f'config.model.attention_impl.*{message}'):
-    attention.resolve_attention_impl(impl, dtype, 64, dropout, platform)
+    model_config.resolve_attention_impl(impl, dtype, 64, dropout, platform)

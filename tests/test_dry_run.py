@@ -16,12 +16,23 @@ import jax.numpy as jnp
 import pytest
 
 from t2t_jax import dry_run as dry_run_lib
+from t2t_jax import hlo_cost
 from t2t_jax import mesh_search
 from t2t_jax import setup as setup_lib
 from t2t_jax import sharding
 from t2t_jax import targets
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def no_persistent_cache():
+  """For tests that compile for a target themselves: JAX cannot read a compile-only target's
+  program back from the persistent cache (dry_run.py turns it off the same way)."""
+  previous = jax.config.jax_enable_compilation_cache
+  jax.config.update('jax_enable_compilation_cache', False)
+  yield
+  jax.config.update('jax_enable_compilation_cache', previous)
 
 
 def _check_state_and_step(result, params):
@@ -91,9 +102,9 @@ def test_tiny_compiles_for_eight_h100s(cuda_compiler, tiny_config):
       result['analytic_flops_per_step'], rel=1e-6)
 
 
-def test_cudnn_attention_lowers_for_an_h100(cudnn_compiler, tiny_config):
+def test_cudnn_attention_lowers_for_an_h100(cudnn_compiler, tiny_config, no_persistent_cache):
   """cuDNN's fused attention, with the sequence-length path of padded rows, in the train step."""
-  del cudnn_compiler
+  del cudnn_compiler, no_persistent_cache
   config = tiny_config
   config.model.dtype, config.model.attention_dropout = 'bfloat16', 0.0
   config.model.attention_impl = 'cudnn'
@@ -103,10 +114,15 @@ def test_cudnn_attention_lowers_for_an_h100(cudnn_compiler, tiny_config):
   batch, _, _ = dry_run_lib.abstract_batch(config, mesh)
   hlo = setup.train_step.lower(setup.abstract_state, batch,
                                jax.ShapeDtypeStruct((2,), jnp.uint32)).compile().as_text()
-  calls = [line for line in hlo.splitlines() if '__cudnn$fmha' in line]
+  calls = [line for line in hlo.splitlines() if 'custom_call_target="__cudnn$fmha' in line]
   # Forward and backward of the encoder's, decoder's and cross-attention.
-  assert len([c for c in calls if 'Backward' in c]) >= 3
-  assert len([c for c in calls if 'Backward' not in c]) >= 3
+  assert len([c for c in calls if 'Backward' in c]) == 3
+  assert len([c for c in calls if 'Backward' not in c]) == 3
+  # Counted as flash attention: 2 (forward) + 5 (backward) matmuls of B Q K H D each.
+  cost = hlo_cost.analyse(hlo, 1)
+  fused = sum(k.flops for k in cost.kernels if 'cudnn' in k.name or 'attention' in k.name)
+  rows, length = batch['targets'].shape
+  assert fused == 3 * 2 * (2 + 5) * rows * length * length * config.model.d_model
 
 
 def test_two_slices_reduce_over_the_data_centre_network(libtpu, tiny_config):
@@ -191,3 +207,47 @@ def test_family_members_compile_for_a_tpu_slice(libtpu, tiny_config, changes):
   result = dry_run_lib.dry_run(tiny_config, 'tpu:v5e-8')
   assert result['fits'] and set(result['programs']) == {'train_step', 'eval_step', 'search'}
   assert result['prediction']['unknown_trip_counts'] == 0
+
+
+def test_splash_attention_compiles_for_a_tpu_inside_the_train_step(libtpu, tiny_config,
+                                                                    no_persistent_cache):
+  """The Pallas kernel, compiled by the TPU compiler (not interpreted): forward, dq and dkv
+  kernels for each of the three attention layers, counted as flash attention's FLOPs."""
+  del libtpu, no_persistent_cache
+  config = tiny_config
+  config.model.attention_dropout, config.model.attention_impl = 0.0, 'pallas'
+  mesh = sharding.make_mesh(config.mesh, targets.devices(targets.parse('tpu:v5e-8')))
+  setup = setup_lib.build(config, 12, mesh=mesh)
+  batch, rows, length = dry_run_lib.abstract_batch(config, mesh)
+  compiled = setup.train_step.lower(setup.abstract_state, batch,
+                                    jax.ShapeDtypeStruct((2,), jnp.uint32)).compile()
+  hlo = compiled.as_text()
+  for kernel in ('splash_mha_fwd', 'splash_mha_dq', 'splash_mha_dkv'):
+    assert len([line for line in hlo.splitlines()
+                if f'%{kernel}' in line and 'tpu_custom_call' in line]) == 3, kernel
+  cost = hlo_cost.analyse(hlo, 8)
+  splash = sum(k.flops * k.count for k in cost.kernels if k.name.startswith('splash'))
+  # 18 B H Q K D per layer (4 forward, 6 dq, 8 dkv) on the rows each device holds, the
+  # lengths padded to the kernel's 128-wide blocks.
+  heads, head_dim, padded = config.model.num_heads, 32 // config.model.num_heads, 128
+  assert splash == 3 * 18 * (rows // 8) * heads * padded * padded * head_dim
+
+
+@pytest.mark.parametrize('devices, heads, slices, expected', [
+    (4, 2, 1, [(4, 1, 1), (2, 2, 1), (1, 4, 1), (2, 1, 2), (1, 2, 2)]),
+    (8, 16, 2, [(8, 1, 1), (4, 2, 1), (2, 4, 1), (4, 1, 2), (2, 2, 2), (2, 1, 4)]),
+])
+def test_candidate_splits(devices, heads, slices, expected):
+  assert mesh_search.splits(devices, heads, slices) == expected
+
+
+def test_a_refused_program_counts_what_the_compiler_says_it_needs():
+  refused = dry_run_lib.Program(1.0, {}, None, 'Ran out of memory on HBM, the total memory '
+                                'required for HLO temporaries (24.02G) exceeds available HBM '
+                                '(15.75G)')
+  report = refused.report(16 * 2**30, 0)
+  assert not report['fits'] and report['needs_bytes'] == int(24.02 * 2**30)
+  fitting = dry_run_lib.Program(1.0, {'total': 100, 'generated_code': 20}, None)
+  assert fitting.report(200, 50) == {'compile_seconds': 1.0, 'needs_bytes': 170, 'fits': True,
+                                     'memory_per_device_bytes': fitting.memory}
+  assert not fitting.report(160, 50)['fits']

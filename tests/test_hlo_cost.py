@@ -162,3 +162,10 @@ def test_arrays_of_a_shape_with_layouts_tiles_and_memory_spaces():
                                     ('pred', (5,), 0)]
   assert hlo_cost.hbm_bytes(shape) == 24 + 4 + 5  # The bf16 array is in another memory.
   assert hlo_cost.total_bytes(shape) == 24 + 8 + 4 + 5
+
+
+def test_both_branches_of_a_conditional_are_counted():
+  def branchy(p, a, b):
+    return jax.lax.cond(p, lambda: a @ b, lambda: (a @ b) @ b.T[:, :64] @ b)
+  cost, _ = _cost(branchy, jax.ShapeDtypeStruct((), jnp.bool_), _f32(64, 64), _f32(64, 64))
+  assert cost.flops == 4 * 2 * 64**3  # One matmul in one branch, three in the other.

@@ -280,13 +280,13 @@ def test_pallas_refuses_what_it_cannot_compute(tiny_config, overrides, message):
 def test_pallas_is_refused_on_gpu_and_accepted_on_tpu_and_cpu(caplog):
   with pytest.raises(ConfigError, match="config.model.attention_impl='pallas' .*use 'cudnn' "
                      "or 'xla'"):
-    attention.resolve_attention_impl('pallas', jnp.bfloat16, 64, 0.0, 'gpu')
+    model_config.resolve_attention_impl('pallas', jnp.bfloat16, 64, 0.0, 'gpu')
   caplog.set_level('INFO')
-  attention._log_once.cache_clear()  # pylint: disable=protected-access
+  model_config._log_once.cache_clear()  # pylint: disable=protected-access
   for platform in ('tpu', 'cpu'):
-    assert attention.resolve_attention_impl('pallas', jnp.bfloat16, 64, 0.0,
+    assert model_config.resolve_attention_impl('pallas', jnp.bfloat16, 64, 0.0,
                                             platform) == 'pallas'
     assert ('Pallas interpreter' in caplog.text) == (platform == 'cpu')
   # 'auto' is unchanged: the default model keeps its einsum attention everywhere.
-  assert {attention.resolve_attention_impl('auto', jnp.bfloat16, 64, 0.0, platform)
+  assert {model_config.resolve_attention_impl('auto', jnp.bfloat16, 64, 0.0, platform)
           for platform in ('tpu', 'cpu', 'gpu')} == {'einsum'}

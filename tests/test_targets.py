@@ -34,6 +34,7 @@ def test_target_names(name, chip, per_slice, slices, platform):
     ('v5e-8', 'is not a target t2t_jax knows'),
     ('tpu:v5e-6', 'power of two chips'),
     ('tpu:v4-6', 'power of two chips'),
+    ('tpu:v4-3', 'counts its TensorCores'),
     ('gpu:h100x16', 'a host has at most 8'),
 ])
 def test_unknown_or_impossible_targets_are_refused_naming_the_flag(name, message):
@@ -91,3 +92,29 @@ def test_gpu_devices_without_a_gpu(cuda_compiler):
   devices = targets.devices(target)
   assert len(devices) == 16 and {d.device_kind for d in devices} == {'NVIDIA H200'}
   assert sorted(set(targets.granule_of(target, devices).values())) == [0, 1]
+
+
+def test_the_target_of_a_real_device_by_its_kind():
+  kind = lambda name: type('Device', (), {'device_kind': name})()
+  h100 = targets.of_device(kind('NVIDIA H100 80GB HBM3'))
+  assert (h100.name, h100.chip_name, h100.num_devices) == ('gpu:h100x1', 'h100', 1)
+  assert targets.of_device(kind('TPU v4')).name == 'tpu:v4-2'
+  assert targets.parse(targets.of_device(kind('TPU v5 lite')).name).chip_name == 'v5e'
+  assert targets.of_device(kind('cpu')) is None
+  assert targets.of_device(kind('NVIDIA H100 NVL')) is None  # Not the SXM's figures.
+
+
+@pytest.mark.parametrize('name, error, extra', [
+    ('gpu:a100x8', NotImplementedError('topology not implemented for cuda'), 'gpu-compile'),
+    ('tpu:v6e-4', RuntimeError('JAX TPU support not installed; cannot generate TPU topology.'),
+     'tpu'),
+])
+def test_a_missing_compiler_is_one_line_naming_the_extra(monkeypatch, name, error, extra):
+  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+
+  def missing(**unused):
+    raise error
+  monkeypatch.setattr(topologies, 'get_topology_desc', missing)
+  with pytest.raises(ConfigError, match=rf"pip install -e '\.\[{extra}\]'") as raised:
+    targets.devices(targets.parse(name))
+  assert 'is not installed here' in str(raised.value)
