@@ -172,8 +172,25 @@ def unstack_layer_params(params: dict, config: TransformerConfig) -> dict:
   return params
 
 
+class Embed(nn.Embed):
+  """flax's Embed, whose lookup reads the table whole along 'embed' (split over 'vocab' only).
+
+  Under FSDP the table is split along 'embed' while the looked-up rows are split by batch:
+  without this, the lookup's gradient (a scatter into the table) needs them resharded from
+  batch to 'embed', which XLA's partitioner can only do by gathering every row to every device
+  ("Involuntary full rematerialization", found compiling for 8 H100s). Read whole, the table is
+  gathered once, as the tied output softmax gathers it anyway, and its gradient is reduced and
+  scattered like every other FSDP weight's. Values are unchanged.
+  """
+
+  def __call__(self, inputs: Array) -> Array:
+    table_VE = nn.with_logical_constraint(jnp.asarray(self.embedding, self.dtype),
+                                          ('vocab', None))
+    return jnp.take(table_VE, inputs, axis=0)
+
+
 def _embedding(cfg: TransformerConfig, name: str) -> nn.Embed:
-  return nn.Embed(
+  return Embed(
       cfg.vocab_size, cfg.d_model, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
       embedding_init=nn.with_logical_partitioning(
           nn.initializers.normal(stddev=cfg.d_model**-0.5), ('vocab', 'embed')),

@@ -251,3 +251,18 @@ def test_a_refused_program_counts_what_the_compiler_says_it_needs():
   assert fitting.report(200, 50) == {'compile_seconds': 1.0, 'needs_bytes': 170, 'fits': True,
                                      'memory_per_device_bytes': fitting.memory}
   assert not fitting.report(160, 50)['fits']
+
+
+def test_fsdp_embedding_gradient_needs_no_full_rematerialisation(cuda_compiler, tiny_config,
+                                                                 capfd):
+  """The embedding lookup's gradient under FSDP: XLA's partitioner logged "Involuntary full
+  rematerialization" (every row gathered to every device) until the lookup read its table
+  whole along 'embed' (model.Embed)."""
+  del cuda_compiler
+  config = tiny_config
+  config.mesh.shape, config.data.batch_tokens = (4, 2, 1), 1024
+  config.model.d_model, config.model.d_ff = 128, 256
+  capfd.readouterr()
+  result = dry_run_lib.dry_run(config, 'gpu:h100x8', evaluation=False)
+  assert result['fits']
+  assert 'Involuntary full rematerialization' not in capfd.readouterr().err
