@@ -249,7 +249,7 @@ def libtpu():
 def cuda_compiler():
   """JAX's CUDA plugin, whose XLA compiles for GPU targets on this CPU."""
   _compiler_or_skip('jax_cuda12_plugin', "JAX's CUDA 12 plugin", 'gpu-compile',
-                    required_in_ci=True)
+                    required_in_ci=False)
 
 
 @pytest.fixture
@@ -257,4 +257,4 @@ def cudnn_compiler(cuda_compiler):
   """cuDNN beside JAX's CUDA plugin: JAX reads its version to lower cuDNN attention."""
   del cuda_compiler
   _compiler_or_skip('nvidia.cudnn', 'cuDNN (nvidia-cudnn-cu12)', 'gpu-compile',
-                    required_in_ci=True)
+                    required_in_ci=False)
