@@ -26,6 +26,7 @@ import argparse
 import datetime
 import json
 import os
+import subprocess
 import sys
 
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')  # Compile for the targets; run nothing anywhere.
@@ -147,7 +148,10 @@ def main():
     print(markdown(args.markdown))
     return
   jax.config.update('jax_enable_compilation_cache', False)  # Compile times are fresh ones.
-  base_record = {'date': datetime.date.today().isoformat(), 'jax': jax.__version__,
+  commit = subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], capture_output=True,
+                          text=True, check=False).stdout.strip()
+  base_record = {'date': datetime.date.today().isoformat(), 'commit': commit,
+                 'jax': jax.__version__,
                  'cpu_matmul_flops_per_second': common.matmul_flops_per_second()}
   parts = args.parts.split(',')
   if 'table' in parts:
