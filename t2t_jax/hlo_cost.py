@@ -24,12 +24,8 @@ import re
 
 import numpy as np
 
-_DTYPE_BYTES = {'pred': 1, 's8': 1, 'u8': 1, 's16': 2, 'u16': 2, 'f16': 2, 'bf16': 2, 's32': 4,
-                'u32': 4, 'f32': 4, 's64': 8, 'u64': 8, 'f64': 8, 'c64': 8, 'c128': 16,
-                's4': 0.5, 'u4': 0.5, 'token': 0}
-_ARRAY = re.compile(r'\b([a-z]+[0-9a-z]*)\[([0-9,]*)\](\{[^{}]*\})?')
-_HEADER = re.compile(r'^(ENTRY )?%?([\w.\-]+) \(.*\) -> .* \{$')
-_INSTRUCTION = re.compile(r'^\s*(ROOT )?%([\w.\-]+) = ')
+from t2t_jax import hlo_text
+
 COLLECTIVES = ('all-reduce', 'all-gather', 'reduce-scatter', 'all-to-all', 'collective-permute',
                'ragged-all-to-all', 'collective-broadcast')
 # Instructions that move no data themselves (the computations they run are counted instead).
@@ -40,17 +36,6 @@ _FREE_CUSTOM_CALLS = ('Bitcast', 'AllocateBuffer', 'AssumeGatherIndicesInBound',
                       'SPMDFullToShardShape', 'SPMDShardToFullShape', 'MoveToHost',
                       'MoveToDevice', 'Bitpacked')
 _SLICING = ('dynamic-slice', 'slice', 'gather')
-
-
-@dataclasses.dataclass
-class Instruction:
-  name: str
-  shape: str  # The result shape as printed: an array, or a tuple of them.
-  opcode: str
-  operands: list[str]
-  arguments: str  # The text between the parentheses: operands, or a constant's value.
-  attributes: str
-  root: bool = False
 
 
 @dataclasses.dataclass
@@ -120,107 +105,11 @@ class ProgramCost:
             for kind, row in sorted(table.items())}
 
 
-def parse_module(text: str) -> tuple[dict[str, dict[str, Instruction]], str]:
-  """{computation: {instruction name: Instruction}} (in order) and the entry's name."""
-  computations, entry, current, pending = {}, None, None, []
-
-  def finish():  # An instruction may span lines (a kernel's metadata holds line breaks).
-    if pending and current is not None:
-      instruction = _parse_instruction('\n'.join(pending))
-      if instruction:
-        current[instruction.name] = instruction
-    pending.clear()
-
-  for line in text.splitlines():
-    header = _HEADER.match(line)
-    if header or line.strip() == '}' or _INSTRUCTION.match(line):
-      finish()
-    if header:
-      current = computations.setdefault(header.group(2), {})
-      if header.group(1):
-        entry = header.group(2)
-    elif line.strip() == '}':
-      current = None
-    elif _INSTRUCTION.match(line) or pending:
-      pending.append(line)
-  finish()
-  if entry is None:
-    raise ValueError('no ENTRY computation in the HLO text')
-  return computations, entry
-
-
-def _parse_instruction(line: str) -> Instruction | None:
-  head = _INSTRUCTION.match(line)
-  if not head:
-    return None
-  rest = line[head.end():]
-  shape_end = _balanced_end(rest, 0) if rest.startswith('(') else rest.index(' ')
-  shape, rest = rest[:shape_end], rest[shape_end:].lstrip()
-  paren = rest.index('(')
-  opcode = rest[:paren]
-  operands_end = _balanced_end(rest, paren)
-  arguments = rest[paren + 1:operands_end - 1]
-  operands = re.findall(r'%([\w.\-]+)', arguments)
-  return Instruction(head.group(2), shape, opcode, operands, arguments, rest[operands_end:],
-                     bool(head.group(1)))
-
-
-def _balanced_end(text: str, start: int) -> int:
-  """The index after the bracket that closes the one at `start`."""
-  depth = 0
-  for i in range(start, len(text)):
-    if text[i] in '({[':
-      depth += 1
-    elif text[i] in ')}]':
-      depth -= 1
-      if depth == 0:
-        return i + 1
-  raise ValueError(f'unbalanced brackets in HLO: {text[start:start + 80]!r}')
-
-
-def arrays(shape: str) -> list[tuple[str, tuple[int, ...], int]]:
-  """(dtype, dims, memory space) of each array in a shape string (tuples flattened)."""
-  found = []
-  for dtype, dims, layout in _ARRAY.findall(shape):
-    if dtype not in _DTYPE_BYTES:
-      continue
-    space = re.search(r'S\((\d+)\)', layout or '')
-    found.append((dtype, tuple(int(d) for d in dims.split(',') if d),
-                  int(space.group(1)) if space else 0))
-  return found
-
-
-def hbm_bytes(shape: str) -> float:
-  """Bytes of the arrays of a shape that live in device memory (memory space 0)."""
-  return float(sum(_DTYPE_BYTES[dtype] * math.prod(dims)
-                   for dtype, dims, space in arrays(shape) if space == 0))
-
-
-def total_bytes(shape: str) -> float:
-  return float(sum(_DTYPE_BYTES[dtype] * math.prod(dims) for dtype, dims, _ in arrays(shape)))
-
-
-def _tuple_elements(shape: str) -> list[str]:
-  """The top-level elements of a tuple shape (the shape itself if it is not a tuple)."""
-  if not shape.startswith('('):
-    return [shape]
-  elements, depth, start = [], 0, 1
-  for i, char in enumerate(shape):
-    if char in '({[':
-      depth += 1
-    elif char in ')}]':
-      depth -= 1
-    if (char == ',' and depth == 1) or (depth == 0 and char == ')'):
-      elements.append(shape[start:i].strip())
-      start = i + 1
-  return [re.sub(r'^/\*index=\d+\*/', '', e) for e in elements if e]
-
-
 class _Walker:
   """Walks the computations a program runs, multiplying by loop trip counts."""
 
   def __init__(self, text: str, num_devices: int):
-    self.computations, self.entry = parse_module(text)
+    self.computations, self.entry = hlo_text.parse_module(text)
     self.num_devices = num_devices
     self.kernels, self.collectives, self.unknown_trip_counts = [], [], 0
 
@@ -231,7 +120,7 @@ class _Walker:
   def _walk(self, computation: str, count: int) -> None:
     table = self.computations[computation]
     for ins in table.values():
-      called = _called(ins.attributes)
+      called = hlo_text.called(ins.attributes)
       if ins.opcode == 'while':
         trips = self._trip_count(ins)
         self._walk(called['body'][0], count * trips)
@@ -252,7 +141,7 @@ class _Walker:
         self.kernels.append(self._kernel(ins, table, count))
 
   @staticmethod
-  def _free(ins: Instruction) -> bool:
+  def _free(ins: hlo_text.Instruction) -> bool:
     if ins.opcode in _FREE or ins.opcode.endswith('-done') or ins.opcode.endswith('-update'):
       return True
     if ins.opcode == 'custom-call':
@@ -260,12 +149,12 @@ class _Walker:
       return bool(target) and any(free in target.group(1) for free in _FREE_CUSTOM_CALLS)
     return False
 
-  def _trip_count(self, ins: Instruction) -> int:
+  def _trip_count(self, ins: hlo_text.Instruction) -> int:
     known = re.search(r'"known_trip_count":\{"n":"(\d+)"', ins.attributes)
     if known:
       return int(known.group(1))
-    condition = self.computations[_called(ins.attributes)['condition'][0]]
-    root = _root(condition)
+    condition = self.computations[hlo_text.called(ins.attributes)['condition'][0]]
+    root = hlo_text.root_of(condition)
     if root.opcode == 'compare' and 'direction=LT' in root.attributes and len(root.operands) == 2:
       bound = condition.get(root.operands[1])
       if bound is not None and bound.opcode == 'constant' and re.fullmatch(r'-?\d+',
@@ -274,12 +163,12 @@ class _Walker:
     self.unknown_trip_counts += 1
     return 1
 
-  def _collective(self, ins: Instruction, table, count: int) -> None:
-    size = sum(total_bytes(table[name].shape) for name in ins.operands if name in table)
-    groups = replica_groups(ins.attributes, self.num_devices)
+  def _collective(self, ins: hlo_text.Instruction, table, count: int) -> None:
+    size = sum(hlo_text.total_bytes(table[name].shape) for name in ins.operands if name in table)
+    groups = hlo_text.replica_groups(ins.attributes, self.num_devices)
     self.collectives.append(Collective(_collective_kind(ins.opcode), size, groups, count))
 
-  def _slice_collective(self, ins: Instruction, table, count: int) -> None:
+  def _slice_collective(self, ins: hlo_text.Instruction, table, count: int) -> None:
     """A collective across TPU slices: the program sends its part to the runtime, which moves
     it over the data-centre network (`_xla_megascale_target="{1,2}x{0:7}"`: slices x chips)."""
     kind = re.search(r'_xla_megascale_transfer_type="(\w+)"', ins.attributes).group(1)
@@ -288,13 +177,13 @@ class _Walker:
     for part in (target.group(1).split(',') if target else []):
       low, _, high = part.partition(':')
       slices += int(high) - int(low) + 1 if high else 1
-    size = total_bytes(table[ins.operands[0]].shape) if ins.operands[0] in table else 0.0
+    size = hlo_text.total_bytes(table[ins.operands[0]].shape) if ins.operands[0] in table else 0.0
     self.collectives.append(Collective(kind.lower().replace('_', '-'), size, [], count,
                                        max(slices, 2)))
 
-  def _kernel(self, ins: Instruction, table, count: int) -> Kernel:
+  def _kernel(self, ins: hlo_text.Instruction, table, count: int) -> Kernel:
     flops, dtype = 0.0, ''
-    called = _called(ins.attributes).get('calls', [])
+    called = hlo_text.called(ins.attributes).get('calls', [])
     if ins.opcode == 'fusion' and called:
       flops, dtype = self._fused_flops(called[0])
       reads = self._fusion_reads(ins, table, called[0])
@@ -304,12 +193,12 @@ class _Walker:
         flops, dtype = dot_flops(ins, table)
       elif ins.opcode == 'custom-call':
         flops, dtype = library_call_flops(ins, table)
-      reads = sum(hbm_bytes(table[name].shape) for name in ins.operands if name in table)
-      writes = hbm_bytes(ins.shape)
+      reads = sum(hlo_text.hbm_bytes(table[name].shape) for name in ins.operands if name in table)
+      writes = hlo_text.hbm_bytes(ins.shape)
       if ins.opcode.endswith('-start'):  # (operand aliases, outputs..., context): not element 0.
-        writes = sum(hbm_bytes(e) for e in _tuple_elements(ins.shape)[1:])
+        writes = sum(hlo_text.hbm_bytes(e) for e in hlo_text.tuple_elements(ins.shape)[1:])
       elif ins.opcode == 'dynamic-update-slice':  # In place: the update is read and written.
-        reads = writes = hbm_bytes(table[ins.operands[1]].shape)
+        reads = writes = hlo_text.hbm_bytes(table[ins.operands[1]].shape)
     return Kernel(ins.name, ins.opcode, flops, reads + writes, dtype, count)
 
   def _fused_flops(self, computation: str) -> tuple[float, str]:
@@ -319,8 +208,8 @@ class _Walker:
       if ins.opcode in ('dot', 'convolution'):
         f, d = dot_flops(ins, table)
       elif ins.opcode == 'fusion' or ins.opcode == 'call':
-        f, d = self._fused_flops(_called(ins.attributes)['calls'][0]) if 'calls' in \
-            _called(ins.attributes) else (0.0, '')
+        f, d = self._fused_flops(hlo_text.called(ins.attributes)['calls'][0]) if 'calls' in \
+            hlo_text.called(ins.attributes) else (0.0, '')
       elif ins.opcode == 'custom-call':
         f, d = library_call_flops(ins, table)
       else:
@@ -330,7 +219,7 @@ class _Walker:
         largest, dtype = f, d
     return flops, dtype
 
-  def _fusion_reads(self, ins: Instruction, table, computation: str) -> float:
+  def _fusion_reads(self, ins: hlo_text.Instruction, table, computation: str) -> float:
     """Operand bytes in HBM; an operand the fused code only slices counts as its slices."""
     body = self.computations[computation]
     parameters = {int(p.arguments): p.name for p in body.values() if p.opcode == 'parameter'}
@@ -342,7 +231,7 @@ class _Walker:
     for index, name in enumerate(ins.operands):
       if name not in table:
         continue
-      full = hbm_bytes(table[name].shape)
+      full = hlo_text.hbm_bytes(table[name].shape)
       parameter = parameters.get(index, '')
       uses = users.get(parameter, [])
       if uses and all(u.opcode == 'dynamic-update-slice' and u.operands[0] == parameter
@@ -350,41 +239,27 @@ class _Walker:
         continue  # The buffer updated in place: not read.
       if full and uses and all(u.opcode in _SLICING and u.operands[0] == parameter
                                for u in uses):
-        total += min(full, sum(total_bytes(u.shape) for u in uses))
+        total += min(full, sum(hlo_text.total_bytes(u.shape) for u in uses))
       else:
         total += full
     return total
 
-  def _fusion_writes(self, ins: Instruction, computation: str) -> float:
+  def _fusion_writes(self, ins: hlo_text.Instruction, computation: str) -> float:
     """Result bytes in HBM; a root that updates a buffer in place counts as the update."""
     body = self.computations[computation]
-    root = _root(body)
+    root = hlo_text.root_of(body)
     roots = [body[name] for name in root.operands] if root.opcode == 'tuple' else [root]
-    outputs = _tuple_elements(ins.shape)
+    outputs = hlo_text.tuple_elements(ins.shape)
     total = 0.0
     for i, element in enumerate(outputs):
       inner = roots[i] if i < len(roots) else None
       if inner is not None and inner.opcode == 'dynamic-update-slice' and \
           inner.operands[1] in body:
-        total += min(hbm_bytes(element), total_bytes(body[inner.operands[1]].shape))
+        update = body[inner.operands[1]].shape
+        total += min(hlo_text.hbm_bytes(element), hlo_text.total_bytes(update))
       else:
-        total += hbm_bytes(element)
+        total += hlo_text.hbm_bytes(element)
     return total
-
-
-def _root(computation: dict[str, Instruction]) -> Instruction:
-  return next((ins for ins in computation.values() if ins.root),
-              list(computation.values())[-1])
-
-
-def _called(attributes: str) -> dict[str, list[str]]:
-  """Computations an instruction names: {'calls': [...], 'body': [...], ...}."""
-  found = collections.defaultdict(list)
-  for key, value in re.findall(r'\b(calls|body|condition|to_apply|branch_computations|'
-                               r'true_computation|false_computation)=(\{[^}]*\}|%?[\w.\-]+)',
-                               attributes):
-    found[key] += re.findall(r'%?([\w.\-]+)', value.strip('{}'))
-  return found
 
 
 def _collective_kind(opcode: str) -> str | None:
@@ -392,22 +267,22 @@ def _collective_kind(opcode: str) -> str | None:
   return base if base in COLLECTIVES else None
 
 
-def dot_flops(ins: Instruction, table) -> tuple[float, str]:
+def dot_flops(ins: hlo_text.Instruction, table) -> tuple[float, str]:
   """2 x multiply-adds of a dot or convolution, and the dtype of its first operand."""
   if len(ins.operands) < 2 or ins.operands[0] not in table or ins.operands[1] not in table:
     return 0.0, ''
-  lhs, rhs = (arrays(table[name].shape) for name in ins.operands[:2])
+  lhs, rhs = (hlo_text.arrays(table[name].shape) for name in ins.operands[:2])
   if not lhs or not rhs:
     return 0.0, ''
-  out_elements = sum(math.prod(dims) for _, dims, _ in arrays(ins.shape)[:1])
+  out_elements = sum(math.prod(dims) for _, dims, _ in hlo_text.arrays(ins.shape)[:1])
   if ins.opcode == 'dot':
     contracting = re.search(r'lhs_contracting_dims=\{([\d,]*)\}', ins.attributes)
     dims = [int(d) for d in contracting.group(1).split(',') if d] if contracting else []
     return 2.0 * out_elements * math.prod(lhs[0][1][d] for d in dims), lhs[0][0]
-  return _convolution_flops(ins, lhs[0][1], rhs[0][1], arrays(ins.shape)[0][1]), lhs[0][0]
+  return _convolution_flops(ins, lhs[0][1], rhs[0][1], hlo_text.arrays(ins.shape)[0][1]), lhs[0][0]
 
 
-def _convolution_flops(ins: Instruction, lhs, rhs, out) -> float:
+def _convolution_flops(ins: hlo_text.Instruction, lhs, rhs, out) -> float:
   """2 x (output batch x output features) x input features x (window taps meeting input)."""
   labels = re.search(r'dim_labels=(\w+)_(\w+)->(\w+)', ins.attributes)
   if not labels:
@@ -452,20 +327,20 @@ _ATTENTION_MATMULS = (
     (re.compile(r'^__cudnn\$fmha\w*Backward$'), 5, -3), (re.compile(r'^__cudnn\$fmha'), 2, -3))
 
 
-def _attention_flops(ins: Instruction, table, target: str) -> tuple[float, str] | None:
+def _attention_flops(ins: hlo_text.Instruction, table, target: str) -> tuple[float, str] | None:
   """FLOPs of a fused attention kernel, from its query and key shapes ([B, H, Q, D] and
   [B, H, K, D] for splash, whose B goes where a device holds one row; [B, Q, H, D] and
   [B, K, H, D] for cuDNN); None if it is not one."""
   for pattern, matmuls, key_axis in _ATTENTION_MATMULS:
     if pattern.search(ins.name if pattern.pattern.startswith('splash') else target):
-      operands = [arrays(table[name].shape)[0] for name in ins.operands if name in table
-                  and arrays(table[name].shape)]
+      operands = [hlo_text.arrays(table[name].shape)[0] for name in ins.operands if name in table
+                  and hlo_text.arrays(table[name].shape)]
       q, k = [a for a in operands if len(a[1]) >= 3 and a[0][0] in 'fb'][:2]
       return 2.0 * matmuls * math.prod(q[1]) * k[1][key_axis], q[0]
   return None
 
 
-def library_call_flops(ins: Instruction, table) -> tuple[float, str]:
+def library_call_flops(ins: hlo_text.Instruction, table) -> tuple[float, str]:
   """FLOPs of a library call or kernel the compiler emitted: cuBLAS GEMMs (their dot
   dimensions are in the backend config), fused attention (splash, cuDNN); 0 for calls whose
   arithmetic is not known here."""
@@ -475,53 +350,15 @@ def library_call_flops(ins: Instruction, table) -> tuple[float, str]:
     return attention
   if not target or not any(word in target.group(1).lower() for word in ('gemm', 'matmul')):
     return 0.0, ''
-  lhs = arrays(table[ins.operands[0]].shape) if ins.operands and ins.operands[0] in table else []
+  first = table.get(ins.operands[0]) if ins.operands else None
+  lhs = hlo_text.arrays(first.shape) if first else []
   contracting = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', ins.attributes)
   if not lhs or not contracting:
     return 0.0, ''
   dims = [int(d) for d in re.findall(r'\d+', contracting.group(1))]
-  out = arrays(_tuple_elements(ins.shape)[0])
+  out = hlo_text.arrays(hlo_text.tuple_elements(ins.shape)[0])
   out_elements = math.prod(out[0][1]) if out else 0
   return 2.0 * out_elements * math.prod(lhs[0][1][d] for d in dims), lhs[0][0]
-
-
-def replica_groups(attributes: str, num_devices: int) -> list[list[int]]:
-  """The device groups of a collective, in each of the forms XLA prints them."""
-  pairs = re.search(r'source_target_pairs=\{(.*?)\}\}', attributes)
-  if pairs:
-    return [[int(a), int(b)] for a, b in re.findall(r'\{(\d+),(\d+)', pairs.group(1) + '}')]
-  mesh = re.search(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\((\[[\d,]*\](?:T\([\d,]*\))?)"
-                   r"\))? \{([^}]*)\}", attributes)
-  if mesh:
-    axes = re.findall(r"'([^']+)'=(\d+)", mesh.group(1))
-    ids = _iota_ids(mesh.group(2)) if mesh.group(2) else np.arange(
-        math.prod(int(n) for _, n in axes))
-    names = [name for name, _ in axes]
-    grid = ids.reshape([int(n) for _, n in axes])
-    chosen = [names.index(a) for a in re.findall(r"'([^']+)'", mesh.group(3))]
-    rest = [i for i in range(len(names)) if i not in chosen]
-    size = math.prod(grid.shape[i] for i in chosen)
-    return grid.transpose(rest + chosen).reshape(-1, size).tolist()
-  iota = re.search(r'replica_groups=\[(\d+),(\d+)\]<=(\[[\d,]*\](?:T\([\d,]*\))?)', attributes)
-  if iota:
-    return _iota_ids(iota.group(3)).reshape(int(iota.group(1)), int(iota.group(2))).tolist()
-  start = attributes.find('replica_groups={')
-  if start >= 0:
-    start += len('replica_groups=')
-    groups = re.findall(r'\{([\d,]*)\}', attributes[start + 1:_balanced_end(attributes, start) - 1])
-    if groups:
-      return [[int(i) for i in group.split(',') if i] for group in groups]
-  return [list(range(num_devices))]  # No groups: every device of the program.
-
-
-def _iota_ids(spec: str) -> np.ndarray:
-  """Device ids of an iota list such as '[2,4]T(1,0)' or '[8]', flattened."""
-  dims = [int(d) for d in re.search(r'\[([\d,]*)\]', spec).group(1).split(',') if d]
-  ids = np.arange(math.prod(dims)).reshape(dims)
-  transpose = re.search(r'T\(([\d,]*)\)', spec)
-  if transpose:
-    ids = ids.transpose([int(d) for d in transpose.group(1).split(',')])
-  return ids.reshape(-1)
 
 
 def analyse(hlo_text: str, num_devices: int) -> ProgramCost:

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from t2t_jax import hlo_cost
+from t2t_jax import hlo_text
 from t2t_jax import roofline
 from t2t_jax import targets
 
@@ -127,7 +128,7 @@ def test_a_collective_over_one_mesh_axis_groups_the_devices_along_it():
     ("source_target_pairs={{0,1},{1,0}}, channel_id=1", [[0, 1], [1, 0]]),
 ])
 def test_replica_groups_in_each_printed_form(attributes, expected):
-  assert hlo_cost.replica_groups(attributes, 8) == expected
+  assert hlo_text.replica_groups(attributes, 8) == expected
 
 
 def test_roofline_takes_the_longer_of_compute_and_memory_per_kernel():
@@ -158,10 +159,10 @@ def test_a_trip_count_the_hlo_cannot_give_is_counted_once_and_reported():
 def test_arrays_of_a_shape_with_layouts_tiles_and_memory_spaces():
   shape = ('(f32[2,3]{1,0:T(8,128)}, bf16[4]{0:T(128)S(1)}, /*index=2*/s32[], '
            'pred[5]{0})')
-  assert hlo_cost.arrays(shape) == [('f32', (2, 3), 0), ('bf16', (4,), 1), ('s32', (), 0),
+  assert hlo_text.arrays(shape) == [('f32', (2, 3), 0), ('bf16', (4,), 1), ('s32', (), 0),
                                     ('pred', (5,), 0)]
-  assert hlo_cost.hbm_bytes(shape) == 24 + 4 + 5  # The bf16 array is in another memory.
-  assert hlo_cost.total_bytes(shape) == 24 + 8 + 4 + 5
+  assert hlo_text.hbm_bytes(shape) == 24 + 4 + 5  # The bf16 array is in another memory.
+  assert hlo_text.total_bytes(shape) == 24 + 8 + 4 + 5
 
 
 def test_both_branches_of_a_conditional_are_counted():
