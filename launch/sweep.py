@@ -30,6 +30,8 @@ import subprocess
 import sys
 
 LAUNCH_DIR = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(LAUNCH_DIR))  # The checkout's t2t_jax, installed or not.
+from t2t_jax import cli  # pylint: disable=g-import-not-at-top,wrong-import-position
 STATUS_FILE = 'sweep_status.json'  # Left by a SLURM array element that ended without success.
 PREEMPTED = 143  # t2t_jax.preemption.EXIT_CODE: the element is requeued, not failed.
 SUMMARY_COLUMNS = ('step', 'bleu', 'eval_loss', 'train_loss', 'steps_per_second',
@@ -46,10 +48,17 @@ def load_sweep(path: str) -> dict:
   if spec is None or not os.path.exists(path):
     raise SweepError(f'{path}: no such sweep file')
   module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  if not hasattr(module, 'get_sweep'):
-    raise SweepError(f'{path}: a sweep file must define get_sweep()')
-  return module.get_sweep()
+  try:
+    spec.loader.exec_module(module)
+    get_sweep = getattr(module, 'get_sweep', None)
+    if get_sweep is None:
+      raise SweepError(f'{path}: a sweep file must define get_sweep()')
+    return get_sweep()
+  except SweepError:
+    raise
+  except Exception as e:  # pylint: disable=broad-except
+    # The file's own error (a syntax error, a misspelt name): where it is, in one line.
+    raise SweepError(cli.load_error(e, path)) from e
 
 
 def _key(key: str) -> str:
@@ -320,7 +329,7 @@ def main():
     print(summarize(root))
     sys.exit(1 if failed else 0)
   except SweepError as e:
-    sys.exit(f'launch/sweep.py: {e}')
+    sys.exit(f'error: {e}')
 
 
 if __name__ == '__main__':

@@ -149,6 +149,11 @@ def _parse_flags(argv: list[str]) -> list[str]:
     _fail(_without_traceback(str(e)), usage=True)
   except (AttributeError, KeyError) as e:  # ml_collections: --config.<key> names no key.
     _fail(_unknown_config_key(e, argv), usage=True)
+  except Exception as e:  # pylint: disable=broad-except
+    failed = _config_file_error(e, argv)  # A config file's own error, met while parsing it.
+    if failed is None:
+      raise
+    _fail(failed, usage=True)
   _check_config_files()
   return remaining
 
@@ -189,6 +194,43 @@ def _check_config_files() -> None:
       cause = e.__cause__ or e
       _fail(f'--{name}={path}: the config cannot be loaded: {" ".join(str(cause).split())}',
             usage=True)
+    except Exception as e:  # pylint: disable=broad-except
+      # The file's own error (a syntax error, a misspelt name in get_config): where it is.
+      _fail(f'--{name}={load_error(e, path)}', usage=True)
+
+
+def load_error(error: BaseException, path: str) -> str:
+  """Why a Python file (a config, a sweep) could not be loaded, as 'PATH:LINE: Type: message':
+  the line is the file's own (a syntax error's, or the innermost frame of the file in the
+  traceback), not that of the code that imported it."""
+  line, message = None, str(error)
+  if isinstance(error, SyntaxError) and error.filename and _same_file(error.filename, path):
+    line, message = error.lineno, error.msg
+  else:
+    for frame in traceback.extract_tb(error.__traceback__):
+      if _same_file(frame.filename, path):
+        line = frame.lineno
+  where = f'{path}:{line}' if line else path
+  return f'{where}: {type(error).__name__}: {" ".join(message.split())}'
+
+
+def _config_file_error(error: Exception, argv: list[str]) -> str | None:
+  """'--config=FILE:LINE: Type: message' where `error` was raised by the Python file a flag
+  names; None where it was not."""
+  files = [frame.filename for frame in traceback.extract_tb(error.__traceback__)]
+  if isinstance(error, SyntaxError) and error.filename:
+    files.append(error.filename)
+  for arg in argv[1:]:
+    name, _, value = arg.partition('=')
+    path = value.split(':', 1)[0]
+    if name.startswith('--') and path.endswith('.py') and any(_same_file(f, path)
+                                                               for f in files):
+      return f'{name}={load_error(error, path)}'
+  return None
+
+
+def _same_file(a: str, b: str) -> bool:
+  return os.path.abspath(a) == os.path.abspath(b)
 
 
 def _unknown_config_key(error: Exception, argv: list[str]) -> str:

@@ -73,6 +73,38 @@ def test_usage_mistakes_are_one_line_and_a_usage_line(tmp_path, module, args, pa
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize('text, where', [
+    ('x = (\n', ":1: SyntaxError: '(' was never closed"),
+    ('import ml_collections\n\ndef get_config():\n  config = ml_collections.ConfigDict()\n'
+     '  config.width = widht\n  return config\n', ":5: NameError: name 'widht' is not defined"),
+])
+def test_a_config_file_that_fails_to_load_is_one_line_naming_its_line(tmp_path, text, where):
+  config = tmp_path / 'broken.py'
+  config.write_text(text)
+  returncode, stderr = _cli('main', f'--config={config}', f'--workdir={tmp_path / "w"}')
+  assert returncode == cli.USAGE_EXIT_CODE
+  _one_line_error(stderr, f'--config={config}{where}')
+  assert 'Traceback' not in stderr and len(stderr.splitlines()) == 2, stderr
+  assert not (tmp_path / 'w').exists()
+
+
+def test_load_error_names_the_files_own_line_not_the_importers(tmp_path):
+  path = tmp_path / 'module.py'
+  path.write_text('def f():\n  return 1 / 0\n')
+  namespace = {}
+  exec(compile(path.read_text(), str(path), 'exec'), namespace)  # pylint: disable=exec-used
+  try:
+    namespace['f']()
+  except ZeroDivisionError as e:
+    assert cli.load_error(e, str(path)) == f'{path}:2: ZeroDivisionError: division by zero'
+  try:
+    compile('a = [1,\n', str(path), 'exec')
+  except SyntaxError as e:
+    assert cli.load_error(e, str(path)) == f"{path}:1: SyntaxError: '[' was never closed"
+  assert cli.load_error(ValueError('no\nline'), 'x.py') == 'x.py: ValueError: no line'
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize('module, args, parts', [
     ('translate', ['--workdir=W'], ['config.json', 'directory of a training run']),
     ('export', ['--workdir=W'], ['no checkpoint']),

@@ -22,6 +22,21 @@ def _run(command, timeout=300, **kwargs):
                         timeout=timeout, **kwargs)
 
 
+@pytest.mark.parametrize('text, where', [
+    ("def get_sweep():\n  return {'product': {'seed': [0, 1]}\n",
+     ":2: SyntaxError: '{' was never closed"),
+    ("def get_sweep():\n  return {'product': {'seed': seeds}}\n",
+     ":2: NameError: name 'seeds' is not defined"),
+    ('x = 1\n', ': a sweep file must define get_sweep()'),
+])
+def test_a_sweep_file_that_fails_to_load_is_named_with_its_line(tmp_path, text, where):
+  path = tmp_path / 'sweep_file.py'
+  path.write_text(text)
+  with pytest.raises(sweep.SweepError) as raised:
+    sweep.load_sweep(str(path))
+  assert str(raised.value) == f'{path}{where}'
+
+
 def test_sweep_expands_products_and_zips():
   points = sweep.expand({'product': {'opt.lr_scale': [1, 2]},
                          'zip': {'--config.model.dropout': [0.1, 0.3], 'seed': [5, 6]}})
