@@ -90,7 +90,9 @@ def get_config():
   model.moe_group_size = 0  # Tokens per routing group (capacity is per group); 0: the batch row.
   model.moe_aux_loss_weight = 0.01  # Weight of the load-balancing loss in the training loss.
   # Positions: 'sinusoidal' (paper), 'predictive' (the lecture's sinusoids, p=0.883), 'learned',
-  # 'relative' (Shaw et al. 2018, in self-attention; needs einsum attention) or 'none'.
+  # 'relative' (Shaw et al. 2018, in self-attention; needs einsum attention), 'rotary' (Su et
+  # al. 2021, turns queries and keys), 'alibi' (Press et al. 2022, a linear bias per head; needs
+  # einsum attention) or 'none'.
   model.positions = 'sinusoidal'
   model.max_relative_distance = 16  # Relative positions: distances clipped to +-this (k).
   # Self-attention kind per layer, comma-separated, repeated over each stack's layers: 'full',
