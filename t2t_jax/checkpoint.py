@@ -7,8 +7,10 @@ dropout key), `data` (the grain iterator state, JSON) and `config` (the resolved
 params from either kind, averaging and writing them is saved_params.py's.
 """
 
+import contextlib
 import dataclasses
 import errno
+import gc
 import json
 import logging as std_logging
 import os
@@ -73,8 +75,7 @@ class Checkpointer:
   `ckpt.keep_every`-th; restores the newest intact checkpoint."""
 
   def __init__(self, workdir: str, ckpt_config, average_last: int = 0):
-    _drop_late_writer_callbacks()  # Library noise around a failed save or read: see each.
-    _drop_unretrieved_task_errors()
+    _drop_late_writer_callbacks()  # Library noise after a failed save: see there.
     self.workdir = os.path.abspath(workdir)
     self.directory = os.path.join(self.workdir, 'checkpoints')
     self.every = ckpt_config.every
@@ -108,12 +109,13 @@ class Checkpointer:
     self._wait()
     self._existing = set(self.manager.all_steps())
     try:
-      self.manager.save(step, args=ocp.args.Composite(**{
-          STATE: ocp.args.StandardSave(saved_tree(state)),
-          # A host numpy value: every process holds the same key, the primary one writes it.
-          RNG: ocp.args.StandardSave({'dropout': np.asarray(jax.device_get(_key_data(rng)))}),
-          DATA: ocp.args.JsonSave(data_state),
-          CONFIG: ocp.args.JsonSave({'config': config_json})}), force=True)
+      with _unretrieved_task_errors_dropped():
+        self.manager.save(step, args=ocp.args.Composite(**{
+            STATE: ocp.args.StandardSave(saved_tree(state)),
+            # A host numpy value: every process holds the same key, the primary one writes it.
+            RNG: ocp.args.StandardSave({'dropout': np.asarray(jax.device_get(_key_data(rng)))}),
+            DATA: ocp.args.JsonSave(data_state),
+            CONFIG: ocp.args.JsonSave({'config': config_json})}), force=True)
     except Exception as e:  # pylint: disable=broad-exception-caught
       self._failed(step, e)
     self._in_flight = step
@@ -128,7 +130,8 @@ class Checkpointer:
     """Blocks until the save in flight is written; raises CheckpointError if it failed."""
     step, self._in_flight = self._in_flight, None
     try:
-      self.manager.wait_until_finished()
+      with _unretrieved_task_errors_dropped():
+        self.manager.wait_until_finished()
     except Exception as e:  # pylint: disable=broad-exception-caught
       self._failed(step, e)
 
@@ -176,16 +179,9 @@ class Checkpointer:
     for index, step in enumerate(steps):
       path = os.path.join(self.directory, str(step))
       try:
-        saved_config = self.manager.restore(step, args=ocp.args.Composite(**{
-            CONFIG: ocp.args.JsonRestore()}))[CONFIG]['config']
-        arrays = {**saved_params.saved_shapes(os.path.join(path, STATE)),
-                  **saved_params.saved_shapes(os.path.join(path, RNG))}
-        target = _without_missing_ema(path, abstract_state, arrays)
-        check_compatible(path, arrays, (target, rng_abstract), saved_config, config)
-        restored = self.manager.restore(step, args=ocp.args.Composite(**{
-            STATE: ocp.args.StandardRestore(saved_tree(target)),
-            RNG: ocp.args.StandardRestore(rng_abstract),
-            DATA: ocp.args.JsonRestore()}))
+        with _unretrieved_task_errors_dropped():
+          restored, saved_config, target = self._read(step, path, abstract_state,
+                                                      rng_abstract, config)
         error = None
       except CheckpointError:
         raise
@@ -208,6 +204,21 @@ class Checkpointer:
           'above). Refusing to start from scratch silently: repair or remove them, or use a '
           'new --workdir.')
     return None
+
+  def _read(self, step: int, path: str, abstract_state, rng_abstract, config):
+    """Checkpoint `step`'s arrays, its config, and the state tree they were read into; raises
+    CheckpointError where its shapes do not fit this config."""
+    saved_config = self.manager.restore(step, args=ocp.args.Composite(**{
+        CONFIG: ocp.args.JsonRestore()}))[CONFIG]['config']
+    arrays = {**saved_params.saved_shapes(os.path.join(path, STATE)),
+              **saved_params.saved_shapes(os.path.join(path, RNG))}
+    target = _without_missing_ema(path, abstract_state, arrays)
+    check_compatible(path, arrays, (target, rng_abstract), saved_config, config)
+    restored = self.manager.restore(step, args=ocp.args.Composite(**{
+        STATE: ocp.args.StandardRestore(saved_tree(target)),
+        RNG: ocp.args.StandardRestore(rng_abstract),
+        DATA: ocp.args.JsonRestore()}))
+    return restored, saved_config, target
 
   def _move_damaged(self, step: int) -> str:
     """Moves a damaged step out of the manager's view, so a new save can reuse its number."""
@@ -296,11 +307,21 @@ class _UnretrievedTaskErrors(std_logging.Filter):
     return 'exception was never retrieved' not in record.getMessage()
 
 
-def _drop_unretrieved_task_errors() -> None:
-  """The error a failed read or write raises is reported once, in t2t_jax's own words."""
+@contextlib.contextmanager
+def _unretrieved_task_errors_dropped():
+  """Around one orbax read or write: the error a failed one raises is reported once, in
+  t2t_jax's own words. After a failure the garbage collector runs before the filter goes, so
+  that the sibling tasks report now, inside it; outside such a call every report is kept."""
   logger = std_logging.getLogger('asyncio')
-  if not any(isinstance(f, _UnretrievedTaskErrors) for f in logger.filters):
-    logger.addFilter(_UnretrievedTaskErrors())
+  dropped = _UnretrievedTaskErrors()
+  logger.addFilter(dropped)
+  try:
+    yield
+  except BaseException:
+    gc.collect()
+    raise
+  finally:
+    logger.removeFilter(dropped)
 
 
 # Config compatibility on resume.

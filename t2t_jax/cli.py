@@ -281,22 +281,49 @@ def check_output_path(path: str, flag: str) -> None:
 
 
 def quiet_libraries() -> None:
-  """Hides the libraries' INFO chatter (orbax's per-save lines, ...); warnings still show.
-
-  Tracebacks that libraries log, or that their background threads die with (orbax's and
-  tensorstore's after a failed save), are hidden too: the Checkpointer stops the run with one
-  line naming the checkpoint and the cause. --verbose shows them.
-  """
-  def shown(record) -> bool:
-    if '/t2t_jax/' in record.pathname:
-      return True
-    if record.exc_info or 'Traceback (most recent call last)' in str(record.msg):
-      return False
-    return record.levelno >= std_logging.WARNING
-  logging.get_absl_handler().addFilter(shown)
+  """Hides the libraries' INFO chatter (orbax's per-save lines, ...); their warnings and errors
+  still show, each as its message without the traceback (the Checkpointer stops a run after a
+  failed save with one line naming the checkpoint and the cause). A background thread that dies
+  is one warning line. --verbose shows everything, tracebacks included."""
+  handler = logging.get_absl_handler()
+  if not any(isinstance(f, _LibraryRecords) for f in handler.filters):
+    handler.addFilter(_LibraryRecords())
+  previous = threading.excepthook
+  if getattr(previous, 'one_line', False):
+    return
 
   def thread_failed(hook_args) -> None:
-    logging.warning('Background thread %s ended with %s: %s (--verbose shows the traceback)',
-                    getattr(hook_args.thread, 'name', '?'), hook_args.exc_type.__name__,
-                    ' '.join(str(hook_args.exc_value).split())[:300])
+    if hook_args.exc_type is not SystemExit:
+      logging.warning('Background thread %s ended with %s: %s (--verbose shows the traceback)',
+                      getattr(hook_args.thread, 'name', '?'), hook_args.exc_type.__name__,
+                      ' '.join(str(hook_args.exc_value).split())[:300])
+    if previous is not threading.__excepthook__:  # A hook someone else installed still runs.
+      previous(hook_args)
+  thread_failed.one_line = True
   threading.excepthook = thread_failed
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+class _LibraryRecords(std_logging.Filter):
+  """t2t_jax's own records as they are; other libraries' from WARNING up, as their message and
+  the exception's one line, without the traceback."""
+
+  def filter(self, record: std_logging.LogRecord) -> bool:
+    if record.pathname.startswith(_PACKAGE):
+      return True
+    if record.levelno < std_logging.WARNING:
+      return False
+    message = record.getMessage()
+    head, marker, trace = message.partition('Traceback (most recent call last):')
+    if marker:  # A traceback printed into the message: its last line is the error.
+      raised = [line for line in trace.splitlines() if line and not line[0].isspace()]
+      message = ' '.join(f'{head.strip()} {raised[-1] if raised else ""}'.split())
+    if record.exc_info and record.exc_info[1] is not None:
+      error = record.exc_info[1]
+      message += f' ({type(error).__name__}: {" ".join(str(error).split())[:300]})'
+    if marker or record.exc_info or record.exc_text:
+      record.msg, record.args = f'{message} (--verbose shows the traceback)', ()
+      record.exc_info = record.exc_text = None
+    return True

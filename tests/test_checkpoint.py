@@ -2,6 +2,7 @@
 config checks, averaging, export, and the plain-orbax snippet of docs/training.md."""
 
 import errno
+import gc
 import glob
 import logging as std_logging
 import os
@@ -209,6 +210,35 @@ def test_failed_save_stops_with_the_cause_and_keeps_the_previous_checkpoint(tmp_
   restored = reopened.manager.restore(1, args=ocp.args.Composite(
       state=ocp.args.StandardRestore(state)))
   assert np.array_equal(restored['state']['w'], np.arange(4.0))
+
+
+def _orphan_a_failed_task() -> None:
+  """A task that failed with nobody retrieving its error, freed only by the garbage collector
+  (held in a reference cycle), as orbax's sibling reads are when the first one fails."""
+  import asyncio  # pylint: disable=import-outside-toplevel
+
+  async def sibling_read():
+    raise OSError('tensorstore: the shard is truncated')
+  loop = asyncio.new_event_loop()
+  cycle = {'task': loop.create_task(sibling_read())}
+  cycle['self'] = cycle
+  loop.run_until_complete(asyncio.sleep(0))  # The task runs and fails.
+  loop.close()
+
+
+def test_unretrieved_task_errors_are_dropped_only_around_a_failed_orbax_call(tmp_path, caplog):
+  checkpoint.Checkpointer(str(tmp_path), _config().ckpt)  # Installs nothing for the process.
+  unretrieved = lambda: [r for r in caplog.records if 'never retrieved' in r.getMessage()]
+  with caplog.at_level(std_logging.ERROR, logger='asyncio'):
+    with pytest.raises(OSError, match='the read failed'):
+      with checkpoint._unretrieved_task_errors_dropped():  # pylint: disable=protected-access
+        _orphan_a_failed_task()
+        raise OSError('the read failed')
+    assert unretrieved() == []  # Collected, and dropped, before the call returned.
+    _orphan_a_failed_task()
+    gc.collect()
+    assert len(unretrieved()) == 1  # Outside such a call, asyncio's report is kept.
+  assert std_logging.getLogger('asyncio').filters == []
 
 
 def test_late_writer_wakeups_of_a_closed_loop_are_dropped_and_other_reports_kept(

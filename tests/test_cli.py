@@ -1,11 +1,14 @@
 """The command-line tools' shared behaviour: strict JSON lines, one-line errors, short usage."""
 
 import json
+import logging as logging_module
 import math
 import os
 import subprocess
 import sys
+import threading
 
+from absl import logging as absl_logging
 import pytest
 
 from conftest import ROOT
@@ -208,3 +211,51 @@ def test_commands_run_again_with_huge_pages_keeping_their_arguments(switch, expe
   assert process.returncode == 0, err
   # The same process (exec keeps the pid), its arguments intact, the tunable set once.
   assert out.strip() == f"['extra'] {expected} {process.pid}"
+
+
+def _record(pathname, level, message, args=(), error=None):
+  exc_info = (type(error), error, error.__traceback__) if error else None
+  return logging_module.LogRecord('orbax.checkpoint', level, pathname, 7, message, args, exc_info)
+
+
+def test_other_libraries_errors_reach_the_user_as_one_line_and_info_does_not():
+  try:
+    raise OSError(28, 'No space left on device')
+  except OSError as e:
+    error = e
+  shown = cli._LibraryRecords()  # pylint: disable=protected-access
+  orbax_file = '/site-packages/orbax/checkpoint/async_checkpointer.py'
+  record = _record(orbax_file, logging_module.ERROR, 'Saving step %d failed', (3,), error)
+  assert shown.filter(record)
+  assert logging_module.Formatter('%(message)s').format(record) == (
+      'Saving step 3 failed (OSError: [Errno 28] No space left on device) (--verbose shows the '
+      'traceback)')  # The message and the error; no traceback.
+  warning = _record(orbax_file, logging_module.WARNING, 'retrying\nTraceback (most recent call '
+                    'last):\n  File "x.py", line 1\nValueError: bad shard')
+  assert shown.filter(warning) and warning.getMessage() == (
+      'retrying ValueError: bad shard (--verbose shows the traceback)')
+  assert not shown.filter(_record(orbax_file, logging_module.INFO, 'Saved step 3'))
+  own = _record(os.path.join(os.path.dirname(cli.__file__), 'train.py'), logging_module.INFO,
+                'step 3', error=error)
+  assert shown.filter(own) and own.exc_info is not None  # t2t_jax's records are untouched.
+
+
+def test_quiet_libraries_filters_the_absl_handler_and_chains_thread_hooks(monkeypatch):
+  handler = absl_logging.get_absl_handler()
+  monkeypatch.setattr(handler, 'filters', list(handler.filters))
+  seen = []
+  monkeypatch.setattr(threading, 'excepthook', seen.append)  # Someone else's hook.
+  warnings = []
+  monkeypatch.setattr(absl_logging, 'warning', lambda *args: warnings.append(args[0] % args[1:]))
+  cli.quiet_libraries()
+  cli.quiet_libraries()  # Twice: one filter, one hook.
+  assert sum(isinstance(f, cli._LibraryRecords) for f in handler.filters) == 1  # pylint: disable=protected-access
+
+  def fail():
+    raise RuntimeError('tensorstore writer lost')
+  thread = threading.Thread(target=fail, name='writer')
+  thread.start()
+  thread.join()
+  assert warnings == ['Background thread writer ended with RuntimeError: tensorstore writer '
+                      'lost (--verbose shows the traceback)']
+  assert [type(args.exc_value) for args in seen] == [RuntimeError]  # The previous hook ran.
