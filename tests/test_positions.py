@@ -43,9 +43,18 @@ def test_predictive_positions_follow_the_lecture_formula():
       assert table[x, 2 * i + 1] == pytest.approx(math.cos(x * rate), abs=1e-6)
 
 
-def test_odd_width_tables_have_the_width_asked_for():
-  assert positions.predictive_positions(7, 5).shape == (7, 5)
-  assert positions.sinusoidal_positions(7, 5).shape == (7, 5)
+def test_odd_width_tables_hold_the_formula_in_every_column():
+  """At width 5 the pairs are (0, 1) and (2, 3), and column 4 is the sine of a third pair whose
+  cosine does not fit; each rate still uses the table's own width, 5."""
+  sinusoid, predictive = positions.sinusoidal_positions(7, 5), positions.predictive_positions(7, 5)
+  assert sinusoid.shape == predictive.shape == (7, 5)
+  for x in range(7):
+    for column in range(5):
+      i = column // 2
+      turn = math.sin if column % 2 == 0 else math.cos
+      assert sinusoid[x, column] == pytest.approx(turn(x / 10000 ** (2 * i / 5)), abs=1e-6)
+      rate = ((2 * i + 1) / 5) ** (1 / (1 - 0.883))
+      assert predictive[x, column] == pytest.approx(turn(x * rate), abs=1e-6)
 
 
 def test_learned_positions_are_a_trained_table_with_logical_axes():
