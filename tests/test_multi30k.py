@@ -1,6 +1,7 @@
 """configs/multi30k.py (both variants, its data folder as a config value) and the plot command."""
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -8,14 +9,19 @@ import sys
 import time
 from unittest import mock
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import tensorboardX
 
 from conftest import ROOT, scalar_events, write_lines
+from configs import base as configs_base
 from configs import multi30k
+from t2t_jax import model as model_lib
 from t2t_jax import optim
 from t2t_jax import plot
+from t2t_jax import saved_params
 from t2t_jax import sources
 from t2t_jax import train
 from t2t_jax import translator as translator_lib
@@ -316,6 +322,24 @@ def test_each_model_family_variant_trains_and_evaluates(tmp_path, variant, key, 
   results = train.train_and_evaluate(config, str(tmp_path / 'run'))
   assert results['step'] == 6 and 0 <= results['bleu'] <= 100
   assert json.load(open(tmp_path / 'run' / 'config.json'))['model'][key] == value
+  # Six updates already predict the held-out targets better than a uniform guess.
+  assert results['eval_loss'] < math.log(config.data.vocab_size)
+  # What was trained and saved is the member's model, which is not the paper's.
+  saved = {path: shape for path, (shape, _) in saved_params.saved_shapes(
+      str(tmp_path / 'run' / 'checkpoints' / '6' / 'state')).items() if 'params' in path}
+
+  def param_shapes(model_section):
+    model_config = model_lib.TransformerConfig.from_config(model_section,
+                                                           config.data.vocab_size, 'cpu')
+    tokens = jax.ShapeDtypeStruct((1, 4), jnp.int32)
+    tree = jax.eval_shape(model_lib.Transformer(model_config).init, jax.random.PRNGKey(0),
+                          tokens, tokens)['params']
+    return sorted(tuple(leaf.shape) for leaf in jax.tree.leaves(tree))
+  paper = config.model.copy_and_resolve_references()
+  setattr(paper, key, configs_base.get_config().model[key])
+  assert sorted(tuple(shape) for shape in saved.values()) == param_shapes(config.model)
+  if value != 'predictive':  # Predictive positions are a fixed table: no weights of their own.
+    assert param_shapes(config.model) != param_shapes(paper)
 
 
 def test_speedrun_is_the_reference_model_with_rotary_positions_and_a_budgeted_schedule():

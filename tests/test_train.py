@@ -4,6 +4,7 @@ import collections
 import gc
 import glob
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -17,6 +18,7 @@ import pytest
 
 from conftest import ROOT, adam_moments, assert_adam_runs_agree, scalar_events, text_config
 from t2t_jax import data
+from t2t_jax import flops
 from t2t_jax import model as model_lib
 from t2t_jax import plot
 from t2t_jax import sharding
@@ -179,7 +181,16 @@ def test_text_source_trains(tiny_config, tmp_path):
   config.ckpt.every = 0
   results = train.train_and_evaluate(config, str(tmp_path / 'run'))
   assert results['step'] == 4 and 0 <= results['bleu'] <= 100
-  assert (tmp_path / 'run' / 'vocab.model').exists()
+  # The vocabulary it trained is a real SentencePiece model of the asked size that gives every
+  # training line back, read here with sentencepiece itself.
+  import sentencepiece  # pylint: disable=g-import-not-at-top
+  vocab = sentencepiece.SentencePieceProcessor(model_file=str(tmp_path / 'run' / 'vocab.model'))
+  assert vocab.get_piece_size() == config.data.vocab_size == 40
+  for path in (config.data.train_src, config.data.train_tgt):
+    lines = open(path, encoding='utf-8').read().splitlines()
+    assert [vocab.decode(vocab.encode(line)) for line in lines] == lines
+  # Four updates already predict the held-out targets better than a uniform guess.
+  assert results['eval_loss'] < math.log(config.data.vocab_size)
 
 
 @pytest.mark.slow
@@ -204,8 +215,27 @@ def test_dry_run_cli_prints_size_and_cost():
       [sys.executable, '-m', 't2t_jax.main', '--config=configs/tiny.py', '--dry_run'],
       cwd=ROOT, env=env, capture_output=True, text=True, check=True, timeout=300).stdout
   result = json.loads(output.strip().splitlines()[-1])
-  assert result['config'] == 'tiny' and result['params'] > 0 and result['flops_per_step'] > 0
-  assert result['memory_per_device_bytes']['argument'] > 0
+  from configs import tiny  # pylint: disable=g-import-not-at-top
+  config = tiny.get_config()
+  model_config = model_lib.TransformerConfig.from_config(config.model, data.vocab_size(config),
+                                                         'cpu')
+  tokens = jax.ShapeDtypeStruct((1, 4), np.int32)
+  shapes = jax.eval_shape(model_lib.Transformer(model_config).init, jax.random.PRNGKey(0),
+                          tokens, tokens)
+  params = sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(shapes['params']))
+  rows, length = result['batch_shape']
+  assert result['config'] == 'tiny' and result['params'] == params
+  analytic = flops.train_step_flops(model_config, rows, length, length)
+  assert result['analytic_flops_per_step'] == analytic
+  devices = result['device_count']
+  assert result['mesh'] == {'data': devices, 'fsdp': 1, 'tensor': 1, 'expert': 1}
+  # The compiled kernels' matmuls: each device its share of the rows.
+  assert result['compiled_flops_per_device'] * devices == analytic
+  assert analytic < result['flops_per_step'] < 1.3 * analytic  # XLA adds elementwise work.
+  # Each device's arguments: float32 params and two Adam moments (replicated over 'data'), its
+  # rows of the batch's two int32 arrays, and a few scalars (step, counts, the key).
+  arguments = result['memory_per_device_bytes']['argument']
+  assert 0 <= arguments - (12 * params + 2 * 4 * rows * length // devices) <= 64
 
 
 @pytest.mark.slow

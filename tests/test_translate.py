@@ -15,7 +15,9 @@ import pytest
 
 from conftest import ROOT, write_lines
 from t2t_jax import checkpoint
+from t2t_jax import evaluate
 from t2t_jax import model as model_lib
+from t2t_jax import plot
 from t2t_jax import translate
 from t2t_jax import saved_params
 
@@ -35,8 +37,24 @@ def _run(module, *args, stdin=None):
 @pytest.mark.slow
 def test_training_records_the_best_bleu_step(workdir):
   best = json.load(open(os.path.join(workdir, 'best_bleu.json')))
-  assert best['step'] in (10, 20) and best['label'] == 'sacreBLEU'
-  assert 'tok:13a' in best['signature'] and 0 <= best['bleu'] <= 100
+  assert best['label'] == 'sacreBLEU' and 'tok:13a' in best['signature']
+  logged = plot.read_scalars(workdir)['bleu']  # What the run logged at each evaluation.
+  assert list(logged.steps) == [10, 20]
+  highest = max(logged.values)
+  assert best['bleu'] == pytest.approx(highest, abs=1e-4)
+  assert best['step'] == logged.steps[list(logged.values).index(highest)]  # The first such.
+
+
+def test_the_best_bleu_record_keeps_the_first_highest_score(tmp_path):
+  scores = {100: 12.5, 200: 31.0, 300: 30.9, 400: 31.0, 500: 7.0}
+  kept = [evaluate.record_best_bleu(str(tmp_path), step, evaluate.Bleu(score, 'sacreBLEU', 's'))
+          for step, score in scores.items()]
+  assert kept == [True, True, False, False, False]
+  assert json.load(open(tmp_path / 'best_bleu.json')) == {
+      'step': 200, 'bleu': 31.0, 'label': 'sacreBLEU', 'signature': 's'}
+  # A resumed run that evaluates step 200 again replaces its own record, even lower.
+  assert evaluate.record_best_bleu(str(tmp_path), 200, evaluate.Bleu(30.0, 'sacreBLEU', 's'))
+  assert json.load(open(tmp_path / 'best_bleu.json'))['bleu'] == 30.0
 
 
 @pytest.mark.slow
