@@ -595,9 +595,10 @@ def test_a_full_disk_stops_the_run_and_a_disk_with_room_resumes_it(tmp_path):
 @pytest.mark.slow
 def test_chaos_kills_sigterm_ctrl_c_and_a_full_disk_then_resume_equal_a_straight_run(
     tmp_path):
-  seed = random.randrange(2**31)
+  seed = int(os.environ.get('T2T_CHAOS_SEED') or random.randrange(2**31))
+  print(f'chaos seed {seed}: replay with T2T_CHAOS_SEED={seed} (this test) or '
+        f'`python tests/chaos.py --kills=4 --seed={seed}`')  # pytest shows it on failure.
   result = chaos.run(kills=4, seed=seed, root=str(tmp_path))
-  # Rerun with `python tests/chaos.py --kills=4 --seed=<seed>`.
   assert result['ok'], (f'seed {seed}', result['problems'], result['launches'])
   kinds = [launch['kind'] for launch in result['launches']]
   expected = ['vocab', 'cache', 'step', 'save', 'sigterm', 'sigint', None] + (

@@ -6,29 +6,69 @@ import signal
 import threading
 import time
 
+import pytest
+
 from t2t_jax import hang_guard
 from t2t_jax import preemption
 
 
-def test_sigterm_sets_the_request_and_close_restores_the_handler():
-  previous = signal.getsignal(signal.SIGTERM)
-  guard = preemption.Preemption(grace_seconds=600)
+def _wait_for(condition, seconds=10.0) -> bool:
+  deadline = time.monotonic() + seconds
+  while not condition() and time.monotonic() < deadline:
+    time.sleep(0.01)  # A signal handler runs in the main thread between bytecodes.
+  return condition()
+
+
+@pytest.fixture
+def exits(monkeypatch):
+  """The process exits the guard would make, recorded instead of made."""
+  made = []
+  monkeypatch.setattr(preemption.Preemption, '_exit_now',
+                      lambda self, signum, message: made.append((signum, message)))
+  return made
+
+
+def test_sigterm_requests_a_save_and_close_cancels_the_grace_period(exits):
+  previous = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
+  guard = preemption.Preemption(grace_seconds=0.3)
   try:
-    assert signal.getsignal(signal.SIGTERM) != previous  # Installed.
+    assert signal.getsignal(signal.SIGTERM) != previous[signal.SIGTERM]  # Installed.
     assert not guard.requested(3)
     os.kill(os.getpid(), signal.SIGTERM)
-    deadline = time.monotonic() + 10
-    while not guard.requested(4) and time.monotonic() < deadline:
-      time.sleep(0.01)  # The handler runs in the main thread between bytecodes.
-    assert guard.requested(4)
-    assert guard._timer is not None and guard._timer.is_alive()  # The grace watchdog runs.
+    assert _wait_for(lambda: guard.requested(4))
+  finally:
+    guard.close()  # The save finished in time.
+  time.sleep(0.6)  # Twice the grace period: a watchdog still running would have fired.
+  assert exits == []
+  assert {signum: signal.getsignal(signum) for signum in previous} == previous
+  error = preemption.Preempted(7, '/tmp/w')
+  assert error.step == 7 and 'step 7 in /tmp/w' in str(error) and error.exit_code == 143
+
+
+def test_a_save_that_outlives_the_grace_period_ends_the_process(exits):
+  guard = preemption.Preemption(grace_seconds=0.2)
+  try:
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert _wait_for(lambda: exits != [])  # Not closed: the watchdog fires.
   finally:
     guard.close()
-  assert not guard._timer.is_alive() or guard._timer.finished.is_set()  # Cancelled.
-  assert signal.getsignal(signal.SIGTERM) == previous
-  error = preemption.Preempted(7, '/tmp/w')
-  assert error.step == 7 and 'step 7 in /tmp/w' in str(error)
-  assert preemption.EXIT_CODE == 143
+  [(signum, message)] = exits
+  assert signum == signal.SIGTERM and 'grace period after SIGTERM ran out' in message
+
+
+def test_ctrl_c_requests_a_save_and_a_second_one_exits_at_once(exits):
+  guard = preemption.Preemption(grace_seconds=600)
+  try:
+    os.kill(os.getpid(), signal.SIGINT)  # Not a KeyboardInterrupt: the guard's handler.
+    assert _wait_for(lambda: guard.requested(5)) and guard.signum == signal.SIGINT
+    assert exits == []
+    os.kill(os.getpid(), signal.SIGINT)
+    assert _wait_for(lambda: exits != [])
+  finally:
+    guard.close()
+  [(signum, message)] = exits
+  assert signum == signal.SIGINT and message.startswith('Second Ctrl-C: exiting without saving')
+  assert preemption.Preempted(5, '/tmp/w', signal.SIGINT).exit_code == 130
 
 
 def test_hang_guard_disarmed_in_time_never_fires_and_stops_its_thread():
