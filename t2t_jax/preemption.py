@@ -1,5 +1,6 @@
 """SIGTERM (preemption) and Ctrl-C: save at the current step, then exit within a grace period."""
 
+import contextlib
 import os
 import signal
 import sys
@@ -27,6 +28,12 @@ class Preempted(Exception):
     self.exit_code = EXIT_CODES[signum]
 
 
+class Interrupted(BaseException):
+  """A signal arrived inside `Preemption.interruptible()`: the work there is abandoned. Like
+  KeyboardInterrupt it is not an Exception, so no `except Exception` on the way (a logging
+  handler's, a library's) swallows it."""
+
+
 class Preemption:
   """Turns SIGTERM and Ctrl-C into "save at the end of this step and stop".
 
@@ -47,6 +54,7 @@ class Preemption:
     self._timer = None
     self._multi_process = jax.process_count() > 1
     self._previous = {}
+    self._interruptible = False
     if not self._multi_process and threading.current_thread() is threading.main_thread():
       for signum in (signal.SIGTERM, signal.SIGINT):
         self._previous[signum] = signal.signal(signum, self._handle)
@@ -65,6 +73,22 @@ class Preemption:
                     self.grace_seconds,
                     '; Ctrl-C again exits at once' if signum == signal.SIGINT else '')
     self._start_watchdog()
+    if self._interruptible:  # An evaluation: abandon it, so the save fits the grace period.
+      self._interruptible = False
+      raise Interrupted(_NAMES[signum])
+
+  @contextlib.contextmanager
+  def interruptible(self):
+    """Work that a signal abandons at once (an evaluation: 25 s to minutes, longer than a
+    scheduler's grace period), raising Interrupted, rather than finishing it before the save.
+    Only work that leaves nothing half-written belongs here (no checkpoint reads or writes)."""
+    if self._signalled.is_set():  # It came since the step asked: abandon before starting.
+      raise Interrupted(_NAMES[self.signum])
+    self._interruptible = True
+    try:
+      yield
+    finally:
+      self._interruptible = False
 
   def _start_watchdog(self):
     self._timer = threading.Timer(self.grace_seconds, self._expire)

@@ -5,6 +5,7 @@ dry_run.py and the metric log in metric_log.py. `build`, `Setup` and `count_para
 importable from here too, where the side-by-side benchmarks look for them.
 """
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -176,27 +177,40 @@ def _train(launch: _Launch, log: metric_log.MetricLog) -> tuple[dict, int | None
           launch.checkpointer.save(step, launch.state, launch.dropout_rng,
                                    launch.train_iter.get_state(), launch.config_json)
         if evaluate_now and not preempted:
-          results = _evaluate(launch, step, save_now)
+          try:
+            results = _evaluate(launch, step, save_now, sigterm.interruptible)
+          except preemption.Interrupted as signal_name:
+            logging.warning('%s during the evaluation of step %d: evaluation abandoned, saving '
+                            'step %d', signal_name, step, step)
+            preempted = True
+            if not save_now:
+              launch.checkpointer.save(step, launch.state, launch.dropout_rng,
+                                       launch.train_iter.get_state(), launch.config_json)
       if preempted:
         break
   sigterm.close()
   return results, sigterm.signum if preempted else None
 
 
-def _evaluate(launch: _Launch, step: int, saved_now: bool) -> dict[str, float]:
+def _evaluate(launch: _Launch, step: int, saved_now: bool,
+              interruptible=contextlib.nullcontext) -> dict[str, float]:
   """The in-loop evaluation at `step`, of the params, their moving average (if kept) and (if
-  asked) the average of the latest checkpoints."""
+  asked) the average of the latest checkpoints. The evaluations run inside `interruptible()`
+  (a signal abandons them); reading the checkpoints to average does not."""
   config, setup = launch.config, launch.setup
   sentences = evaluate.bleu_sentences_due(step, config.train.num_steps, config.eval)
-  results, bleu = evaluate_state(setup, launch.state, launch.task, launch.eval_batches, config,
-                                 launch.translator, sentences)
+  with interruptible():
+    logging.info('step %d: evaluating', step)
+    results, bleu = evaluate_state(setup, launch.state, launch.task, launch.eval_batches,
+                                   config, launch.translator, sentences)
   if bleu and jax.process_index() == 0:
     evaluate.record_best_bleu(launch.workdir, step, bleu)
   if config.eval.average_last and saved_now:
     averaged, steps = launch.checkpointer.average_last(config.eval.average_last,
                                                        setup.abstract_state.params)
-    averaged_results, _ = run_evaluation(setup, averaged, launch.task, launch.eval_batches,
-                                         config, launch.translator, sentences)
+    with interruptible():
+      averaged_results, _ = run_evaluation(setup, averaged, launch.task, launch.eval_batches,
+                                           config, launch.translator, sentences)
     results.update({f'averaged_{name}': value for name, value in averaged_results.items()})
     logging.info('Averaged checkpoints %s', steps)
   for name, value in results.items():

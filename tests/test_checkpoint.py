@@ -418,15 +418,17 @@ def _command(workdir, *flags):
           '--config.eval.bleu_sentences=0', '--config.ckpt.keep=20', *flags]
 
 
-def _run_until(command, kill_at_step: int, sig=signal.SIGKILL):
-  """Starts training, sends `sig` once it logs step `kill_at_step`; returns (rc, log, step)."""
+def _run_until(command, kill_at_step: int, sig=signal.SIGKILL,
+               pattern=r'\] step (\d+): loss'):
+  """Starts training, sends `sig` once it logs a line matching `pattern` (holding a step) of
+  step `kill_at_step` or later; returns (rc, log, step)."""
   env = dict(os.environ, PYTHONPATH=ROOT)
   process = subprocess.Popen(command, cwd=ROOT, env=env, stderr=subprocess.PIPE,
                              stdout=subprocess.DEVNULL, text=True)
   lines, signalled_at = [], None
-  for line in process.stderr:
-    lines.append(line)
-    match = re.search(r'\] step (\d+): loss', line)
+  for text in process.stderr:
+    lines.append(text)
+    match = re.search(pattern, text)
     if match and signalled_at is None and int(match.group(1)) >= kill_at_step:
       signalled_at = int(match.group(1))
       process.send_signal(sig)
@@ -488,6 +490,19 @@ def test_sigterm_saves_at_the_signalled_step_and_exits_in_time(tmp_path):
   assert f'Restored checkpoint {tmp_path}/checkpoints/{saved}' in log
   restored = checkpoint.Checkpointer(str(tmp_path), _config().ckpt).manager.all_steps()
   assert saved in restored
+
+
+@pytest.mark.slow
+def test_a_signal_during_an_evaluation_abandons_it_and_saves_that_step(tmp_path):
+  command = _command(tmp_path, '--config.train.num_steps=100000', '--config.ckpt.every=0',
+                     '--config.train.eval_every=6', '--config.eval.bleu_sentences=-1',
+                     '--config.ckpt.preemption_grace_seconds=60')
+  rc, log, signalled_at = _run_until(command, 6, signal.SIGTERM, r'\] step (\d+): evaluating')
+  assert rc == 128 + signal.SIGTERM and signalled_at == 6, log[-3000:]
+  assert 'SIGTERM during the evaluation of step 6: evaluation abandoned, saving step 6' in log
+  assert 'step 6 eval:' not in log  # Abandoned: no figures.
+  assert 'saved a checkpoint at step 6' in log
+  assert os.listdir(tmp_path / 'checkpoints') == ['6']
 
 
 def _unfinished(workdir) -> list[str]:

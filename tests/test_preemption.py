@@ -84,3 +84,18 @@ def test_hang_guard_disarmed_in_time_never_fires_and_stops_its_thread():
   with hang_guard.HangGuard(0) as off:  # 0 disables it: no thread at all.
     off.arm('step')
     assert off._thread is None and 'hang_guard' not in [t.name for t in threading.enumerate()]
+
+
+def test_a_signal_abandons_only_the_work_marked_interruptible(exits):
+  guard = preemption.Preemption(grace_seconds=600)
+  try:
+    with pytest.raises(preemption.Interrupted, match='SIGTERM'):
+      with guard.interruptible():  # An evaluation: abandoned at once, not finished first.
+        os.kill(os.getpid(), signal.SIGTERM)
+        _wait_for(lambda: False, seconds=5)  # Interrupted long before this ends.
+    assert guard.requested(9) and exits == []
+    os.kill(os.getpid(), signal.SIGTERM)  # A second signal outside: nothing is abandoned.
+    time.sleep(0.1)
+  finally:
+    guard.close()
+  assert exits == []
