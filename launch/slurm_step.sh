@@ -7,7 +7,7 @@
 #
 #   launch/slurm_step.sh python -m t2t_jax.main --config=... --workdir=...
 set -uo pipefail
-readonly PREEMPTED=143  # t2t_jax.preemption.EXIT_CODE
+readonly PREEMPTED=143  # t2t_jax.exit_codes.PREEMPTED (a test compares them)
 echo "slurm_step.sh: job ${SLURM_JOB_ID}, restart ${SLURM_RESTART_COUNT:-0}," \
      "${SLURM_NTASKS:-1} task(s) on ${SLURM_JOB_NODELIST:-?}"
 # Kill the whole step when one process fails, rather than leaving the others waiting on it.

@@ -32,8 +32,9 @@ import sys
 LAUNCH_DIR = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(LAUNCH_DIR))  # The checkout's t2t_jax, installed or not.
 from t2t_jax import cli  # pylint: disable=g-import-not-at-top,wrong-import-position
+from t2t_jax import exit_codes  # pylint: disable=g-import-not-at-top,wrong-import-position
 STATUS_FILE = 'sweep_status.json'  # Left by a SLURM array element that ended without success.
-PREEMPTED = 143  # t2t_jax.preemption.EXIT_CODE: the element is requeued, not failed.
+PREEMPTED = exit_codes.PREEMPTED  # The element is requeued, not failed.
 SUMMARY_COLUMNS = ('step', 'bleu', 'eval_loss', 'train_loss', 'steps_per_second',
                    'train_seconds')
 DESCENDING = ('bleu', 'steps_per_second')  # --sort puts the highest first; others ascend.

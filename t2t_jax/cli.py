@@ -5,7 +5,6 @@ import logging as std_logging
 import math
 import os
 import re
-import signal
 import sys
 import threading
 import traceback
@@ -16,10 +15,11 @@ from absl import flags
 from absl import logging
 
 from t2t_jax import RENAMED_KEYS
+from t2t_jax import exit_codes
 
-USAGE_EXIT_CODE = 2  # Like argparse: a wrong command line, nothing was run.
-ERROR_EXIT_CODE = 1
-INTERRUPTED_EXIT_CODE = 128 + signal.SIGINT  # What a shell reports for a Ctrl-C'd command.
+USAGE_EXIT_CODE = exit_codes.USAGE  # Like argparse: a wrong command line, nothing was run.
+ERROR_EXIT_CODE = exit_codes.ERROR
+INTERRUPTED_EXIT_CODE = exit_codes.INTERRUPTED
 
 
 def json_line(record: dict[str, Any], reasons: dict[str, str] | None = None) -> str:

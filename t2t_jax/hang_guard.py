@@ -9,7 +9,9 @@ import time
 from absl import logging
 import jax
 
-EXIT_STATUS = 3  # Distinct from Python's 1, so a launcher can tell a hang from an exception.
+from t2t_jax import exit_codes
+
+EXIT_STATUS = exit_codes.HANG  # Not Python's 1: a launcher can tell a hang from an error.
 
 
 class HangGuard:

@@ -10,10 +10,11 @@ from absl import logging
 import jax
 from jax.experimental import multihost_utils
 
+from t2t_jax import exit_codes
 from t2t_jax import workdir_lock
 
-EXIT_CODE = 128 + signal.SIGTERM  # What a shell reports for a process ended by SIGTERM.
-EXIT_CODES = {signal.SIGTERM: EXIT_CODE, signal.SIGINT: 128 + signal.SIGINT}
+EXIT_CODE = exit_codes.PREEMPTED
+EXIT_CODES = exit_codes.BY_SIGNAL
 _NAMES = {signal.SIGTERM: 'SIGTERM', signal.SIGINT: 'Ctrl-C (SIGINT)'}
 
 

@@ -15,6 +15,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import numpy as np
 
 from t2t_jax import ConfigError
+from t2t_jax import exit_codes
 
 MESH_AXES = ('data', 'fsdp', 'tensor', 'expert')
 # The devices of the expert axis hold different experts of a mixture-of-experts layer and
@@ -205,5 +206,5 @@ def initialize_distributed(coordinator_address: str = '', num_processes: int = 0
 
 def _exit_with(message: str) -> None:
   logging.error(message)
-  print(f'ERROR: {message}', file=sys.stderr, flush=True)
-  os._exit(2)  # pylint: disable=protected-access
+  print(f'error: {message}', file=sys.stderr, flush=True)
+  os._exit(exit_codes.USAGE)  # pylint: disable=protected-access

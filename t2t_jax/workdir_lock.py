@@ -22,10 +22,12 @@ import time
 from absl import logging
 import numpy as np
 
+from t2t_jax import exit_codes
+
 LOCK_FILE = 'run.lock'
 HEARTBEAT_SECONDS = 30.0
 STALE_SECONDS = 300.0  # Another host's lock not refreshed for this long is from a lost node.
-SIGTERM_EXIT_CODE = 128 + signal.SIGTERM
+SIGTERM_EXIT_CODE = exit_codes.PREEMPTED
 
 
 class WorkdirLocked(RuntimeError):

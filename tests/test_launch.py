@@ -10,6 +10,11 @@ import textwrap
 import pytest
 
 from conftest import ROOT
+from t2t_jax import cli
+from t2t_jax import exit_codes
+from t2t_jax import hang_guard
+from t2t_jax import preemption
+from t2t_jax import workdir_lock
 
 sys.path.insert(0, os.path.join(ROOT, 'launch'))
 import sweep  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -35,6 +40,20 @@ def test_a_sweep_file_that_fails_to_load_is_named_with_its_line(tmp_path, text, 
   with pytest.raises(sweep.SweepError) as raised:
     sweep.load_sweep(str(path))
   assert str(raised.value) == f'{path}{where}'
+
+
+def test_every_exit_status_is_the_one_table_s():
+  """The launchers requeue on PREEMPTED and the modules exit with the table's codes, as a shell
+  reports a process a signal ended (128 + the signal's number)."""
+  step_script = open(os.path.join(ROOT, 'launch', 'slurm_step.sh')).read()
+  assert re.search(r'^readonly PREEMPTED=(\d+)', step_script, re.M).group(1) == '143'
+  assert exit_codes.PREEMPTED == 128 + 15 and exit_codes.INTERRUPTED == 128 + 2
+  assert sweep.PREEMPTED == preemption.EXIT_CODE == workdir_lock.SIGTERM_EXIT_CODE == 143
+  assert (cli.ERROR_EXIT_CODE, cli.USAGE_EXIT_CODE, hang_guard.EXIT_STATUS,
+          cli.INTERRUPTED_EXIT_CODE) == (1, 2, 3, 130)
+  codes = [value for name, value in vars(exit_codes).items() if name.isupper()
+           and isinstance(value, int)]
+  assert len(codes) == len(set(codes))  # No two meanings share a status.
 
 
 def test_sweep_expands_products_and_zips():
