@@ -17,6 +17,7 @@ import math
 import re
 import time
 
+from absl import logging
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -45,6 +46,11 @@ def dry_run(config, target: str = '', evaluation: bool = True) -> dict:
   """
   named = targets.parse(target) if target else None
   devices = targets.devices(named) if named else None
+  if named and named.slices > 1 and config.mesh.dcn_data == 1:
+    config = config.copy_and_resolve_references()  # Only the data axis crosses slices.
+    config.mesh.dcn_data = named.slices
+    logging.info('%s has %d slices: config.mesh.dcn_data=%d (the data axis spans them)',
+                 named.name, named.slices, named.slices)
   config_check.check(config, devices=devices)
   mesh = sharding.make_mesh(config.mesh, devices)
   setup = setup_lib.build(config, data.vocab_size(config), mesh=mesh)
@@ -76,7 +82,7 @@ def dry_run(config, target: str = '', evaluation: bool = True) -> dict:
       'compile_seconds': train.seconds,
   }
   if named is None:
-    return {**result, **_device_fit(train.memory), **_collectives(train)}
+    return {**result, **_device_fit(train), **_collectives(train)}
   result.update(_target_report(config, setup, named, train, batch, evaluation))
   if train.cost is not None:
     result.update(_collectives(train))
@@ -280,10 +286,14 @@ def _memory_per_device(compiled) -> dict[str, int]:
   return per_device
 
 
-def _device_fit(memory: dict) -> dict:
-  """On an accelerator that reports its memory, whether the step fits in it."""
+def _device_fit(train: 'Program') -> dict:
+  """On an accelerator that reports its memory, whether the step fits in it (a step its
+  compiler refused does not, with the compiler's words)."""
+  if train.error:
+    return {'fits': False, 'compiler_error': train.error}
   limit = (jax.devices()[0].memory_stats() or {}).get('bytes_limit')
-  return {'device_memory_bytes': int(limit), 'fits': memory['total'] <= limit} if limit else {}
+  return ({'device_memory_bytes': int(limit), 'fits': train.memory['total'] <= limit}
+          if limit else {})
 
 
 def fit_advice(config, result: dict) -> str:
@@ -321,10 +331,12 @@ def command(config, target: str = '') -> None:
   if result.get('programs') and not result['fits']:
     raise ConfigError(fit_advice(config, result))
   if not result.get('fits', True):  # A real accelerator of this machine, no target named.
-    raise ConfigError(f'the train step needs {result["memory_per_device_bytes"]["total"]} bytes '
-                      f'per device but the device has {result["device_memory_bytes"]}: shard '
-                      'more (config.mesh), lower config.data.batch_tokens, raise '
-                      'config.opt.grad_accum_steps or use config.model.dtype=bfloat16.')
+    needs = (f'the compiler refused it: {result["compiler_error"]}' if 'compiler_error' in
+             result else f'it needs {human_bytes(result["memory_per_device_bytes"]["total"])} '
+             f'per device but the device has {human_bytes(result["device_memory_bytes"])}')
+    raise ConfigError(f'the train step does not fit: {needs}; shard more (config.mesh), lower '
+                      'config.data.batch_tokens, raise config.opt.grad_accum_steps or use '
+                      'config.model.dtype=bfloat16.')
 
 
 def human_bytes(n: float) -> str:

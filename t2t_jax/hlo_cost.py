@@ -74,8 +74,8 @@ class Collective:
       return 2 * (n - 1) / n * size
     if self.kind == 'all-gather':
       return (n - 1) * size  # Each device's piece goes to the n - 1 others.
-    if self.kind in ('collective-permute', 'collective-broadcast'):
-      return size
+    if self.kind in ('collective-permute', 'collective-broadcast', 'one-to-one'):
+      return size  # Each device sends its operand once (one-to-one: a slice-to-slice send).
     return (n - 1) / n * size  # reduce-scatter, all-to-all.
 
 
@@ -195,7 +195,9 @@ class _Walker:
         flops, dtype = library_call_flops(ins, table)
       reads = sum(hlo_text.hbm_bytes(table[name].shape) for name in ins.operands if name in table)
       writes = hlo_text.hbm_bytes(ins.shape)
-      if ins.opcode.endswith('-start'):  # (operand aliases, outputs..., context): not element 0.
+      if ins.opcode == 'copy-start':  # (destination, source alias, context): the destination.
+        writes = hlo_text.hbm_bytes(hlo_text.tuple_elements(ins.shape)[0])
+      elif ins.opcode.endswith('-start'):  # (operand aliases, outputs..., context).
         writes = sum(hlo_text.hbm_bytes(e) for e in hlo_text.tuple_elements(ins.shape)[1:])
       elif ins.opcode == 'dynamic-update-slice':  # In place: the update is read and written.
         reads = writes = hlo_text.hbm_bytes(table[ins.operands[1]].shape)
@@ -335,7 +337,10 @@ def _attention_flops(ins: hlo_text.Instruction, table, target: str) -> tuple[flo
     if pattern.search(ins.name if pattern.pattern.startswith('splash') else target):
       operands = [hlo_text.arrays(table[name].shape)[0] for name in ins.operands if name in table
                   and hlo_text.arrays(table[name].shape)]
-      q, k = [a for a in operands if len(a[1]) >= 3 and a[0][0] in 'fb'][:2]
+      arrays = [a for a in operands if len(a[1]) >= 3 and a[0][0] in 'fb']
+      if len(arrays) < 2:
+        return None  # Not the query and key this layout expects: not counted.
+      q, k = arrays[:2]
       return 2.0 * matmuls * math.prod(q[1]) * k[1][key_axis], q[0]
   return None
 

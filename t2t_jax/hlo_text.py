@@ -16,7 +16,9 @@ import numpy as np
 
 DTYPE_BYTES = {'pred': 1, 's8': 1, 'u8': 1, 's16': 2, 'u16': 2, 'f16': 2, 'bf16': 2, 's32': 4,
                 'u32': 4, 'f32': 4, 's64': 8, 'u64': 8, 'f64': 8, 'c64': 8, 'c128': 16,
-                's4': 0.5, 'u4': 0.5, 'token': 0}
+                's4': 0.5, 'u4': 0.5, 'token': 0,
+                **dict.fromkeys(('f8e4m3fn', 'f8e5m2', 'f8e4m3', 'f8e3m4', 'f8e4m3fnuz',
+                                 'f8e5m2fnuz', 'f8e4m3b11fnuz'), 1)}
 _ARRAY = re.compile(r'\b([a-z]+[0-9a-z]*)\[([0-9,]*)\](\{[^{}]*\})?')
 _HEADER = re.compile(r'^(ENTRY )?%?([\w.\-]+) \(.*\) -> .* \{$')
 _INSTRUCTION = re.compile(r'^\s*(ROOT )?%([\w.\-]+) = ')

@@ -34,7 +34,9 @@ class Candidate:
 
   @property
   def fits(self) -> bool:
-    return bool(self.result) and self.result['programs']['train_step']['fits']
+    """Its train step fits (and, once compiled with them, its eval step and search)."""
+    return bool(self.result) and self.result.get('fits', True) and (
+        self.result['programs']['train_step']['fits'])
 
   @property
   def step_seconds(self) -> float:
@@ -98,12 +100,15 @@ def search(config, target: str, print_progress: bool = False) -> list[Candidate]
     best = min(fitting, key=lambda c: c.step_seconds)
     tried.append(_try(config, target, Candidate(best.mesh, False, best.remat), log))
   ranked = sorted(tried, key=lambda c: (not c.fits, c.step_seconds, c.mesh))
-  if ranked and ranked[0].fits:  # The winner with what an in-loop evaluation compiles too.
-    winner = config.copy_and_resolve_references()
-    winner.mesh.shape = ranked[0].mesh + (1,)
-    winner.model.scan_layers, winner.model.remat = ranked[0].scan_layers, ranked[0].remat
-    ranked[0].result = dry_run_lib.dry_run(winner, target)
-  return ranked
+  for candidate in [c for c in ranked if c.fits]:  # With what an in-loop evaluation compiles.
+    full = config.copy_and_resolve_references()
+    full.mesh.shape = candidate.mesh + (1,)
+    full.model.scan_layers, full.model.remat = candidate.scan_layers, candidate.remat
+    candidate.result = dry_run_lib.dry_run(full, target)
+    if candidate.result['fits']:
+      break  # The winner: the fastest whose eval step and search fit too.
+    log(candidate)  # Its train step fits, its evaluation does not: the next one is tried.
+  return sorted(ranked, key=lambda c: (not c.fits, c.step_seconds, c.mesh))
 
 
 def _progress(candidate: Candidate) -> None:

@@ -51,6 +51,12 @@ def make_mesh(mesh_config, devices=None) -> Mesh:
   shape = mesh_shape(mesh_config.shape, len(devices))
   axis_types = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
   slices = mesh_config.dcn_data
+  tpu_slices = (len({getattr(d, 'slice_index', 0) for d in devices})
+                if devices[0].platform == 'tpu' else 1)
+  if slices == 1 and tpu_slices > 1:
+    raise ConfigError(f'the devices form {tpu_slices} TPU slices, joined by the data-centre '
+                      f'network: set config.mesh.dcn_data={tpu_slices} so that only the data '
+                      'axis crosses them')
   if slices == 1:
     return jax.make_mesh(shape, MESH_AXES, devices=devices, axis_types=axis_types)
   if slices < 1 or shape[0] % slices:

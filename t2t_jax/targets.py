@@ -53,16 +53,18 @@ def _nvidia(family: str, name: str, memory_bytes: int, memory_gb_s: float, nvlin
 
 # Sources: cloud.google.com/tpu/docs/{v4,v5e,v5p,v6e} (peak, HBM, ICI, host NICs); NVIDIA's
 # H100, H200, A100 and HGX B200 datasheets (HBM, NVLink); 400 Gb/s (A100: 200 Gb/s)
-# InfiniBand per GPU as in DGX systems. v4's ICI is not in Cloud's table: six links of about
-# 50 GB/s each way (the v4 paper), taken here as 300 GB/s bidirectional. TPU DCN: 2 x 100 Gb/s
-# NICs per v5e host; the same per host is assumed for the other TPUs.
+# InfiniBand per GPU as in DGX systems. ICI one way is half Cloud's bidirectional figure per
+# chip (v5e 400, v5p 1200, v6e 800 GB/s), which is also each pod's all-reduce bandwidth over
+# its chips (v5e 51.2 TB/s / 256, v6e 102.4 TB/s / 256); v4's table gives only the latter,
+# 1.1 PB/s over 4096 chips. TPU DCN: 2 x 100 Gb/s NICs per v5e host (the same per host is
+# assumed for v4 and v6e); v5p: 50 Gb/s per chip.
 _TPU_DCN_PER_HOST = 25 * GB
 CHIPS = {
-    'v4': Chip('tpu_v4', 'tpu', 32 * 2**30, 1200 * GB, 150 * GB, _TPU_DCN_PER_HOST / 4, 4,
+    'v4': Chip('tpu_v4', 'tpu', 32 * 2**30, 1200 * GB, 1.1e15 / 4096, _TPU_DCN_PER_HOST / 4, 4,
                tpu_name='v4', accelerator_type='v4', cores_per_chip=2),
     'v5e': Chip('tpu_v5e', 'tpu', 16 * 2**30, 819 * GB, 200 * GB, _TPU_DCN_PER_HOST / 8, 8,
                 tpu_name='v5e', accelerator_type='v5litepod'),
-    'v5p': Chip('tpu_v5p', 'tpu', 95 * GB, 2765 * GB, 300 * GB, _TPU_DCN_PER_HOST / 4, 4,
+    'v5p': Chip('tpu_v5p', 'tpu', 95 * 2**30, 2765 * GB, 600 * GB, 50e9 / 8, 4,
                 tpu_name='v5p', accelerator_type='v5p', cores_per_chip=2),
     'v6e': Chip('tpu_v6e', 'tpu', 32 * GB, 1640 * GB, 400 * GB, _TPU_DCN_PER_HOST / 8, 8,
                 tpu_name='v6e', accelerator_type='v6e'),
@@ -134,12 +136,21 @@ def parse(name: str) -> Target:
   return Target(name, chip_name, chip, per_slice, slices)
 
 
+# Chips in the largest single slice (a v4 pod; v5p's largest job; v5e and v6e pods).
+_LARGEST_SLICE = {'v4': 4096, 'v5e': 256, 'v5p': 6144, 'v6e': 256}
+
+
 def _tpu_grid(name: str, chip: Chip, chips: int, size: int) -> tuple[int, ...]:
   """The chip grid of a slice of `chips` chips: 2D for v5e/v6e, 3D for v4/v5p."""
   if chips < 1 or chips & (chips - 1):
     counting = ' (the size counts 2 TensorCores a chip)' if chip.cores_per_chip > 1 else ''
     raise ConfigError(f'--dry_run_target={name!r}: a {chip.tpu_name} slice has a power of two '
                       f'chips{counting}, and {size} gives {chips}')
+  largest = _LARGEST_SLICE[chip.tpu_name]
+  if chips > largest:
+    raise ConfigError(f'--dry_run_target={name!r}: a {chip.tpu_name} slice has at most '
+                      f'{largest} chips (Cloud TPU); ask for several slices as '
+                      f'tpu:<slices>x{chip.tpu_name}-<size>')
   dims = [1, 1] if chip.cores_per_chip == 1 else [1, 1, 1]
   if chip.cores_per_chip > 1 and chips >= 4:
     dims = [2, 2, 1]
@@ -149,7 +160,10 @@ def _tpu_grid(name: str, chip: Chip, chips: int, size: int) -> tuple[int, ...]:
     dims[axis % len(dims)] *= 2
     chips //= 2
     axis += 1
-  return tuple(sorted(dims[:2])) + tuple(dims[2:])
+  if len(dims) == 2:
+    return tuple(sorted(dims))  # Cloud's names: 2x2, 2x4, 4x8, ...
+  # 3D as Cloud names them: ascending, a flat slice's 1 last (2x2x1, 2x2x4, 2x4x4, 4x4x8).
+  return tuple(sorted(d for d in dims if d > 1)) + (1,) * dims.count(1)
 
 
 def of_device(device) -> Target | None:

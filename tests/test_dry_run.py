@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from t2t_jax import ConfigError
 from t2t_jax import dry_run as dry_run_lib
 from t2t_jax import hlo_cost
 from t2t_jax import mesh_search
@@ -127,8 +128,11 @@ def test_cudnn_attention_lowers_for_an_h100(cudnn_compiler, tiny_config, no_pers
 
 def test_two_slices_reduce_over_the_data_centre_network(libtpu, tiny_config):
   del libtpu
-  tiny_config.mesh.shape, tiny_config.mesh.dcn_data = (2, 8, 1), 2
+  tiny_config.mesh.shape = (2, 8, 1)  # config.mesh.dcn_data left at 1: the target sets it.
   tiny_config.data.batch_tokens = 512
+  devices = targets.devices(targets.parse('tpu:2xv5e-8'))
+  with pytest.raises(ConfigError, match=r'the devices form 2 TPU slices.*dcn_data=2'):
+    sharding.make_mesh(tiny_config.mesh, devices)  # Real slices without it: one line.
   result = dry_run_lib.dry_run(tiny_config, 'tpu:2xv5e-8', evaluation=False)
   assert result['device_count'] == 16
   prediction = result['prediction']

@@ -170,3 +170,30 @@ def test_both_branches_of_a_conditional_are_counted():
     return jax.lax.cond(p, lambda: a @ b, lambda: (a @ b) @ b.T[:, :64] @ b)
   cost, _ = _cost(branchy, jax.ShapeDtypeStruct((), jnp.bool_), _f32(64, 64), _f32(64, 64))
   assert cost.flops == 4 * 2 * 64**3  # One matmul in one branch, three in the other.
+
+
+def test_an_asynchronous_copy_moves_the_bytes_of_its_destination_and_its_source_once():
+  """A prefetch from HBM into another memory reads HBM once and writes none of it; an
+  eviction reads none and writes HBM once ((destination, source alias, context) is the
+  copy-start's shape)."""
+  hlo = '''HloModule copies
+
+ENTRY %main (p: f32[256,256], q: f32[128,128]) -> (f32[256,256], f32[128,128]) {
+  %p = f32[256,256]{1,0} parameter(0)
+  %q = f32[128,128]{1,0:S(1)} parameter(1)
+  %prefetch = (f32[256,256]{1,0:S(1)}, f32[256,256]{1,0}, u32[]) copy-start(%p)
+  %near = f32[256,256]{1,0:S(1)} copy-done(%prefetch)
+  %evict = (f32[128,128]{1,0}, f32[128,128]{1,0:S(1)}, u32[]) copy-start(%q)
+  %far = f32[128,128]{1,0} copy-done(%evict)
+  ROOT %out = (f32[256,256]{1,0:S(1)}, f32[128,128]{1,0}) tuple(%near, %far)
+}
+'''
+  kernels = {k.name: k.hbm_bytes for k in hlo_cost.analyse(hlo, 1).kernels}
+  assert kernels['prefetch'] == 256 * 256 * 4  # Read from HBM, written elsewhere.
+  assert kernels['evict'] == 128 * 128 * 4  # Read elsewhere, written to HBM.
+
+
+def test_fp8_arrays_have_one_byte_an_element_and_slice_sends_their_operand_once():
+  assert hlo_text.total_bytes('(f8e4m3fn[4,8]{1,0}, f8e5m2[16]{0})') == 32 + 16
+  send = hlo_cost.Collective('one-to-one', 1000.0, [], 1, 2)
+  assert send.wire_bytes == 1000.0

@@ -36,6 +36,7 @@ def test_target_names(name, chip, per_slice, slices, platform):
     ('tpu:v4-6', 'power of two chips'),
     ('tpu:v4-3', 'counts its TensorCores'),
     ('gpu:h100x16', 'a host has at most 8'),
+    ('tpu:v5e-512', 'at most 256 chips'),
 ])
 def test_unknown_or_impossible_targets_are_refused_naming_the_flag(name, message):
   with pytest.raises(ConfigError, match=message) as error:
@@ -46,6 +47,8 @@ def test_unknown_or_impossible_targets_are_refused_naming_the_flag(name, message
 @pytest.mark.parametrize('chip, chips, grid', [
     ('v5e', 1, (1, 1)), ('v5e', 8, (2, 4)), ('v5e', 16, (4, 4)), ('v5e', 256, (16, 16)),
     ('v4', 4, (2, 2, 1)), ('v4', 8, (2, 2, 2)), ('v5p', 64, (4, 4, 4)), ('v4', 1, (1, 1, 1)),
+    # Cloud's v5p table: 2x4x4 holds 32 chips, 4x4x8 128, 4x8x8 256.
+    ('v5p', 32, (2, 4, 4)), ('v4', 128, (4, 4, 8)), ('v5p', 256, (4, 8, 8)),
 ])
 def test_slice_grids(chip, chips, grid):
   assert targets._tpu_grid('x', targets.CHIPS[chip], chips, chips) == grid
