@@ -17,6 +17,9 @@ Parts (--parts), each printing one JSON line per result and appending it to --ou
   pallas      big on tpu:v5e-8 at the table's best mesh, with einsum and with Pallas splash
               attention (attention dropout 0 in both): what the kernel changes in the
               prediction and in memory.
+  recheck     each table row of --out compiled again at its winning mesh with this code (its
+              eval step and search too), as a new row naming the search's commit: after a
+              change to the cost model or a chip's figures, the table without a new search.
 
 Every line carries the matmul rate of this CPU, measured at the start, beside the compile
 seconds: they are this machine's, on its day.
@@ -62,26 +65,42 @@ def _config(name: str, **changes):
 
 def table_part(configs, target_names, base_record, out) -> None:
   for name in configs:
-    steps, paper_seconds = PAPER[name]
     for target in target_names:
       ranked = mesh_search.search(_config(name), target, print_progress=True)
       best = ranked[0] if ranked and ranked[0].fits else None
       record = {**base_record, 'part': 'table', 'config': name, 'target': target,
                 'candidates': [c.as_dict() for c in ranked]}
       if best:
-        result, prediction = best.result, best.result['prediction']
-        record.update(
-            mesh=list(best.mesh), scan_layers=best.scan_layers, remat=best.remat,
-            needs_bytes=result['programs']['train_step']['needs_bytes'],
-            usable_memory_bytes=result['usable_memory_bytes'], programs=result['programs'],
-            batch_shape=result['batch_shape'], step_seconds=prediction['step_seconds'],
-            bound=prediction['bound'], prediction=prediction,
-            target_tokens_per_second=prediction['target_tokens_per_second'],
-            mfu=prediction['mfu'], compiler=result['compiler'],
-            collectives=result['collectives'],
-            predicted_schedule_hours=round(steps * prediction['step_seconds'] / 3600, 2),
-            paper_schedule_hours=paper_seconds / 3600, paper_steps=steps)
+        record.update(mesh=list(best.mesh), scan_layers=best.scan_layers, remat=best.remat,
+                      **_winner_fields(name, best.result))
       _emit(record, out)
+
+
+def recheck_part(base_record, out) -> None:
+  rows = [json.loads(line) for line in open(out) if '"part": "table"' in line]
+  latest = {(row['config'], row['target']): row for row in rows if 'mesh' in row}
+  for (name, target), row in latest.items():
+    config = _config(name, **{'mesh.shape': tuple(row['mesh']) + (1,),
+                              'model.scan_layers': row['scan_layers'],
+                              'model.remat': row['remat']})
+    result = dry_run.dry_run(config, target)
+    _emit({**row, **base_record, **_winner_fields(name, result),
+           'search_commit': row.get('search_commit', row['commit'])}, out)
+
+
+def _winner_fields(name: str, result: dict) -> dict:
+  """A table row's figures of the winning mesh's dry run."""
+  steps, paper_seconds = PAPER[name]
+  prediction = result['prediction']
+  return dict(
+      needs_bytes=result['programs']['train_step']['needs_bytes'],
+      usable_memory_bytes=result['usable_memory_bytes'], programs=result['programs'],
+      batch_shape=result['batch_shape'], step_seconds=prediction['step_seconds'],
+      bound=prediction['bound'], prediction=prediction,
+      target_tokens_per_second=prediction['target_tokens_per_second'], mfu=prediction['mfu'],
+      compiler=result['compiler'], collectives=result['collectives'],
+      predicted_schedule_hours=round(steps * prediction['step_seconds'] / 3600, 2),
+      paper_schedule_hours=paper_seconds / 3600, paper_steps=steps)
 
 
 def h100_point_part(base_record, out) -> None:
@@ -113,9 +132,18 @@ def pallas_part(mesh, base_record, out) -> None:
            'hbm_bytes_per_device': result['hbm_bytes_per_device']}, out)
 
 
+def _order(target: str) -> int:
+  return TARGETS.index(target) if target in TARGETS else len(TARGETS)
+
+
 def markdown(path: str) -> str:
   """The table of docs/accelerators.md from a results file."""
-  rows = [json.loads(line) for line in open(path) if '"part": "table"' in line]
+  latest = {}  # The last row of each model and target (a recheck replaces its search's row).
+  for line in open(path):
+    if '"part": "table"' in line:
+      row = json.loads(line)
+      latest[(row['config'], row['target'])] = row
+  rows = sorted(latest.values(), key=lambda row: (row['config'], _order(row['target'])))
   lines = ['| model | target | best mesh (data, fsdp, tensor) | scan, remat | memory per device '
            '(of usable) | predicted step | target tokens/s | MFU | bound | paper schedule '
            '(predicted) |', '|' + '---|' * 10]
@@ -158,6 +186,8 @@ def main():
     table_part(args.configs.split(','), args.targets.split(','), base_record, args.out)
   if 'h100_point' in parts:
     h100_point_part(base_record, args.out)
+  if 'recheck' in parts:
+    recheck_part(base_record, args.out)
   if 'pallas' in parts:
     best = [json.loads(line) for line in open(args.out) if '"part": "table"' in line
             and '"config": "big"' in line and '"target": "tpu:v5e-8"' in line]

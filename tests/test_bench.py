@@ -367,3 +367,24 @@ def test_accelerator_command_measures_flags_decoding_reference_and_speedrun_on_c
   assert math.isclose(speedrun['target_tokens_per_second'] * speedrun['seconds'],
                       speedrun['target_tokens'], rel_tol=1e-9)
   assert speedrun['target_tokens'] > 0
+
+
+def test_the_accelerator_table_shows_each_rows_latest_result_in_target_order(tmp_path):
+  table = _load('accelerator_table')
+
+  def row(config, target, step_ms, commit):
+    return {'part': 'table', 'config': config, 'target': target, 'commit': commit,
+            'mesh': [1, 8, 1], 'scan_layers': False, 'remat': 'none', 'needs_bytes': 2**30,
+            'usable_memory_bytes': 16 * 2**30, 'step_seconds': step_ms / 1e3,
+            'target_tokens_per_second': 1000, 'mfu': 0.25, 'bound': 'memory',
+            'predicted_schedule_hours': 100_000 * step_ms / 1e3 / 3600, 'paper_steps': 100_000,
+            'paper_schedule_hours': 12.0}
+  rows = [row('base', 'gpu:h100x8', 7, 'a'), row('base', 'tpu:v5e-8', 19, 'a'),
+          {'part': 'pallas', 'config': 'big'}, row('base', 'tpu:v5e-8', 20, 'b'),
+          {'part': 'table', 'config': 'big', 'target': 'tpu:v5e-8'}]  # Nothing fitted.
+  path = tmp_path / 'table.jsonl'
+  path.write_text(''.join(json.dumps(r) + '\n' for r in rows))
+  lines = table.markdown(str(path)).splitlines()[2:]
+  assert [line.split(' | ')[1] for line in lines] == ['tpu:v5e-8', 'gpu:h100x8', 'tpu:v5e-8']
+  assert ' 20 ms ' in lines[0] and '0.6 h (paper: 12 h' in lines[0]  # The recheck's row.
+  assert 'nothing fits' in lines[2]
