@@ -146,11 +146,13 @@ def markdown(path: str) -> str:
   rows = sorted(latest.values(), key=lambda row: (row['config'], _order(row['target'])))
   lines = ['| model | target | best mesh (data, fsdp, tensor) | scan, remat | memory per device '
            '(of usable) | predicted step | target tokens/s | MFU | bound | paper schedule '
-           '(predicted) |', '|' + '---|' * 10]
+           '(predicted) | compiled at (searched at) |', '|' + '---|' * 11]
   for row in rows:
     if 'mesh' not in row:
-      lines.append(f'| {row["config"]} | {row["target"]} | nothing fits | | | | | | | |')
+      lines.append(f'| {row["config"]} | {row["target"]} | nothing fits | | | | | | | | '
+                   f'{row.get("commit", "")} |')
       continue
+    searched = row.get('search_commit', row['commit'])
     gib = lambda n: f'{n / 2**30:.1f}'
     lines.append(
         f'| {row["config"]} | {row["target"]} | {tuple(row["mesh"])} | '
@@ -159,7 +161,8 @@ def markdown(path: str) -> str:
         f'{1e3 * row["step_seconds"]:.0f} ms | {row["target_tokens_per_second"]:,} | '
         f'{100 * row["mfu"]:.0f}% | {row["bound"]} | {row["paper_steps"] // 1000}k steps: '
         f'{row["predicted_schedule_hours"]:.1f} h (paper: {row["paper_schedule_hours"]:.0f} h '
-        'on 8 P100) |')
+        f'on 8 P100) | {row["commit"]}' + (f' ({searched})' if searched != row['commit'] else '')
+        + ' |')
   return '\n'.join(lines)
 
 

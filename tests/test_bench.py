@@ -387,4 +387,5 @@ def test_the_accelerator_table_shows_each_rows_latest_result_in_target_order(tmp
   lines = table.markdown(str(path)).splitlines()[2:]
   assert [line.split(' | ')[1] for line in lines] == ['tpu:v5e-8', 'gpu:h100x8', 'tpu:v5e-8']
   assert ' 20 ms ' in lines[0] and '0.6 h (paper: 12 h' in lines[0]  # The recheck's row.
+  assert lines[0].endswith('| b |') and lines[1].endswith('| a |')
   assert 'nothing fits' in lines[2]
