@@ -17,9 +17,10 @@ Parts (--parts), each printing one JSON line per result and appending it to --ou
   pallas      big on tpu:v5e-8 at the table's best mesh, with einsum and with Pallas splash
               attention (attention dropout 0 in both): what the kernel changes in the
               prediction and in memory.
-  recheck     each table row of --out compiled again at its winning mesh with this code (its
-              eval step and search too), as a new row naming the search's commit: after a
-              change to the cost model or a chip's figures, the table without a new search.
+  recheck     each table row of --out (of --configs and --targets) compiled again at its
+              winning mesh with this code (its eval step and search too), as a new row naming
+              the search's commit: after a change to the cost model or a chip's figures, the
+              table without a new search.
 
 Every line carries the matmul rate of this CPU, measured at the start, beside the compile
 seconds: they are this machine's, on its day.
@@ -76,9 +77,10 @@ def table_part(configs, target_names, base_record, out) -> None:
       _emit(record, out)
 
 
-def recheck_part(base_record, out) -> None:
+def recheck_part(configs, target_names, base_record, out) -> None:
   rows = [json.loads(line) for line in open(out) if '"part": "table"' in line]
-  latest = {(row['config'], row['target']): row for row in rows if 'mesh' in row}
+  latest = {(row['config'], row['target']): row for row in rows if 'mesh' in row
+            and row['config'] in configs and row['target'] in target_names}
   for (name, target), row in latest.items():
     config = _config(name, **{'mesh.shape': tuple(row['mesh']) + (1,),
                               'model.scan_layers': row['scan_layers'],
@@ -190,7 +192,7 @@ def main():
   if 'h100_point' in parts:
     h100_point_part(base_record, args.out)
   if 'recheck' in parts:
-    recheck_part(base_record, args.out)
+    recheck_part(args.configs.split(','), args.targets.split(','), base_record, args.out)
   if 'pallas' in parts:
     best = [json.loads(line) for line in open(args.out) if '"part": "table"' in line
             and '"config": "big"' in line and '"target": "tpu:v5e-8"' in line]
