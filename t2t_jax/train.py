@@ -5,7 +5,6 @@ dry_run.py and the metric log in metric_log.py. `build`, `Setup` and `count_para
 importable from here too, where the side-by-side benchmarks look for them.
 """
 
-import contextlib
 import dataclasses
 import json
 import os
@@ -174,8 +173,7 @@ def _train(launch: _Launch, log: metric_log.MetricLog) -> tuple[dict, int | None
       guard.disarm()  # Saving and evaluating (which compiles decoding) are not steps.
       with log.waiting('save_and_evaluation'):
         if save_now:
-          launch.checkpointer.save(step, launch.state, launch.dropout_rng,
-                                   launch.train_iter.get_state(), launch.config_json)
+          _save(launch, step)
         if evaluate_now and not preempted:
           try:
             results = _evaluate(launch, step, save_now, sigterm.interruptible)
@@ -184,16 +182,19 @@ def _train(launch: _Launch, log: metric_log.MetricLog) -> tuple[dict, int | None
                             'step %d', signal_name, step, step)
             preempted = True
             if not save_now:
-              launch.checkpointer.save(step, launch.state, launch.dropout_rng,
-                                       launch.train_iter.get_state(), launch.config_json)
+              _save(launch, step)
       if preempted:
         break
   sigterm.close()
   return results, sigterm.signum if preempted else None
 
 
-def _evaluate(launch: _Launch, step: int, saved_now: bool,
-              interruptible=contextlib.nullcontext) -> dict[str, float]:
+def _save(launch: _Launch, step: int) -> None:
+  launch.checkpointer.save(step, launch.state, launch.dropout_rng,
+                           launch.train_iter.get_state(), launch.config_json)
+
+
+def _evaluate(launch: _Launch, step: int, saved_now: bool, interruptible) -> dict[str, float]:
   """The in-loop evaluation at `step`, of the params, their moving average (if kept) and (if
   asked) the average of the latest checkpoints. The evaluations run inside `interruptible()`
   (a signal abandons them); reading the checkpoints to average does not."""
