@@ -12,7 +12,7 @@ Parts (--parts), each printing one JSON line per measurement and appending it to
               length from 33 to 64 tokens, the rest padding): step seconds, non-padding target
               tokens/s, analytic model FLOPs (t2t_jax/flops.py, padding counted: the step does
               that work), XLA's cost-analysis FLOPs, MFU against the device's published peak.
-  xla_ab      the base step at 25k slots under each flag set of t2t_jax/xla_flags.py's
+  xla_ab      the base step at 25k slots under each flag set of t2t_jax/runtime.py's
               AB_FLAG_SETS, each in a subprocess of its own (XLA reads XLA_FLAGS once, at
               backend start), and which set was fastest.
   attention   einsum, xla and cudnn attention in the base model at 64- and 256-token rows:
@@ -64,7 +64,7 @@ from t2t_jax import roofline
 from t2t_jax import sharding
 from t2t_jax import targets
 from t2t_jax import train
-from t2t_jax import xla_flags
+from t2t_jax import runtime
 from t2t_jax.model import Transformer
 
 PARTS = ('train_step', 'xla_ab', 'attention', 'decode', 'compare', 'speedrun')
@@ -77,8 +77,8 @@ _SIZE = flags.DEFINE_enum('size', 'auto', ['auto', 'tiny', 'full'],
 _PARTS = flags.DEFINE_list('parts', list(PARTS), f'Which to run, from {PARTS}.')
 _OUT = flags.DEFINE_string('out', '', 'JSON lines file to append to; default '
                            'bench/results/accelerator-<device>-<date>.jsonl.')
-_AB_SETS = flags.DEFINE_list('ab_sets', list(xla_flags.AB_FLAG_SETS),
-                             'xla_ab: flag sets of t2t_jax/xla_flags.py to measure.')
+_AB_SETS = flags.DEFINE_list('ab_sets', list(runtime.AB_FLAG_SETS),
+                             'xla_ab: flag sets of t2t_jax/runtime.py to measure.')
 _DATA_DIR = flags.DEFINE_string('data_dir', '../shared/data/multi30k',
                                 'speedrun: the Multi30k folder, relative to the cwd.')
 _ANCHOR_DIR = flags.DEFINE_string('anchor_dir', '../shared/anchor/flax_wmt',
@@ -210,7 +210,7 @@ def _ab_step(plan: Plan) -> dict:
 
 def _run_flag_set(name: str, size: str) -> dict:
   """One A/B flag set's step, measured by this command in a subprocess under those flags."""
-  flags_set = xla_flags.AB_FLAG_SETS[name]
+  flags_set = runtime.AB_FLAG_SETS[name]
   env = dict(os.environ, XLA_FLAGS=' '.join(_USER_XLA_FLAGS.split() + list(flags_set)),
              PYTHONPATH=os.pathsep.join([ROOT, os.environ.get('PYTHONPATH', '')]))
   process = subprocess.run([sys.executable, os.path.abspath(__file__), f'--size={size}',
@@ -455,4 +455,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  cli.run(main)
+  cli.run(main, compilation_cache=None)  # Timed compiles stay fresh unless asked.

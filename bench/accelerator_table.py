@@ -42,6 +42,7 @@ from bench import common  # pylint: disable=wrong-import-position
 from configs import wmt14_ende  # pylint: disable=wrong-import-position
 from t2t_jax import dry_run  # pylint: disable=wrong-import-position
 from t2t_jax import mesh_search  # pylint: disable=wrong-import-position
+from t2t_jax import runtime  # pylint: disable=wrong-import-position
 
 TARGETS = ('tpu:v5e-8', 'tpu:v5e-16', 'tpu:v4-8', 'tpu:v5p-8', 'tpu:v6e-8', 'gpu:h100x8',
            'gpu:a100x8')
@@ -169,6 +170,7 @@ def markdown(path: str) -> str:
 
 
 def main():
+  runtime.reexec_with_huge_pages(sys.argv)  # As every command: its compiles run on this CPU.
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--parts', default='table,h100_point,pallas')
   parser.add_argument('--targets', default=','.join(TARGETS))
@@ -180,7 +182,7 @@ def main():
   if args.markdown:
     print(markdown(args.markdown))
     return
-  jax.config.update('jax_enable_compilation_cache', False)  # Compile times are fresh ones.
+  runtime.start(cache_directory='')  # Compile times are fresh ones.
   commit = subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], capture_output=True,
                           text=True, check=False).stdout.strip()
   base_record = {'date': datetime.date.today().isoformat(), 'commit': commit,

@@ -13,7 +13,6 @@ import sys
 import tempfile
 import time
 
-from absl import app
 from absl import flags
 import jax
 from ml_collections import config_flags
@@ -58,4 +57,4 @@ def main(_):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  cli.run(main, compilation_cache=None)  # Timed compiles stay fresh unless asked.

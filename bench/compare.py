@@ -317,4 +317,4 @@ def main(argv):
 
 if __name__ == '__main__':
   define_flags()  # Only when run as a command, so importing this module defines no flags.
-  cli.run(main)
+  cli.run(main, compilation_cache=None)  # Timed compiles stay fresh unless asked.

@@ -17,7 +17,6 @@ import sys
 import tempfile
 import time
 
-from absl import app
 from absl import flags
 from absl import logging
 from ml_collections import config_flags
@@ -124,4 +123,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  cli.run(main, compilation_cache=None)  # Timed compiles stay fresh unless asked.

@@ -64,6 +64,7 @@ from t2t_jax import cli
 from t2t_jax import EOS_ID
 from t2t_jax import data
 from t2t_jax import decode
+from t2t_jax import runtime
 from t2t_jax import sharding
 from t2t_jax import tokenizer
 from t2t_jax import train
@@ -155,7 +156,7 @@ def t2t_search(shape, sources, beam_size: int, steps: int, alpha: float,
   else:
     search = functools.partial(decode.beam_search, config=setup.model_config, max_len=steps,
                                beam_size=beam_size, alpha=alpha)
-  jitted = jax.jit(search, compiler_options=decode.compiler_options())  # As Translator's.
+  jitted = runtime.jit_search(search)  # As Translator's.
   inputs = jnp.asarray(sources)
 
   def run():
@@ -448,4 +449,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  cli.run(main)
+  cli.run(main, compilation_cache=None)  # Timed compiles stay fresh unless asked.

@@ -30,7 +30,7 @@ python3 -c 'import jax, flax, grain, ml_collections; print(jax.__version__, jax.
 if [[ $part == tests ]]; then
 # The suite's GPU tests on the GPU, then the GPU-relevant files on the 8 simulated CPU devices.
 T2T_TEST_GPU=1 timeout 300 python3 -m pytest -q -rs -m gpu tests 2>&1 | tee "$OUT/pytest_gpu.log"
-timeout 300 python3 -m pytest -q -rs tests/test_attention.py tests/test_xla_flags.py \
+timeout 300 python3 -m pytest -q -rs tests/test_attention.py tests/test_runtime.py \
   tests/test_flops.py 2>&1 | tail -5 | tee "$OUT/pytest_cpu.log"
   exit 0
 fi

@@ -13,7 +13,6 @@ import os
 import sys
 import time
 
-from absl import app
 from absl import flags
 import jax
 import jax.numpy as jnp
@@ -74,4 +73,4 @@ def main(_):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  cli.run(main, compilation_cache=None)  # Timed compiles stay fresh unless asked.

@@ -16,6 +16,7 @@ from absl import logging
 
 from t2t_jax import RENAMED_KEYS
 from t2t_jax import exit_codes
+from t2t_jax import runtime
 
 USAGE_EXIT_CODE = exit_codes.USAGE  # Like argparse: a wrong command line, nothing was run.
 ERROR_EXIT_CODE = exit_codes.ERROR
@@ -46,70 +47,25 @@ def json_line(record: dict[str, Any], reasons: dict[str, str] | None = None) -> 
   return json.dumps(cleaned, allow_nan=False)
 
 
-def run(main: Callable[[list[str]], Any]) -> None:
+def run(main: Callable[[list[str]], Any],
+        compilation_cache: str | None = runtime.DEFAULT_COMPILATION_CACHE) -> None:
   """absl's app.run with errors a user can act on: one `error: ...` line, no traceback.
 
   The project's errors (config, data, checkpoint, a held or unusable workdir, a non-finite
   loss) and usage mistakes end the program with one line on stderr; usage mistakes add the
   command's usage line instead of the whole --help. Ctrl-C outside training's own handling
   ends with one line and status 130. Any other exception keeps its traceback. --verbose shows
-  tracebacks always.
+  tracebacks always. The process is set up by `runtime` (huge pages on CPU before the flags
+  are parsed; XLA flags and the compilation cache, `--compilation_cache`, after).
   """
-  rerun_env = huge_page_env(os.environ, _libc_version(), _transparent_huge_pages())
-  if rerun_env is not None:  # Before anything allocates: glibc reads its tunables at start.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable] + sys.orig_argv[1:], rerun_env)
+  runtime.reexec_with_huge_pages(sys.argv)  # Before anything allocates much.
   if 'verbose' not in flags.FLAGS:  # Defined here, so importing this module defines no flag.
     flags.DEFINE_bool('verbose', False, 'Show the traceback of an error, and the INFO logs of '
                       'the libraries (orbax, jax, ...).')
+    flags.DEFINE_string('compilation_cache', compilation_cache, 'Persistent XLA compilation '
+                        'cache directory; empty disables it'
+                        + ('' if compilation_cache else "; unset leaves JAX's setting") + '.')
   app.run(_guarded(main), flags_parser=_parse_flags)
-
-
-HUGE_PAGE_TUNABLE = 'glibc.malloc.hugetlb=1'
-
-
-def huge_page_env(environ, libc_version: str | None, huge_pages: str | None) -> dict | None:
-  """The environment to run this command again in, so that glibc's malloc asks for
-  transparent huge pages; None where it already does, cannot, or is told not to.
-
-  XLA:CPU takes each step's large buffers from malloc, which maps big blocks afresh and
-  unmaps them when freed: a Multi30k training step then faulted in about 280 MB of 4 KiB
-  pages (370,000 page faults a second, 30% of the machine's CPU time in the kernel). With
-  the tunable, those blocks come in 2 MiB pages: 100 times fewer faults and 32% more updates
-  a second (docs/performance.md). It needs glibc 2.35 or later (`libc_version`, as
-  os.confstr('CS_GNU_LIBC_VERSION') gives it) and transparent huge pages in 'always' or
-  'madvise' mode (`huge_pages`, the kernel's setting). T2T_JAX_HUGE_PAGES=0 turns it off;
-  a GLIBC_TUNABLES that sets glibc.malloc.hugetlb is left as it is.
-  """
-  tunables = environ.get('GLIBC_TUNABLES', '')
-  if environ.get('T2T_JAX_HUGE_PAGES', '1') == '0' or 'glibc.malloc.hugetlb' in tunables:
-    return None
-  name, _, version = (libc_version or '').partition(' ')
-  try:
-    major, minor = (int(part) for part in version.split('.')[:2])
-  except ValueError:
-    return None
-  if name != 'glibc' or (major, minor) < (2, 35):
-    return None
-  if not huge_pages or not ('[always]' in huge_pages or '[madvise]' in huge_pages):
-    return None
-  return {**environ, 'GLIBC_TUNABLES': ':'.join(filter(None, (tunables, HUGE_PAGE_TUNABLE)))}
-
-
-def _libc_version() -> str | None:
-  try:
-    return os.confstr('CS_GNU_LIBC_VERSION')
-  except (ValueError, OSError, AttributeError):
-    return None
-
-
-def _transparent_huge_pages() -> str | None:
-  try:
-    with open('/sys/kernel/mm/transparent_hugepage/enabled') as f:
-      return f.read()
-  except OSError:
-    return None
 
 
 def _user_errors() -> tuple[type[Exception], ...]:
@@ -124,6 +80,7 @@ def _guarded(main):
   def guarded_main(argv):
     if not flags.FLAGS.verbose:
       quiet_libraries()
+    runtime.start(flags.FLAGS.compilation_cache)
     try:
       return main(argv)
     except app.UsageError as e:

@@ -1,4 +1,6 @@
-"""Greedy and beam search over the decoder's key/value cache (pure functions, jitted by callers).
+"""Greedy and beam search over the decoder's key/value cache: pure functions, which callers compile
+with `runtime.jit_search` (jax.jit with the search's compiler options; tracing one any other
+way logs a warning once where those options matter).
 
 Shapes in names follow the package legend (t2t_jax/__init__.py): B sentences, W beam width,
 N = B*W rows of beams, S source length, L output length, V vocabulary, C = 2*W candidates
@@ -22,23 +24,11 @@ import jax.numpy as jnp
 
 from t2t_jax import EOS_ID, PAD_ID
 from t2t_jax import attention_cache
+from t2t_jax import runtime
 from t2t_jax.decoder_only import make_model
 from t2t_jax.model_config import TransformerConfig
 
 _NEG = -1.0e9  # Log-probability of an impossible hypothesis; finite, so sums stay ordered.
-
-
-def compiler_options(platform: str | None = None) -> dict:
-  """The XLA options t2t_jax compiles its searches with on `platform` (default: JAX's).
-
-  On CPU: copy insertion with region analysis. Without it XLA:CPU copies every layer's
-  self-attention cache at every step of beam search, although the step reads the cache it
-  was handed before updating it in place (attention.py's `_update_cache`); with it, the
-  update happens in place. docs/performance.md has the measurement.
-  """
-  if (platform or jax.default_backend()) != 'cpu':
-    return {}
-  return {'xla_cpu_copy_insertion_use_region_analysis': True}
 
 
 def decode_config(config: TransformerConfig) -> TransformerConfig:
@@ -157,6 +147,7 @@ def greedy_search(params, inputs_BS: jax.Array, config: TransformerConfig, max_l
 
   Row b generates at most `max_lengths_B[b]` tokens (default: `max_len` for every row).
   """
+  runtime.check_search_compiled_here('greedy_search')
   model = make_model(decode_config(config))
   batch_size = inputs_BS.shape[0]
   limit_B = _row_limits(max_lengths_B, batch_size, max_len)
@@ -350,6 +341,7 @@ def beam_search(params, inputs_BS: jax.Array, config: TransformerConfig, max_len
   end by `max_lengths_B[b]` tokens (default: `max_len`, the cache size, for every row). A row
   stops when its W finished hypotheses all beat what its best live one could still reach.
   """
+  runtime.check_search_compiled_here('beam_search')
   model = make_model(decode_config(config))
   batch_size, beam_size = inputs_BS.shape[0], int(beam_size)
   limit_B = _row_limits(max_lengths_B, batch_size, max_len)

@@ -31,6 +31,7 @@ from t2t_jax import flops as flops_lib
 from t2t_jax import hlo_cost
 from t2t_jax import prng
 from t2t_jax import roofline
+from t2t_jax import runtime
 from t2t_jax import setup as setup_lib
 from t2t_jax import sharding
 from t2t_jax import targets
@@ -44,6 +45,7 @@ def dry_run(config, target: str = '', evaluation: bool = True) -> dict:
 
   With a target and `evaluation`, also the eval step and the search of the in-loop evaluation.
   """
+  runtime.start()  # Done already where a command called this; a library caller's first.
   named = targets.parse(target) if target else None
   devices = targets.devices(named) if named else None
   if named and named.slices > 1 and config.mesh.dcn_data == 1:
@@ -143,15 +145,14 @@ def _persistent_cache(enabled: bool):
     jax.config.update('jax_enable_compilation_cache', previous)
 
 
-def _compile(lower, mesh, compiler_options=None) -> Program:
+def _compile(lower, mesh) -> Program:
   """Lowers and compiles; for a compile-only target's devices, past the persistent cache."""
   start = time.perf_counter()
   lowered = lower()
   compile_only = mesh.devices.flat[0] not in jax.devices()
   try:
     with _persistent_cache(not compile_only):
-      compiled = lowered.compile(compiler_options=compiler_options) if compiler_options \
-          else lowered.compile()
+      compiled = lowered.compile()
   except jax.errors.JaxRuntimeError as e:
     if 'RESOURCE_EXHAUSTED' not in str(e):
       raise
@@ -184,9 +185,9 @@ def _compile_search(config, setup, platform: str) -> Program:
 
   def lower():
     with sharding.mesh_context(setup.mesh, setup.axis_rules):
-      return jax.jit(search, out_shardings=replicated).lower(
+      return runtime.jit_search(search, platform, out_shardings=replicated).lower(
           setup.abstract_state.params, inputs, max_lengths_B=limits)
-  return _compile(lower, setup.mesh, decode.compiler_options(platform) or None)
+  return _compile(lower, setup.mesh)
 
 
 def abstract_batch(config, mesh) -> tuple[dict, int, int]:

@@ -23,8 +23,6 @@ FLAGS = flags.FLAGS
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
-  from t2t_jax import xla_flags  # pylint: disable=g-import-not-at-top
-  xla_flags.apply()  # Before anything starts a backend, which reads XLA_FLAGS once.
   for name in ('dry_run_devices', 'dry_run_target', 'search_mesh'):
     if FLAGS[name].value and not FLAGS.dry_run:
       raise app.UsageError(f'--{name} only applies with --dry_run')
@@ -40,9 +38,6 @@ def main(argv):
     from t2t_jax import sharding  # pylint: disable=g-import-not-at-top
     sharding.initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
                                     FLAGS.distributed_timeout)
-  if FLAGS.compilation_cache:
-    jax.config.update('jax_compilation_cache_dir', os.path.expanduser(FLAGS.compilation_cache))
-    jax.config.update('jax_persistent_cache_min_compile_time_secs', 1.0)
   from t2t_jax import dry_run, mesh_search, train  # After flag parsing: --help stays fast.
   if FLAGS.dry_run:
     if FLAGS.search_mesh:
@@ -92,8 +87,6 @@ def _define_flags():
   flags.DEFINE_bool('force_unlock', False, 'Take the workdir lock even if the run named in it '
                     'looks alive (e.g. a node that is gone but whose heartbeat is recent). Never '
                     'with a live run.')
-  flags.DEFINE_string('compilation_cache', '~/.cache/t2t_jax/xla', 'Persistent XLA compilation '
-                      'cache directory; empty disables it.')
   flags.mark_flag_as_required('config')
 
 

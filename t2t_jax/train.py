@@ -28,6 +28,7 @@ from t2t_jax import metric_log
 from t2t_jax import optim
 from t2t_jax import preemption
 from t2t_jax import prng
+from t2t_jax import runtime
 from t2t_jax import sharding
 from t2t_jax import translator as translator_lib
 from t2t_jax import workdir_lock
@@ -43,6 +44,7 @@ def train_and_evaluate(config, workdir: str, force_unlock: bool = False) -> dict
   Process 0 holds the workdir's lock throughout: a second launch on it is refused, on every
   process, while this one lives (`force_unlock` takes the lock regardless).
   """
+  runtime.start()  # Done already where a command called this; a library caller's first.
   config_check.check(config)
   workdir_lock.make_workdir(workdir)
   with workdir_lock.hold(workdir, force_unlock):

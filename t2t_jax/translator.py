@@ -17,7 +17,7 @@ import numpy as np
 from t2t_jax import ConfigError
 from t2t_jax import PAD_ID
 from t2t_jax import sharding
-from t2t_jax import decode as decode_lib
+from t2t_jax import runtime
 from t2t_jax.decode import beam_search, greedy_search, max_decode_length
 from t2t_jax.model_config import TransformerConfig
 
@@ -115,6 +115,7 @@ class Translator:
   def __init__(self, config: TransformerConfig, mesh, axis_rules, batch_tokens: int,
                min_bucket: int, max_extra_len: int, beam_size: int = 1, alpha: float = 0.6,
                dtype: str = 'model'):
+    runtime.start()  # Done already where a command made it; a library caller's first.
     if beam_size < 1:
       raise ValueError(f'beam size must be at least 1, got {beam_size}')
     config = decoding_config(config, dtype, mesh.devices.flat[0].platform)
@@ -134,9 +135,9 @@ class Translator:
       replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
       search = search_function(self.config, max_len, beam_size, alpha)
       start = time.perf_counter()
-      self._compiled[key] = jax.jit(search, out_shardings=replicated).lower(
-          params, inputs_BS, max_lengths_B=max_lengths_B).compile(
-              compiler_options=decode_lib.compiler_options(self.mesh.devices.flat[0].platform))
+      self._compiled[key] = runtime.jit_search(
+          search, self.mesh.devices.flat[0].platform, out_shardings=replicated).lower(
+              params, inputs_BS, max_lengths_B=max_lengths_B).compile()
       self.stats.compile_seconds += time.perf_counter() - start
       self.stats.shapes_compiled += 1
     return self._compiled[key]

@@ -14,8 +14,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # `configs` is importable from a plain checkout too.
 GPU_RUN = os.environ.get('T2T_TEST_GPU') == '1'
 if GPU_RUN:
-  from t2t_jax import xla_flags  # pylint: disable=g-import-not-at-top
-  xla_flags.apply()
+  from t2t_jax import runtime  # pylint: disable=g-import-not-at-top
+  runtime.apply_xla_flags()
 else:  # Subprocesses inherit it: they too see only the CPU.
   os.environ['JAX_PLATFORMS'] = 'cpu'
 

@@ -173,46 +173,6 @@ def test_a_nan_loss_is_one_line_and_releases_the_workdir(tmp_path):
   assert not os.path.exists(tmp_path / 'run.lock')
 
 
-@pytest.mark.parametrize('environ, libc, huge_pages, expected', [
-    ({}, 'glibc 2.36', 'always [madvise] never', 'glibc.malloc.hugetlb=1'),
-    ({}, 'glibc 2.35', '[always] madvise never', 'glibc.malloc.hugetlb=1'),
-    ({'GLIBC_TUNABLES': 'glibc.malloc.arena_max=2'}, 'glibc 2.40', 'always [madvise] never',
-     'glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1'),  # The user's tunables are kept.
-    ({}, 'glibc 2.34', 'always [madvise] never', None),  # No such tunable before 2.35.
-    ({}, 'glibc 2.36', 'always madvise [never]', None),  # The kernel gives none.
-    ({}, None, 'always [madvise] never', None),  # Not glibc (musl, macOS).
-    ({}, 'glibc 2.36', None, None),  # No transparent huge pages (not Linux).
-    ({'T2T_JAX_HUGE_PAGES': '0'}, 'glibc 2.36', 'always [madvise] never', None),
-    ({'GLIBC_TUNABLES': 'glibc.malloc.hugetlb=0'}, 'glibc 2.36', 'always [madvise] never',
-     None),  # The user chose.
-])
-def test_huge_page_env_asks_glibc_for_huge_pages_only_where_it_can(environ, libc, huge_pages,
-                                                                   expected):
-  env = cli.huge_page_env({'PATH': '/bin', **environ}, libc, huge_pages)
-  if expected is None:
-    assert env is None
-  else:
-    assert env == {'PATH': '/bin', **environ, 'GLIBC_TUNABLES': expected}
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize('switch, expected', [('1', 'glibc.malloc.hugetlb=1'), ('0', 'None')])
-def test_commands_run_again_with_huge_pages_keeping_their_arguments(switch, expected):
-  if switch == '1' and cli.huge_page_env({}, cli._libc_version(),  # pylint: disable=protected-access
-                                         cli._transparent_huge_pages()) is None:  # pylint: disable=protected-access
-    pytest.skip('this machine has no glibc 2.35+ with transparent huge pages')
-  code = ('import os; from t2t_jax import cli; cli.run(lambda argv: print(argv[1:], '
-          'os.environ.get("GLIBC_TUNABLES"), os.getpid()))')
-  env = {k: v for k, v in os.environ.items() if k != 'GLIBC_TUNABLES'}
-  process = subprocess.Popen([sys.executable, '-c', code, 'extra', '--verbose'], cwd=ROOT,
-                             env={**env, 'T2T_JAX_HUGE_PAGES': switch}, text=True,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-  out, err = process.communicate(timeout=120)
-  assert process.returncode == 0, err
-  # The same process (exec keeps the pid), its arguments intact, the tunable set once.
-  assert out.strip() == f"['extra'] {expected} {process.pid}"
-
-
 def _record(pathname, level, message, args=(), error=None):
   exc_info = (type(error), error, error.__traceback__) if error else None
   return logging_module.LogRecord('orbax.checkpoint', level, pathname, 7, message, args, exc_info)

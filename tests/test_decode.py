@@ -12,6 +12,7 @@ import pytest
 
 from t2t_jax import EOS_ID, PAD_ID
 from t2t_jax import decode
+from t2t_jax import runtime
 from t2t_jax import model as model_lib
 from t2t_jax import sharding
 from t2t_jax import translator as translator_lib
@@ -33,11 +34,9 @@ def _random_params(config=CONFIG, seed=1, std=1.0):
 
 
 # Compiled as Translator compiles them.
-greedy_search = jax.jit(decode.greedy_search, static_argnames=('config', 'max_len'),
-                        compiler_options=decode.compiler_options())
-beam_search = jax.jit(decode.beam_search,
-                      static_argnames=('config', 'max_len', 'beam_size', 'alpha'),
-                      compiler_options=decode.compiler_options())
+greedy_search = runtime.jit_search(decode.greedy_search, static_argnames=('config', 'max_len'))
+beam_search = runtime.jit_search(decode.beam_search,
+                                 static_argnames=('config', 'max_len', 'beam_size', 'alpha'))
 
 
 def _sources(vocab=9, rows=8, length=5, seed=0):
@@ -319,8 +318,7 @@ def test_beam_search_with_two_stage_top_k_is_bit_identical(monkeypatch):
   for block in (5, vocab):  # 80 blocks: two stages; one block: lax.top_k.
     monkeypatch.setattr(decode, 'TOP_K_BLOCK', block)
     # A new function each time, so each traces `beam_search` afresh.
-    search = jax.jit(lambda p, i: decode.beam_search(p, i, config, 10, 4, 0.6),
-                     compiler_options=decode.compiler_options())
+    search = runtime.jit_search(lambda p, i: decode.beam_search(p, i, config, 10, 4, 0.6))
     results[block] = [np.asarray(x) for x in search(params, inputs)]
   np.testing.assert_array_equal(results[5][0], results[vocab][0])
   np.testing.assert_array_equal(results[5][1], results[vocab][1])
@@ -346,9 +344,9 @@ def test_beam_search_steps_update_the_caches_in_place_without_copying_them():
   params, inputs = _random_params(seed=3), _sources(rows=6)
   cache_shape = re.compile(r'= f32\[(2,6,8,4,10|2,24,10,8)\]\{[\d,]+\} (\S+)\((\S+?)[,)]')
   writes = {}
-  for name, options in (('default', {}), ('t2t_jax', decode.compiler_options())):
-    compiled = jax.jit(lambda p, i: decode.beam_search(p, i, CONFIG, 10, 4, 0.6),
-                       compiler_options=options).lower(params, inputs).compile()
+  for name, jit in (('default', jax.jit), ('t2t_jax', runtime.jit_search)):
+    compiled = jit(lambda p, i: decode.beam_search(p, i, CONFIG, 10, 4, 0.6)).lower(
+        params, inputs).compile()
     made = [cache_shape.search(line).groups()[1:] for line in
             _loop_body_ops(compiled.as_text()) if cache_shape.search(line)]
     writes[name] = [(op, operand) for op, operand in made  # Views of a buffer make nothing.
@@ -358,7 +356,7 @@ def test_beam_search_steps_update_the_caches_in_place_without_copying_them():
   assert len(writes['t2t_jax']) == 4, writes['t2t_jax']
   assert all(op == 'fusion' and operand.startswith('%get-tuple-element')
              for op, operand in writes['t2t_jax']), writes['t2t_jax']
-  # XLA:CPU's default copy insertion copies them (what decode.compiler_options is for).
+  # XLA:CPU's default copy insertion copies them (what runtime.jit_search's options are for).
   assert any(op == 'copy' for op, _ in writes['default']), writes['default']
 
 

@@ -31,7 +31,7 @@ from t2t_jax import flops
 from t2t_jax import model as model_lib
 from t2t_jax import sharding
 from t2t_jax import train
-from t2t_jax import xla_flags
+from t2t_jax import runtime
 
 pytestmark = pytest.mark.gpu
 
@@ -125,7 +125,7 @@ def test_the_train_step_on_the_gpu_gives_the_cpus_first_loss(gpu_device, tiny_co
 
 
 def test_the_gpu_runs_with_the_projects_xla_flags_and_a_known_peak(gpu_device):
-  for flag in xla_flags.GPU_DEFAULTS:
+  for flag in runtime.GPU_XLA_FLAGS:
     assert flag in os.environ['XLA_FLAGS'].split()
   assert flops.device_family(gpu_device.device_kind), (
       f'{gpu_device.device_kind!r} has no published peak in t2t_jax/flops.py: MFU would be '

@@ -46,6 +46,6 @@ def test_wheelhouse_installs_the_gpu_images_missing_packages_without_an_index(tm
       + [f'--platform=manylinux_2_{n}_x86_64' for n in (17, 24, 27, 28)],
       capture_output=True, text=True, timeout=300, check=False)
   assert installed.returncode == 0, installed.stderr[-3000:]
-  for module in ('t2t_jax/xla_flags.py', 'configs/multi30k.py', 'grain', 'ml_collections',
+  for module in ('t2t_jax/runtime.py', 'configs/multi30k.py', 'grain', 'ml_collections',
                  'tensorboardX', 'sacremoses', 'array_record', 'portpicker.py'):
     assert (target / module).exists(), module
