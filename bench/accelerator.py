@@ -212,6 +212,7 @@ def _run_flag_set(name: str, size: str) -> dict:
   """One A/B flag set's step, measured by this command in a subprocess under those flags."""
   flags_set = runtime.AB_FLAG_SETS[name]
   env = dict(os.environ, XLA_FLAGS=' '.join(_USER_XLA_FLAGS.split() + list(flags_set)),
+             T2T_JAX_XLA_FLAGS='0',  # Exactly this set: runtime.start adds nothing to it.
              PYTHONPATH=os.pathsep.join([ROOT, os.environ.get('PYTHONPATH', '')]))
   process = subprocess.run([sys.executable, os.path.abspath(__file__), f'--size={size}',
                             f'--child_flag_set={name}'], env=env, capture_output=True,
@@ -242,7 +243,7 @@ def xla_ab_lines(plan: Plan):
     return {'fastest': fastest, 'step_seconds': timed,
             'speedup_over_xla_defaults': {
                 k: base / v for k, v in timed.items()} if base else None,
-            'project_defaults': list(xla_flags.GPU_DEFAULTS),
+            'project_defaults': list(runtime.GPU_XLA_FLAGS),
             'failed': [r['flag_set'] for r in results if 'error' in r]}
   yield 'xla_ab_summary', summary
 
@@ -449,7 +450,6 @@ def main(argv):
     plan = plan_for(_SIZE.value, jax.devices()[0].platform)
     print(cli.json_line(_ab_step(plan)), flush=True)
     return
-  xla_flags.apply()  # Before the first computation starts a backend.
   plan = plan_for(_SIZE.value, jax.devices()[0].platform)
   run(plan, _PARTS.value, _OUT.value or default_out())
 

@@ -280,7 +280,8 @@ def _text_run(directory: str, config, lines: list[str], batch_tokens: int) -> tr
   params_dir = os.path.join(directory, 'random_params')
   if not os.path.exists(params_dir):
     mesh = sharding.make_mesh(config.mesh)
-    model_config = TransformerConfig.from_config(config.model, _VOCAB_SIZE.value)
+    model_config = TransformerConfig.from_config(config.model, _VOCAB_SIZE.value,
+                                                 jax.devices()[0].platform)
     params = _random_params(model_config, mesh, sharding.rules(config.mesh))
     saved_params.write_params(params_dir, params, config.to_json_best_effort(),
                             {'kind': 'random', 'source': 'bench/decode_speed.py'})
@@ -389,7 +390,8 @@ def _source_lengths(path: str, count: int, per_word: float, longest: int) -> lis
 
 def _random_line(config, beam_size: int) -> dict:
   mesh, axis_rules = sharding.make_mesh(config.mesh), sharding.rules(config.mesh)
-  model_config = TransformerConfig.from_config(config.model, data.vocab_size(config))
+  model_config = TransformerConfig.from_config(config.model, data.vocab_size(config),
+                                               jax.devices()[0].platform)
   params = _random_params(model_config, mesh, axis_rules)
   lengths = _source_lengths(_SENTENCES.value, _NUM_SENTENCES.value, 1.3,
                             min(config.data.max_len, config.model.max_len))

@@ -30,6 +30,15 @@ class CheckpointError(RuntimeError):
   """A checkpoint that cannot be used, naming it and saying what to do."""
 
 
+RESOLVED_KEY = 'resolved'  # config.json's values resolved for the run's devices (resolve.py).
+
+
+def as_asked(saved: dict) -> dict:
+  """A saved config.json as the config it asked for: renamed keys under their new names,
+  without the values it resolved to on its devices."""
+  return with_current_keys({key: value for key, value in saved.items() if key != RESOLVED_KEY})
+
+
 def with_current_keys(tree: dict) -> dict:
   """A saved config (nested dicts, as config.json holds it) with renamed keys under their new
   names, so configs written before a rename still load and compare."""

@@ -30,8 +30,7 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers
 
 from t2t_jax import CheckpointError
-from t2t_jax import ConfigError
-from t2t_jax import with_current_keys
+from t2t_jax import as_asked
 from t2t_jax import optim
 from t2t_jax import saved_params
 from t2t_jax.saved_params import CONFIG, STATE
@@ -74,14 +73,11 @@ class Checkpointer:
   """Saves asynchronously every `ckpt.every` steps; keeps the last `ckpt.keep` and every
   `ckpt.keep_every`-th; restores the newest intact checkpoint."""
 
-  def __init__(self, workdir: str, ckpt_config, average_last: int = 0):
+  def __init__(self, workdir: str, ckpt_config):
     _drop_late_writer_callbacks()  # Library noise after a failed save: see there.
     self.workdir = os.path.abspath(workdir)
     self.directory = os.path.join(self.workdir, 'checkpoints')
     self.every = ckpt_config.every
-    if ckpt_config.keep < max(1, average_last):
-      raise ConfigError(f'config.ckpt.keep={ckpt_config.keep} must be at least 1 and at least '
-                        f'config.eval.average_last={average_last}, the checkpoints averaged')
     policies = [checkpoint_managers.LatestN(n=ckpt_config.keep)]
     if ckpt_config.keep_every > 0:
       policies.append(checkpoint_managers.EveryNSteps(interval_steps=ckpt_config.keep_every))
@@ -337,7 +333,7 @@ def _flatten(tree, prefix='') -> dict[str, Any]:
 
 def config_differences(saved_json: str, config) -> dict[str, tuple[Any, Any]]:
   """{key: (saved value, current value)} for every key that differs."""
-  saved = _flatten(with_current_keys(json.loads(saved_json)))
+  saved = _flatten(as_asked(json.loads(saved_json)))
   current = _flatten(json.loads(config.to_json_best_effort()))
   return {key: (saved.get(key), current.get(key)) for key in sorted(set(saved) | set(current))
           if saved.get(key) != current.get(key)}

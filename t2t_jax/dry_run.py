@@ -24,12 +24,12 @@ import numpy as np
 
 from t2t_jax import ConfigError
 from t2t_jax import cli
-from t2t_jax import config_check
 from t2t_jax import data
 from t2t_jax import decode
 from t2t_jax import flops as flops_lib
 from t2t_jax import hlo_cost
 from t2t_jax import prng
+from t2t_jax import resolve
 from t2t_jax import roofline
 from t2t_jax import runtime
 from t2t_jax import setup as setup_lib
@@ -53,7 +53,7 @@ def dry_run(config, target: str = '', evaluation: bool = True) -> dict:
     config.mesh.dcn_data = named.slices
     logging.info('%s has %d slices: config.mesh.dcn_data=%d (the data axis spans them)',
                  named.name, named.slices, named.slices)
-  config_check.check(config, devices=devices)
+  resolved = resolve.resolve(config, devices)  # Every check; 'auto' for the target's devices.
   mesh = sharding.make_mesh(config.mesh, devices)
   setup = setup_lib.build(config, data.vocab_size(config), mesh=mesh)
   batch, rows, length = abstract_batch(config, setup.mesh)
@@ -82,6 +82,7 @@ def dry_run(config, target: str = '', evaluation: bool = True) -> dict:
       'device_kind': setup.mesh.devices.flat[0].device_kind,
       'memory_per_device_bytes': train.memory,
       'compile_seconds': train.seconds,
+      'resolved': resolved.as_dict(),
   }
   if named is None:
     return {**result, **_device_fit(train), **_collectives(train)}

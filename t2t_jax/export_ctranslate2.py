@@ -189,7 +189,8 @@ def export(workdir: str, checkpoint_name: str | None = None, output: str = '',
     raise ConfigError(f'--quantization={quantization!r} must be one of {QUANTIZATIONS}')
   config = translate.load_config(workdir)
   vocab = translate.load_vocabulary(config, workdir)
-  model_config = TransformerConfig.from_config(config.model, vocab.vocab_size)
+  model_config = TransformerConfig.from_config(config.model, vocab.vocab_size,
+                                               jax.devices()[0].platform)
   check_exportable(model_config)
   path = saved_params.resolve(workdir, checkpoint_name)
   output = output or os.path.join(

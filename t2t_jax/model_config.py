@@ -68,10 +68,10 @@ class TransformerConfig:
     """Builds from the `model` section of an ml_collections config.
 
     'auto' settings resolve for `platform` ('cpu', 'gpu', 'tpu'): the platform of the devices
-    the model runs on, which a dry run for a named target gives; None means JAX's default
-    backend's.
+    the model runs on (resolve.py), which a dry run for a named target gives. None: not known
+    yet (checking a config before any device is chosen, as t2t_jax.prepare does): 'auto'
+    resolves as on a CPU and the checks that depend on the platform wait for one.
     """
-    platform = platform or jax.devices()[0].platform
     if model_config.d_model % model_config.num_heads:
       raise ConfigError(f'config.model.d_model={model_config.d_model} is not divisible by '
                         f'config.model.num_heads={model_config.num_heads}')
@@ -121,6 +121,7 @@ def resolve_attention_impl(impl: str, dtype, head_dim: int, attention_dropout: f
   if impl not in ATTENTION_IMPLS:
     raise ConfigError(f'config.model.attention_impl={impl!r} must be one of {ATTENTION_IMPLS}')
   cudnn_problem = (
+      None if platform is None else  # Not known yet: checked once the devices are.
       f'the platform is {platform}, not gpu' if platform != 'gpu' else
       f'config.model.dtype={jnp.dtype(dtype).name}, not bfloat16 or float16'
       if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16) else
@@ -132,7 +133,8 @@ def resolve_attention_impl(impl: str, dtype, head_dim: int, attention_dropout: f
     why_not = dropout_problem or cudnn_problem or (
         'cuDNN attention applies, but on an H100 with jax 0.11.2 it failed the equality test '
         "against einsum and was no faster at 64-token rows, so only an explicit 'cudnn' runs it")
-    _log_once(f"config.model.attention_impl='auto' uses 'einsum' attention: {why_not}.")
+    if platform is not None:  # Said where it runs, not where a config is only checked.
+      _log_once(f"config.model.attention_impl='auto' uses 'einsum' attention: {why_not}.")
     return 'einsum'
   problem = dropout_problem if impl != 'einsum' else None
   if impl == 'cudnn':
@@ -158,10 +160,11 @@ MODEL_KINDS = ('encoder_decoder', 'decoder_only')  # config.model.kind
 PREFIX_ATTENTION = ('causal', 'full')  # config.model.prefix_attention
 
 
-def compute_dtype(name: str, platform: str):
-  """config.model.dtype as a dtype; 'auto' is bfloat16 on accelerators, float32 on CPU."""
+def compute_dtype(name: str, platform: str | None):
+  """config.model.dtype as a dtype; 'auto' is bfloat16 on accelerators, float32 on CPU (and
+  where the platform is not known yet)."""
   if name == 'auto':
-    return jnp.dtype(jnp.float32 if platform == 'cpu' else jnp.bfloat16)
+    return jnp.dtype(jnp.float32 if platform in ('cpu', None) else jnp.bfloat16)
   if name not in ('float32', 'bfloat16', 'float16'):
     raise ConfigError(f"config.model.dtype={name!r} must be 'float32', 'bfloat16', 'float16' "
                       "or 'auto'")

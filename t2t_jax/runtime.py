@@ -15,7 +15,7 @@ a program that imports t2t_jax gets the same set-up, as far as a running process
   the CPU: it was never measured on GPU or TPU hosts. Logged once; T2T_JAX_HUGE_PAGES=0 turns
   it off.
 - **XLA flags on NVIDIA GPUs** (`GPU_XLA_FLAGS`), added to XLA_FLAGS where a CUDA backend may
-  start, never over a flag the user set.
+  start, never over a flag the user set; T2T_JAX_XLA_FLAGS=0 adds none.
 - **The persistent compilation cache** (`compilation_cache`).
 - **The search's compiler options** (`jit_search`): beam and greedy search compile only
   through it, so no caller forgets them.
@@ -33,6 +33,7 @@ import jax
 from jax._src import xla_bridge  # backends_are_initialized: whether XLA_FLAGS can still act.
 
 HUGE_PAGES_SWITCH = 'T2T_JAX_HUGE_PAGES'  # '0' turns the huge-page re-exec off.
+XLA_FLAGS_SWITCH = 'T2T_JAX_XLA_FLAGS'  # '0': t2t_jax adds no XLA flags (the A/B's children).
 HUGE_PAGE_TUNABLE = 'glibc.malloc.hugetlb=1'
 _SET_BY_US = 'T2T_JAX_HUGE_PAGES_SET'  # Marks a process (and its children) re-run with it.
 _HELP = ('--help', '-h', '-?', '--helpfull', '--helpshort', '--helpxml')
@@ -149,7 +150,7 @@ def apply_xla_flags(environ=os.environ, flags: tuple[str, ...] = GPU_XLA_FLAGS
   """
   platforms = environ.get('JAX_PLATFORMS', '')
   if (platforms and 'cuda' not in platforms and 'gpu' not in platforms) or (
-      not cuda_plugin_installed()):
+      not cuda_plugin_installed()) or environ.get(XLA_FLAGS_SWITCH) == '0':
     return ()
   existing = environ.get('XLA_FLAGS', '')
   merged = merge_xla_flags(existing, flags)

@@ -19,7 +19,6 @@ import tensorboardX
 
 from t2t_jax import checkpoint
 from t2t_jax import cli
-from t2t_jax import config_check
 from t2t_jax import data
 from t2t_jax import evaluate
 from t2t_jax import flops
@@ -28,6 +27,7 @@ from t2t_jax import metric_log
 from t2t_jax import optim
 from t2t_jax import preemption
 from t2t_jax import prng
+from t2t_jax import resolve
 from t2t_jax import runtime
 from t2t_jax import sharding
 from t2t_jax import translator as translator_lib
@@ -45,16 +45,17 @@ def train_and_evaluate(config, workdir: str, force_unlock: bool = False) -> dict
   process, while this one lives (`force_unlock` takes the lock regardless).
   """
   runtime.start()  # Done already where a command called this; a library caller's first.
-  config_check.check(config)
+  resolved = resolve.resolve(config)  # Every check, and every derived value, before any work.
   workdir_lock.make_workdir(workdir)
   with workdir_lock.hold(workdir, force_unlock):
-    return _train_and_evaluate(config, workdir)
+    return _train_and_evaluate(config, resolved, workdir)
 
 
 @dataclasses.dataclass
 class _Launch:
   """One launch of the loop on a workdir: what it built, restored and writes to."""
   config: Any
+  resolved: resolve.Resolved
   workdir: str
   setup: Setup
   task: data.TaskData
@@ -69,8 +70,8 @@ class _Launch:
   config_json: str
 
 
-def _train_and_evaluate(config, workdir: str) -> dict[str, Any]:
-  launch = _start(config, workdir)
+def _train_and_evaluate(config, resolved: resolve.Resolved, workdir: str) -> dict[str, Any]:
+  launch = _start(config, resolved, workdir)
   start_step, train_start = int(launch.state.step), time.perf_counter()
   log = metric_log.MetricLog(launch.writer, launch.setup.schedule, config.train.num_steps,
                              start_step, flops.devices_peak_flops_per_second(
@@ -104,11 +105,11 @@ def _train_and_evaluate(config, workdir: str) -> dict[str, Any]:
   return figures
 
 
-def _start(config, workdir: str) -> _Launch:
+def _start(config, resolved: resolve.Resolved, workdir: str) -> _Launch:
   """Mesh, data and jitted functions; the state restored from the workdir or initialised."""
   mesh = sharding.make_mesh(config.mesh)
   task = _load_data(config, workdir)
-  train_batches, eval_batches = _batchers(config, task, mesh)
+  train_batches, eval_batches = _batchers(config, task, resolved.batch_shards)
   setup = build(config, data.vocab_size(config), mesh)
   logging.info('Model: %d parameters; mesh %s; %d train / %d eval pairs; %d batches per epoch',
                count_params(setup.abstract_state.params), dict(mesh.shape), len(task.train),
@@ -116,9 +117,11 @@ def _start(config, workdir: str) -> _Launch:
   init_rng, dropout_rng = jax.random.split(jax.random.PRNGKey(config.seed))
   dropout_rng = prng.dropout_key(dropout_rng, config.model.dropout_prng)
   train_iter = data.train_iterator(train_batches)
-  checkpointer = checkpoint.Checkpointer(workdir, config.ckpt, config.eval.average_last)
+  checkpointer = checkpoint.Checkpointer(workdir, config.ckpt)
   restored = checkpointer.restore(setup.abstract_state, config, dropout_rng.shape)
   if restored:
+    resolve.check_resume(restored.config_json, config, resolved,
+                         os.path.join(checkpointer.directory, str(restored.step)))
     state, dropout_rng = restored.state, restored.rng
     train_iter.set_state(restored.data_state)
   else:
@@ -128,16 +131,16 @@ def _start(config, workdir: str) -> _Launch:
                                            config.ckpt.init_from)
       state = state.replace(params=params, ema=None if state.ema is None else
                             optim.ema_init(params))
-  config_json = _write_config(config, workdir)
+  config_json = _write_config(config, resolved, workdir)
   # A resumed run logs again the steps after its checkpoint: TensorBoard drops the earlier
   # launch's values from purge_step on, so each step shows once.
   writer = (tensorboardX.SummaryWriter(workdir, purge_step=int(state.step) + 1 if restored
                                        else None)
             if jax.process_index() == 0 else metric_log.NullWriter())
-  return _Launch(config, workdir, setup, task, eval_batches, train_iter, state, dropout_rng,
-                 bool(restored), checkpointer, translator_lib.from_config(
-                     config, setup.model_config, setup.mesh, setup.axis_rules),
-                 writer, config_json)
+  return _Launch(config, resolved, workdir, setup, task, eval_batches, train_iter, state,
+                 dropout_rng, bool(restored), checkpointer, translator_lib.from_config(
+                     config, setup.model_config, setup.mesh, setup.axis_rules,
+                     dtype=resolved.eval_dtype), writer, config_json)
 
 
 def _train(launch: _Launch, log: metric_log.MetricLog) -> tuple[dict, int | None]:
@@ -222,11 +225,11 @@ def _evaluate(launch: _Launch, step: int, saved_now: bool, interruptible) -> dic
   return results
 
 
-def _batchers(config, task: data.TaskData, mesh) -> tuple:
+def _batchers(config, task: data.TaskData, batch_shards: int) -> tuple:
   """(train, eval) batch plans; this process collates only its rows of each global batch."""
   if not len(task.train):
     raise data.DataError('no training pairs are left after reading and filtering the data')
-  return data.make_batchers(config, task.train, task.eval, sharding.batch_shards(mesh),
+  return data.make_batchers(config, task.train, task.eval, batch_shards,
                             jax.process_index(), jax.process_count())
 
 
@@ -239,12 +242,13 @@ def _load_data(config, workdir: str) -> data.TaskData:
   return task or data.load(config, workdir)
 
 
-def _write_config(config, workdir: str) -> str:
-  """Writes the resolved config as text and JSON; returns the JSON."""
-  config_json = config.to_json_best_effort(indent=2, sort_keys=True)
+def _write_config(config, resolved: resolve.Resolved, workdir: str) -> str:
+  """Writes the config as text, and as JSON with what it resolved to; returns the JSON."""
+  config_json = resolve.config_json(config, resolved)
   if jax.process_index() == 0:
     with open(os.path.join(workdir, 'config.txt'), 'w') as f:
-      f.write(str(config))
+      f.write(f'{config}\n# resolved for these devices (config.json has both):\n'
+              + ''.join(f'# {key}: {value}\n' for key, value in resolved.as_dict().items()))
     with open(os.path.join(workdir, 'config.json'), 'w') as f:
       f.write(config_json)
   return config_json

@@ -22,7 +22,7 @@ import tqdm
 from t2t_jax import CheckpointError
 from t2t_jax import ConfigError
 from t2t_jax import EOS_ID
-from t2t_jax import with_current_keys
+from t2t_jax import as_asked
 from t2t_jax import cli
 from t2t_jax import data
 from t2t_jax import saved_params
@@ -46,11 +46,12 @@ class Run:
 
 
 def load_config(workdir: str) -> ml_collections.ConfigDict:
-  """The resolved config training wrote to <workdir>/config.json."""
+  """The config training wrote to <workdir>/config.json, as asked (its values resolved for
+  the training devices are for resuming; translation resolves for its own)."""
   path = os.path.join(workdir, 'config.json')
   try:
     with open(path) as f:
-      return ml_collections.ConfigDict(with_current_keys(json.load(f)))
+      return ml_collections.ConfigDict(as_asked(json.load(f)))
   except OSError as e:
     raise CheckpointError(f'cannot read {path} ({e.strerror}): --workdir must '
                                          'be the directory of a training run') from None
@@ -78,7 +79,8 @@ def load(workdir: str, checkpoint: str | None = None, beam_size: int | None = No
   vocab = load_vocabulary(config, workdir)
   mesh = sharding.make_mesh(config.mesh)
   axis_rules = sharding.rules(config.mesh)
-  model_config = TransformerConfig.from_config(config.model, vocab.vocab_size)
+  model_config = TransformerConfig.from_config(config.model, vocab.vocab_size,
+                                               mesh.devices.flat[0].platform)
   params = saved_params.restore_params(
       workdir, setup.abstract_params(model_config, mesh, axis_rules), checkpoint, weights)
   translator = translator_lib.from_config(config, model_config, mesh, axis_rules, beam_size,

@@ -24,20 +24,24 @@ from t2t_jax.model_config import TransformerConfig
 DECODE_DTYPES = ('auto', 'model', 'float32', 'bfloat16')
 
 
-def decoding_config(config: TransformerConfig, dtype: str, platform: str) -> TransformerConfig:
-  """The model config searches run with: activations and caches in `dtype`.
+def eval_dtype(name: str, model_dtype: str, platform: str) -> str:
+  """config.eval.dtype (or translate's --dtype) resolved for `platform`: 'model' is the
+  training dtype; 'auto' is bfloat16 on accelerators (GPU, TPU) and float32 on CPU, where
+  bfloat16 arithmetic is slower. resolve.py calls it for a run's config."""
+  if name not in DECODE_DTYPES:
+    raise ConfigError(f'config.eval.dtype={name!r} must be one of {DECODE_DTYPES}')
+  if name == 'model':
+    return model_dtype
+  if name == 'auto':
+    return 'float32' if platform == 'cpu' else 'bfloat16'
+  return name
 
-  'model' keeps the training dtype; 'auto' is bfloat16 on accelerators (GPU, TPU) and float32
-  on CPU, where bfloat16 arithmetic is slower. Parameters stay as stored; the logits are
-  float32 either way.
-  """
-  if dtype not in DECODE_DTYPES:
-    raise ConfigError(f'config.eval.dtype={dtype!r} must be one of {DECODE_DTYPES}')
-  if dtype == 'model':
-    return config
-  if dtype == 'auto':
-    dtype = 'float32' if platform == 'cpu' else 'bfloat16'
-  return dataclasses.replace(config, dtype=jnp.dtype(dtype))
+
+def decoding_config(config: TransformerConfig, dtype: str, platform: str) -> TransformerConfig:
+  """The model config searches run with: activations and caches in `dtype` (`eval_dtype`).
+  Parameters stay as stored; the logits are float32 either way."""
+  return dataclasses.replace(config, dtype=jnp.dtype(
+      eval_dtype(dtype, jnp.dtype(config.dtype).name, platform)))
 
 
 def _best_beam(params, inputs_BS, config, max_len, beam_size, alpha, max_lengths_B):

@@ -385,7 +385,7 @@ def test_training_evaluates_the_average_of_the_last_checkpoints(trained):
   config = _config()
   config.eval.bleu_sentences = 0
   task = data.load(config, '')
-  _, eval_batches = train._batchers(config, task, setup.mesh)  # pylint: disable=protected-access
+  _, eval_batches = train._batchers(config, task, sharding.batch_shards(setup.mesh))  # pylint: disable=protected-access
   expected, _ = train.run_evaluation(setup, mean, task, eval_batches, config, None)
   np.testing.assert_allclose(results['averaged_eval_loss'], expected['eval_loss'], rtol=1e-5)
   assert results['averaged_eval_loss'] != results['eval_loss']

@@ -119,7 +119,8 @@ def test_xla_flags_are_set_only_where_cuda_may_start(monkeypatch):
                                           *runtime.GPU_XLA_FLAGS]
   assert runtime.apply_xla_flags(environ) == ()  # A second call adds nothing.
   assert runtime.apply_xla_flags({'JAX_PLATFORMS': 'cuda,cpu'}) == runtime.GPU_XLA_FLAGS
-  for environ in ({'JAX_PLATFORMS': 'cpu'}, {'JAX_PLATFORMS': 'tpu'}):
+  for environ in ({'JAX_PLATFORMS': 'cpu'}, {'JAX_PLATFORMS': 'tpu'},
+                  {'T2T_JAX_XLA_FLAGS': '0'}):  # The switch: exactly the user's flags.
     assert runtime.apply_xla_flags(environ) == () and 'XLA_FLAGS' not in environ
   monkeypatch.setattr(runtime, 'cuda_plugin_installed', lambda: False)
   environ = {}
