@@ -134,10 +134,6 @@ def check(config, mesh: bool = True, devices=None) -> None:
     problems.append(f'config.data.vocab_size={config.data.vocab_size} must exceed the '
                     f'{tokenizer.RESERVED_IDS} reserved ids (pad, EOS, unknown)')
   problems += _decoder_only_problems(config)
-  if config.ckpt.keep < config.eval.average_last:
-    problems.append(f'config.ckpt.keep={config.ckpt.keep} must be at least '
-                    f'config.eval.average_last={config.eval.average_last}, the checkpoints '
-                    'averaged at each evaluation')
   if config.model.attention_impl == 'cudnn' and config.data.batching == 'packed':
     problems.append("config.model.attention_impl='cudnn' cannot read packed rows "
                     "(config.data.batching='packed'): cuDNN is given sequence lengths, which "
@@ -145,6 +141,10 @@ def check(config, mesh: bool = True, devices=None) -> None:
                     "attention_impl 'xla' (exact with packed rows), 'einsum' or 'auto'")
   if problems:  # Checks below need the values above to be sane.
     raise ConfigError('; '.join(problems))
+  if config.ckpt.keep < config.eval.average_last:
+    problems.append(f'config.ckpt.keep={config.ckpt.keep} must be at least '
+                    f'config.eval.average_last={config.eval.average_last}, the checkpoints '
+                    'averaged at each evaluation')
   if mesh and devices is None:
     devices = jax.devices()
   platform = devices[0].platform if devices else None  # None: checks that need one wait.

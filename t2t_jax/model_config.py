@@ -28,7 +28,9 @@ REMAT_POLICIES = {
 
 @dataclasses.dataclass(frozen=True)
 class TransformerConfig:
-  """Static hyperparameters; `deterministic` and `decode` select the mode."""
+  """Static hyperparameters, resolved (never 'auto'); `deterministic` and `decode` select the
+  mode. The defaults are configs/base.py's model section resolved on a CPU (a test holds them
+  equal)."""
   vocab_size: int
   d_model: int = 512
   d_ff: int = 2048
