@@ -18,11 +18,6 @@ from t2t_jax import RENAMED_KEYS
 from t2t_jax import exit_codes
 from t2t_jax import runtime
 
-USAGE_EXIT_CODE = exit_codes.USAGE  # Like argparse: a wrong command line, nothing was run.
-ERROR_EXIT_CODE = exit_codes.ERROR
-INTERRUPTED_EXIT_CODE = exit_codes.INTERRUPTED
-
-
 def json_line(record: dict[str, Any], reasons: dict[str, str] | None = None) -> str:
   """`record` as one line of strict JSON: NaN and infinities become null, the reason beside them.
 
@@ -71,8 +66,8 @@ def run(main: Callable[[list[str]], Any],
 def _user_errors() -> tuple[type[Exception], ...]:
   """The error types whose message says what to do: no traceback needed."""
   from t2t_jax import CheckpointError, ConfigError, NonFiniteLoss  # pylint: disable=g-import-not-at-top
-  from t2t_jax import sources, workdir_lock  # pylint: disable=g-import-not-at-top
-  return (ConfigError, NonFiniteLoss, sources.DataError, CheckpointError,
+  from t2t_jax import lifecycle, sources, workdir_lock  # pylint: disable=g-import-not-at-top
+  return (ConfigError, NonFiniteLoss, sources.DataError, CheckpointError, lifecycle.DiskFull,
           workdir_lock.WorkdirLocked, workdir_lock.WorkdirUnusable)
 
 
@@ -89,7 +84,7 @@ def _guarded(main):
       if flags.FLAGS.verbose:
         traceback.print_exc()
       _fail('interrupted (Ctrl-C); checkpoints already written are intact', exit_code=
-            INTERRUPTED_EXIT_CODE)
+            exit_codes.INTERRUPTED)
     except Exception as e:  # pylint: disable=broad-except
       if not isinstance(e, _user_errors()):
         raise
@@ -221,7 +216,7 @@ def _fail(message: str, usage: bool = False, exit_code: int | None = None):
   if usage:
     print(_usage_line(), file=sys.stderr)
   sys.stderr.flush()
-  sys.exit(exit_code or (USAGE_EXIT_CODE if usage else ERROR_EXIT_CODE))
+  sys.exit(exit_code or (exit_codes.USAGE if usage else exit_codes.ERROR))
 
 
 def check_output_path(path: str, flag: str) -> None:

@@ -48,10 +48,10 @@ def main(argv):
   if not FLAGS.workdir:
     raise app.UsageError('--workdir is required to train')
   logging.info('JAX devices: %s', jax.devices())
-  from t2t_jax import preemption  # pylint: disable=g-import-not-at-top
+  from t2t_jax import lifecycle  # pylint: disable=g-import-not-at-top
   try:
     results = train.train_and_evaluate(FLAGS.config, FLAGS.workdir, FLAGS.force_unlock)
-  except preemption.Preempted as e:
+  except lifecycle.Preempted as e:
     logging.warning('%s', e)
     logging.flush()
     sys.exit(e.exit_code)  # 143 or 130, not 0, so schedulers requeue rather than finish.

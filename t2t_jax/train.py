@@ -17,15 +17,15 @@ from jax.experimental import multihost_utils
 import numpy as np
 import tensorboardX
 
+from t2t_jax import CheckpointError
 from t2t_jax import checkpoint
 from t2t_jax import cli
 from t2t_jax import data
 from t2t_jax import evaluate
 from t2t_jax import flops
-from t2t_jax import hang_guard
+from t2t_jax import lifecycle
 from t2t_jax import metric_log
 from t2t_jax import optim
-from t2t_jax import preemption
 from t2t_jax import prng
 from t2t_jax import resolve
 from t2t_jax import runtime
@@ -42,13 +42,19 @@ def train_and_evaluate(config, workdir: str, force_unlock: bool = False) -> dict
   """Trains `config` in `workdir` (resuming if it holds a checkpoint); returns final figures.
 
   Process 0 holds the workdir's lock throughout: a second launch on it is refused, on every
-  process, while this one lives (`force_unlock` takes the lock regardless).
+  process, while this one lives (`force_unlock` takes the lock regardless). SIGTERM and Ctrl-C
+  raise lifecycle.Preempted once the run has stopped (lifecycle.py says how, per phase).
   """
   runtime.start()  # Done already where a command called this; a library caller's first.
   resolved = resolve.resolve(config)  # Every check, and every derived value, before any work.
   workdir_lock.make_workdir(workdir)
-  with workdir_lock.hold(workdir, force_unlock):
-    return _train_and_evaluate(config, resolved, workdir)
+  with lifecycle.Lifecycle(config.ckpt.preemption_grace_seconds,
+                           config.train.step_timeout_seconds) as life:
+    try:
+      with workdir_lock.hold(workdir, force_unlock):
+        return _train_and_evaluate(config, resolved, workdir, life)
+    except lifecycle.Interrupted:  # Start-up, or the final evaluation of a resumed run.
+      raise life.stopped(None, os.path.join(os.path.abspath(workdir), 'checkpoints')) from None
 
 
 @dataclasses.dataclass
@@ -70,8 +76,11 @@ class _Launch:
   config_json: str
 
 
-def _train_and_evaluate(config, resolved: resolve.Resolved, workdir: str) -> dict[str, Any]:
-  launch = _start(config, resolved, workdir)
+def _train_and_evaluate(config, resolved: resolve.Resolved, workdir: str,
+                        life: lifecycle.Lifecycle) -> dict[str, Any]:
+  with life.phase(lifecycle.STARTUP):
+    launch = _start(config, resolved, workdir)
+  life.remove_unfinished = launch.checkpointer.remove_unfinished
   start_step, train_start = int(launch.state.step), time.perf_counter()
   log = metric_log.MetricLog(launch.writer, launch.setup.schedule, config.train.num_steps,
                              start_step, flops.devices_peak_flops_per_second(
@@ -79,19 +88,25 @@ def _train_and_evaluate(config, resolved: resolve.Resolved, workdir: str) -> dic
                                  launch.setup.model_config.dtype))
   logging.info('Training from step %d to %d', start_step, config.train.num_steps)
   try:
-    results, stopped_by = _train(launch, log)
+    results, preempted = _train(launch, log, life)
+  except Exception:  # NaN loss, full disk, ...: the save in flight (of a good step) finishes.
+    _close_after_error(launch.checkpointer)
+    raise
   finally:
     log.close()
-  if stopped_by:
-    launch.checkpointer.close()
+  step = int(launch.state.step)
+  if preempted:
+    with life.phase(lifecycle.SAVE, step):  # The save of the signalled step finishes.
+      launch.checkpointer.close()
     launch.writer.close()
-    raise preemption.Preempted(int(launch.state.step), launch.checkpointer.directory,
-                               stopped_by)
-  saved = _read_final(workdir, int(launch.state.step)) if not results else None
+    raise life.stopped(step, launch.checkpointer.directory)
+  saved = _read_final(workdir, step) if not results else None
   if not results and not saved:  # Resumed at the end, figures unsaved: evaluate again.
-    results, _ = evaluate_state(launch.setup, launch.state, launch.task, launch.eval_batches,
-                                config, launch.translator)
-  launch.checkpointer.close()
+    with life.phase(lifecycle.FINAL_EVALUATION, step):
+      results, _ = evaluate_state(launch.setup, launch.state, launch.task, launch.eval_batches,
+                                  config, launch.translator)
+  with life.phase(lifecycle.SAVE, step):
+    launch.checkpointer.close()
   launch.writer.close()
   if saved:  # Resumed a finished run: nothing trained; report what it reported.
     logging.info('The run had already finished at step %d; its final figures follow.',
@@ -100,9 +115,19 @@ def _train_and_evaluate(config, resolved: resolve.Resolved, workdir: str) -> dic
   figures = {'config': config.name, 'step': int(launch.state.step), **results, **log.final(),
              'train_seconds': round(time.perf_counter() - train_start, 1)}
   if jax.process_index() == 0:  # Sweep summaries and a resumed finished run read it back.
-    with open(os.path.join(workdir, FINAL_JSON), 'w') as f:
+    with life.phase(lifecycle.FINAL_EVALUATION, step), open(
+        os.path.join(workdir, FINAL_JSON), 'w') as f:
       f.write(cli.json_line(figures) + '\n')
   return figures
+
+
+def _close_after_error(checkpointer: checkpoint.Checkpointer) -> None:
+  """Lets the save in flight finish while another error stops the run; its own failure is
+  logged, as the error already on its way says why the run stopped."""
+  try:
+    checkpointer.close()
+  except CheckpointError as e:
+    logging.warning('%s', e)
 
 
 def _start(config, resolved: resolve.Resolved, workdir: str) -> _Launch:
@@ -143,78 +168,79 @@ def _start(config, resolved: resolve.Resolved, workdir: str) -> _Launch:
                      dtype=resolved.eval_dtype), writer, config_json)
 
 
-def _train(launch: _Launch, log: metric_log.MetricLog) -> tuple[dict, int | None]:
+def _train(launch: _Launch, log: metric_log.MetricLog, life: lifecycle.Lifecycle
+           ) -> tuple[dict, bool]:
   """Steps from the state's step to config.train.num_steps, saving and evaluating on the way.
 
-  Returns the last evaluation's figures and the signal (SIGTERM, SIGINT) that stopped the loop
-  after saving the step it arrived in, or None. `launch.state` follows the steps.
+  Returns the last evaluation's figures and whether a signal (SIGTERM, Ctrl-C) stopped the loop
+  after saving the step it arrived in. `launch.state` follows the steps.
   """
   config, setup = launch.config, launch.setup
   num_steps, results, pending, seen_shapes = config.train.num_steps, {}, None, set()
-  sigterm = preemption.Preemption(config.ckpt.preemption_grace_seconds,
-                                  launch.checkpointer.remove_unfinished)
   preempted = False
-  with hang_guard.HangGuard(config.train.step_timeout_seconds) as guard:
-    for step in range(int(launch.state.step) + 1, num_steps + 1):
-      guard.arm(f'training step {step} (or reading the metrics of step {step - 1})')
+  for step in range(int(launch.state.step) + 1, num_steps + 1):
+    with life.phase(lifecycle.STEP, step):
       with log.waiting('input'):
         host_batch = next(launch.train_iter)
       if host_batch['targets'].shape not in seen_shapes:  # Compiles the step: not guarded.
         seen_shapes.add(host_batch['targets'].shape)
-        guard.disarm()
+        life.disarm()
       launch.state, metrics = setup.train_step(
           launch.state, sharding.global_batch(host_batch, setup.mesh), launch.dropout_rng)
       launch.checkpointer.check()  # A save that failed in the background stops the run here.
       if pending:  # Read the previous step's metrics only now, so the device never waits.
         log.add(*pending)
       pending = (step, metrics, metric_log.step_flops(setup.model_config, host_batch))
-      is_last, preempted = step == num_steps, sigterm.requested(step)
+      is_last, preempted = step == num_steps, life.requested(step)
       evaluate_now = is_last or step % config.train.eval_every == 0
       save_now = is_last or preempted or launch.checkpointer.should_save(step)
       if is_last or evaluate_now or save_now or step % config.train.log_every == 0:
-        log.add(*pending)
+        log.add(*pending)  # A NaN loss stops the run here, before its step is saved.
         pending = None
         log.write(step)
-      guard.disarm()  # Saving and evaluating (which compiles decoding) are not steps.
-      with log.waiting('save_and_evaluation'):
-        if save_now:
-          _save(launch, step)
-        if evaluate_now and not preempted:
-          try:
-            results = _evaluate(launch, step, save_now, sigterm.interruptible)
-          except preemption.Interrupted as signal_name:
-            logging.warning('%s during the evaluation of step %d: evaluation abandoned, saving '
-                            'step %d', signal_name, step, step)
-            preempted = True
-            if not save_now:
-              _save(launch, step)
-      if preempted:
-        break
-  sigterm.close()
-  return results, sigterm.signum if preempted else None
+    with log.waiting('save_and_evaluation'):
+      if save_now:
+        _save(launch, life, step)
+      if evaluate_now and not preempted:
+        try:
+          results = _evaluate(launch, life, step, save_now)
+        except lifecycle.Interrupted as signal_name:
+          logging.warning('%s during %s: evaluation abandoned, saving step %d',
+                          signal_name, life.where(), step)
+          preempted = True
+          if not save_now:
+            _save(launch, life, step)
+    if preempted:
+      break
+  return results, preempted
 
 
-def _save(launch: _Launch, step: int) -> None:
-  launch.checkpointer.save(step, launch.state, launch.dropout_rng,
-                           launch.train_iter.get_state(), launch.config_json)
+def _save(launch: _Launch, life: lifecycle.Lifecycle, step: int) -> None:
+  with life.phase(lifecycle.SAVE, step):
+    launch.checkpointer.save(step, launch.state, launch.dropout_rng,
+                             launch.train_iter.get_state(), launch.config_json)
 
 
-def _evaluate(launch: _Launch, step: int, saved_now: bool, interruptible) -> dict[str, float]:
-  """The in-loop evaluation at `step`, of the params, their moving average (if kept) and (if
-  asked) the average of the latest checkpoints. The evaluations run inside `interruptible()`
-  (a signal abandons them); reading the checkpoints to average does not."""
+def _evaluate(launch: _Launch, life: lifecycle.Lifecycle, step: int, saved_now: bool
+              ) -> dict[str, float]:
+  """The in-loop evaluation at `step` (the final one at the last step), of the params, their
+  moving average (if kept) and (if asked) the average of the latest checkpoints. The
+  evaluations are an interruptible phase (a signal abandons them); reading the checkpoints to
+  average is not."""
   config, setup = launch.config, launch.setup
+  phase = (lifecycle.FINAL_EVALUATION if step == config.train.num_steps else
+           lifecycle.EVALUATION)
   sentences = evaluate.bleu_sentences_due(step, config.train.num_steps, config.eval)
-  with interruptible():
+  with life.phase(phase, step):
     logging.info('step %d: evaluating', step)
     results, bleu = evaluate_state(setup, launch.state, launch.task, launch.eval_batches,
                                    config, launch.translator, sentences)
-  if bleu and jax.process_index() == 0:
-    evaluate.record_best_bleu(launch.workdir, step, bleu)
+    if bleu and jax.process_index() == 0:
+      evaluate.record_best_bleu(launch.workdir, step, bleu)
   if config.eval.average_last and saved_now:
     averaged, steps = launch.checkpointer.average_last(config.eval.average_last,
                                                        setup.abstract_state.params)
-    with interruptible():
+    with life.phase(phase, step):
       averaged_results, _ = run_evaluation(setup, averaged, launch.task, launch.eval_batches,
                                            config, launch.translator, sentences)
     results.update({f'averaged_{name}': value for name, value in averaged_results.items()})

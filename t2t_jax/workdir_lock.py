@@ -2,7 +2,8 @@
 
 `<workdir>/run.lock` holds {host, pid, start_ticks, since, slurm_job, slurm_restart}. It is created atomically (a link
 of a finished file, which also works on NFS), refreshed by a heartbeat thread, and removed on
-every way out Python sees: a clean exit, an error, SIGTERM. A lock whose holder is gone is
+every way out Python sees: a clean exit, an error, SIGTERM and Ctrl-C (lifecycle.py turns
+those into an exception, or removes the lock itself before an exit that does not unwind). A lock whose holder is gone is
 taken over with a warning: on this host when the PID no longer runs (or is another process of
 the same number), from another host when its heartbeat is older than STALE_SECONDS, and from
 an earlier run of the same SLURM job (requeued, perhaps onto another node) at once.
@@ -13,21 +14,16 @@ import dataclasses
 import json
 import os
 import shutil
-import signal
 import socket
-import sys
 import threading
 import time
 
 from absl import logging
 import numpy as np
 
-from t2t_jax import exit_codes
-
 LOCK_FILE = 'run.lock'
 HEARTBEAT_SECONDS = 30.0
 STALE_SECONDS = 300.0  # Another host's lock not refreshed for this long is from a lost node.
-SIGTERM_EXIT_CODE = exit_codes.PREEMPTED
 
 
 class WorkdirLocked(RuntimeError):
@@ -142,7 +138,6 @@ class WorkdirLock:
     self.holder = Holder.this_process()
     self._stop = threading.Event()
     self._heartbeat = None
-    self._previous_sigterm = None
 
   def __enter__(self) -> 'WorkdirLock':
     self.acquire()
@@ -175,9 +170,6 @@ class WorkdirLock:
     self._heartbeat = threading.Thread(target=self._beat, name='workdir-lock', daemon=True)
     self._heartbeat.start()
     _HELD.add(self)
-    if threading.current_thread() is threading.main_thread() and not _jax_catches_sigterm():
-      # Without a handler SIGTERM ends Python at once and the lock would stay behind.
-      self._previous_sigterm = signal.signal(signal.SIGTERM, _exit_on_sigterm)
 
   def release(self) -> None:
     """Removes the lock if it is still this process's."""
@@ -186,9 +178,6 @@ class WorkdirLock:
     if self._heartbeat:
       self._heartbeat.join()
       self._heartbeat = None
-    if self._previous_sigterm is not None:
-      signal.signal(signal.SIGTERM, self._previous_sigterm)
-      self._previous_sigterm = None
     self._remove_if(self.holder)
 
   def _create(self) -> bool:
@@ -244,26 +233,14 @@ class WorkdirLock:
         logging.warning('Could not refresh the workdir lock %s: %s', self.path, e)
 
 
-def _jax_catches_sigterm() -> bool:
-  """Whether JAX's preemption service (multi-process runs) has SIGTERM: the run then saves and
-  ends through Python, releasing the lock, and a handler here would replace JAX's."""
-  jax = sys.modules.get('jax')
-  return jax is not None and jax.process_count() > 1
-
-
 _HELD = set()  # The locks this process holds.
 
 
 def remove_held_locks() -> None:
   """Removes this process's lock files at once, for a process about to end without unwinding
-  (os._exit after a second Ctrl-C or a grace period run out)."""
+  (lifecycle.py: after a second Ctrl-C, a grace period run out or a hang)."""
   for lock in list(_HELD):
     lock._remove_if(lock.holder)  # pylint: disable=protected-access
-
-
-def _exit_on_sigterm(signum, frame):
-  del signum, frame
-  raise SystemExit(SIGTERM_EXIT_CODE)
 
 
 def scratch_prefix(stem: str) -> str:

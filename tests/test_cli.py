@@ -13,6 +13,7 @@ import pytest
 
 from conftest import ROOT
 from t2t_jax import cli
+from t2t_jax import exit_codes
 
 
 def test_json_line_writes_null_with_the_reason_for_nan_and_infinity():
@@ -68,7 +69,7 @@ def _one_line_error(stderr: str, *parts: str) -> str:
 def test_usage_mistakes_are_one_line_and_a_usage_line(tmp_path, module, args, parts):
   args = [arg.replace('=W', f'={tmp_path}') for arg in args]
   returncode, stderr = _cli(module, *args)
-  assert returncode == cli.USAGE_EXIT_CODE
+  assert returncode == exit_codes.USAGE
   error = _one_line_error(stderr, *parts)
   assert 'File "' not in error  # A config's own message, not its flattened traceback.
   assert stderr.splitlines()[-1].startswith(f'usage: python -m t2t_jax.{module} ')
@@ -85,7 +86,7 @@ def test_a_config_file_that_fails_to_load_is_one_line_naming_its_line(tmp_path, 
   config = tmp_path / 'broken.py'
   config.write_text(text)
   returncode, stderr = _cli('main', f'--config={config}', f'--workdir={tmp_path / "w"}')
-  assert returncode == cli.USAGE_EXIT_CODE
+  assert returncode == exit_codes.USAGE
   _one_line_error(stderr, f'--config={config}{where}')
   assert 'Traceback' not in stderr and len(stderr.splitlines()) == 2, stderr
   assert not (tmp_path / 'w').exists()
@@ -116,7 +117,7 @@ def test_load_error_names_the_files_own_line_not_the_importers(tmp_path):
 def test_checkpoint_errors_are_one_line(tmp_path, module, args, parts):
   args = [arg.replace('=W', f'={tmp_path}') for arg in args]
   returncode, stderr = _cli(module, *args)
-  assert returncode == cli.ERROR_EXIT_CODE
+  assert returncode == exit_codes.ERROR
   _one_line_error(stderr, *parts)
 
 
@@ -129,7 +130,7 @@ def test_checkpoint_errors_are_one_line(tmp_path, module, args, parts):
 ])
 def test_config_errors_are_one_line_before_any_work(tmp_path, flag, parts):
   returncode, stderr = _cli('main', '--config=configs/tiny.py', f'--workdir={tmp_path}', flag)
-  assert returncode == cli.ERROR_EXIT_CODE
+  assert returncode == exit_codes.ERROR
   _one_line_error(stderr, *parts)
   assert os.listdir(tmp_path) == []  # Refused before anything was written.
 
@@ -138,7 +139,7 @@ def test_a_workdir_that_is_a_file_is_one_line(tmp_path):
   path = tmp_path / 'a_file'
   path.write_text('not a directory')
   returncode, stderr = _cli('main', '--config=configs/tiny.py', f'--workdir={path}')
-  assert returncode == cli.ERROR_EXIT_CODE
+  assert returncode == exit_codes.ERROR
   _one_line_error(stderr, f'--workdir={path} is a file, not a directory', 'another path')
   assert path.read_text() == 'not a directory'
 
@@ -147,7 +148,7 @@ def test_a_batch_smaller_than_the_mesh_is_one_line_before_any_work(tmp_path):
   # conftest gives 8 devices: 64 tokens are 4 rows of the 16-token shortest bucket.
   returncode, stderr = _cli('main', '--config=configs/tiny.py', f'--workdir={tmp_path}',
                             '--config.data.batch_tokens=64')
-  assert returncode == cli.ERROR_EXIT_CODE
+  assert returncode == exit_codes.ERROR
   _one_line_error(stderr, 'config.data.batch_tokens=64 gives 4 rows of 16 tokens (the shortest '
                   'bucket, config.data.min_bucket), fewer than the 8 data shards', 'at least 128')
   assert os.listdir(tmp_path) == []
@@ -157,7 +158,7 @@ def test_a_batch_smaller_than_the_mesh_is_one_line_before_any_work(tmp_path):
 def test_a_model_shorter_than_the_batches_is_one_line(tmp_path):
   returncode, stderr = _cli('main', '--config=configs/tiny.py', f'--workdir={tmp_path}',
                             '--config.model.max_len=2')
-  assert returncode == cli.ERROR_EXIT_CODE
+  assert returncode == exit_codes.ERROR
   # The copy task's pairs (up to 9 tokens) are padded to the 16-token bucket.
   _one_line_error(stderr, 'a batch of 16 positions exceeds config.model.max_len=2',
                   'raise config.model.max_len to at least 16')
@@ -168,7 +169,7 @@ def test_a_nan_loss_is_one_line_and_releases_the_workdir(tmp_path):
   returncode, stderr = _cli('main', '--config=configs/tiny.py', f'--workdir={tmp_path}',
                             '--config.opt.schedule=constant', '--config.opt.lr_scale=1e30',
                             '--config.ckpt.every=0')
-  assert returncode == cli.ERROR_EXIT_CODE
+  assert returncode == exit_codes.ERROR
   _one_line_error(stderr, 'training loss is', 'at step', 'the last checkpoint is intact')
   assert not os.path.exists(tmp_path / 'run.lock')
 

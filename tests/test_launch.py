@@ -10,11 +10,7 @@ import textwrap
 import pytest
 
 from conftest import ROOT
-from t2t_jax import cli
 from t2t_jax import exit_codes
-from t2t_jax import hang_guard
-from t2t_jax import preemption
-from t2t_jax import workdir_lock
 
 sys.path.insert(0, os.path.join(ROOT, 'launch'))
 import sweep  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -48,9 +44,15 @@ def test_every_exit_status_is_the_one_table_s():
   step_script = open(os.path.join(ROOT, 'launch', 'slurm_step.sh')).read()
   assert re.search(r'^readonly PREEMPTED=(\d+)', step_script, re.M).group(1) == '143'
   assert exit_codes.PREEMPTED == 128 + 15 and exit_codes.INTERRUPTED == 128 + 2
-  assert sweep.PREEMPTED == preemption.EXIT_CODE == workdir_lock.SIGTERM_EXIT_CODE == 143
-  assert (cli.ERROR_EXIT_CODE, cli.USAGE_EXIT_CODE, hang_guard.EXIT_STATUS,
-          cli.INTERRUPTED_EXIT_CODE) == (1, 2, 3, 130)
+  assert sweep.PREEMPTED == exit_codes.PREEMPTED == 143
+  assert (exit_codes.ERROR, exit_codes.USAGE, exit_codes.HANG,
+          exit_codes.INTERRUPTED) == (1, 2, 3, 130)
+  # No module keeps an alias of its own: each names exit_codes.X where it exits.
+  package = os.path.join(ROOT, 't2t_jax')
+  for name in os.listdir(package):
+    if name.endswith('.py') and name != 'exit_codes.py':
+      text = open(os.path.join(package, name)).read()
+      assert not re.search(r'^\w*(EXIT_CODES?|EXIT_STATUS)\w* = ', text, re.M), name
   codes = [value for name, value in vars(exit_codes).items() if name.isupper()
            and isinstance(value, int)]
   assert len(codes) == len(set(codes))  # No two meanings share a status.

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 from conftest import ROOT
-from t2t_jax import cli
+from t2t_jax import exit_codes
 
 
 def test_main_parses_the_config_and_refuses_a_bad_key_before_any_work(tmp_path):
@@ -15,6 +15,6 @@ def test_main_parses_the_config_and_refuses_a_bad_key_before_any_work(tmp_path):
        f'--workdir={tmp_path}', '--config.model.moe_top_k=9'],
       cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True,
       timeout=300, stdin=subprocess.DEVNULL)
-  assert run.returncode == cli.ERROR_EXIT_CODE, run.stderr[-2000:]
+  assert run.returncode == exit_codes.ERROR, run.stderr[-2000:]
   assert 'config.model.moe_top_k=9' in run.stderr
   assert os.listdir(tmp_path) == []  # Refused before anything was written.

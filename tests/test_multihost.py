@@ -106,3 +106,46 @@ def test_a_refused_lock_on_process_0_stops_every_process_with_its_message(tmp_pa
     lines = [line for line in stderr.splitlines() if line.startswith('error: ')]
     assert len(lines) == 1 and f'{tmp_path} is in use by PID {os.getpid()}' in lines[0], stderr
   assert errors[0].splitlines()[-1] == errors[1].splitlines()[-1]
+
+
+@pytest.mark.slow
+@pytest.mark.multihost
+def test_ctrl_c_on_one_process_makes_every_process_save_one_step_and_exit_130(tiny_config,
+                                                                             tmp_path):
+  """Ctrl-C goes to process 1 only (the harder case: process 0 writes the checkpoint);
+  JAX's preemption service makes both save at one step, as for SIGTERM."""
+  import re  # pylint: disable=import-outside-toplevel
+  import signal  # pylint: disable=import-outside-toplevel
+  import time  # pylint: disable=import-outside-toplevel
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    port = s.getsockname()[1]
+  workdir = tmp_path / 'run'
+  processes, logs = [], [tmp_path / f'{index}.log' for index in range(2)]
+  for index in range(2):
+    env = dict(_env(), T2T_COORDINATOR_ADDRESS=f'127.0.0.1:{port}', T2T_NUM_PROCESSES='2',
+               T2T_PROCESS_ID=str(index), JAX_PLATFORMS='cpu',
+               XLA_FLAGS='--xla_force_host_platform_device_count=4')
+    processes.append(subprocess.Popen(
+        [sys.executable, '-m', 't2t_jax.main', '--config=configs/tiny.py',
+         f'--workdir={workdir}', '--config.mesh.dcn_data=2', '--config.train.num_steps=100000',
+         '--config.train.log_every=1', '--config.ckpt.every=0', '--config.eval.bleu_sentences=0',
+         '--config.train.eval_every=100000', '--config.ckpt.preemption_grace_seconds=120'],
+        cwd=ROOT, env=env, stderr=open(logs[index], 'w'), stdout=subprocess.DEVNULL))
+  deadline = time.monotonic() + 400
+  while not re.search(r'\] step 3: loss', logs[1].read_text()):
+    assert time.monotonic() < deadline and processes[1].poll() is None, logs[1].read_text()
+    time.sleep(0.1)
+  processes[1].send_signal(signal.SIGINT)
+  codes = [process.wait(timeout=240) for process in processes]
+  texts = [log.read_text() for log in logs]
+  assert codes == [130, 130], [text[-3000:] for text in texts]
+  saved = [int(re.search(r'interrupted \(Ctrl-C\): saved a checkpoint at step (\d+)',
+                         text).group(1)) for text in texts]
+  assert saved[0] == saved[1] >= 3, saved
+  assert 'Traceback' not in texts[0] + texts[1]
+  assert os.listdir(workdir / 'checkpoints') == [str(saved[0])]
+  assert not os.path.exists(workdir / 'run.lock')
+  # The run resumes from that step (here in one process of 8 devices, as above).
+  tiny_config.train.num_steps, tiny_config.eval.bleu_sentences = saved[0] + 1, 0
+  assert train.train_and_evaluate(tiny_config, str(workdir))['step'] == saved[0] + 1

@@ -15,15 +15,20 @@ import pytest
 from conftest import ROOT
 from t2t_jax import workdir_lock
 
+# As train.train_and_evaluate holds it: inside the run's lifecycle, whose start-up a signal
+# abandons at once (raising lifecycle.Interrupted through the lock's release).
 _HOLDER = '''
 import sys, time
-from t2t_jax import workdir_lock
-with workdir_lock.WorkdirLock(sys.argv[1]):
-  print('held', flush=True)
-  if sys.argv[2] == 'error':
-    raise RuntimeError('boom')
-  if sys.argv[2] == 'wait':
-    time.sleep(60)
+from t2t_jax import exit_codes, lifecycle, workdir_lock
+try:
+  with lifecycle.Lifecycle(60, 0), workdir_lock.WorkdirLock(sys.argv[1]):
+    print('held', flush=True)
+    if sys.argv[2] == 'error':
+      raise RuntimeError('boom')
+    if sys.argv[2] == 'wait':
+      time.sleep(60)
+except lifecycle.Interrupted:
+  sys.exit(exit_codes.PREEMPTED)
 '''
 
 
