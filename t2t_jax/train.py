@@ -235,8 +235,8 @@ def _evaluate(launch: _Launch, life: lifecycle.Lifecycle, step: int, saved_now: 
     logging.info('step %d: evaluating', step)
     results, bleu = evaluate_state(setup, launch.state, launch.task, launch.eval_batches,
                                    config, launch.translator, sentences)
-    if bleu and jax.process_index() == 0:
-      evaluate.record_best_bleu(launch.workdir, step, bleu)
+  if bleu and jax.process_index() == 0:  # A file write: not abandoned half-way by a signal.
+    evaluate.record_best_bleu(launch.workdir, step, bleu)
   if config.eval.average_last and saved_now:
     averaged, steps = launch.checkpointer.average_last(config.eval.average_last,
                                                        setup.abstract_state.params)
