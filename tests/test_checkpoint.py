@@ -30,6 +30,7 @@ from t2t_jax import export
 from t2t_jax import train
 from t2t_jax import translator as translator_lib
 from t2t_jax import saved_params
+from t2t_jax import sharding
 
 
 def _config():
