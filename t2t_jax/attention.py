@@ -220,16 +220,16 @@ class SelfAttention(_Attention):
     # stored [B, K, H, D], every step would transpose every layer's whole cache first.
     # Rotary keys are turned first, in [B, K, H, D], then cached heads-major.
     layout = 'BHKD' if cached and cfg.positions != 'rotary' else 'BKHD'
-    k, v = self._project('key', x_BQE, layout), self._project('value', x_BQE, layout)
+    key, value = self._project('key', x_BQE, layout), self._project('value', x_BQE, layout)
     relative = self._relative_tables() if self.relative else None
     compression_ZHDD = ([self._kernel(f'compress_{name}', (
         cfg.compression_stride, cfg.num_heads, cfg.d_model // cfg.num_heads,
         cfg.d_model // cfg.num_heads), (None, 'heads', 'kv', None), (0, 2), 3, 1)
                          for name in ('key', 'value')] if self.kind == 'compressed' else None)
     if cached:
-      out_BQHD = self._cached_attention(q_BQHD, k, v, mask, relative, compression_ZHDD)
+      out_BQHD = self._cached_attention(q_BQHD, key, value, mask, relative, compression_ZHDD)
     else:
-      out_BQHD = self._training_attention(q_BQHD, k, v, mask, relative, compression_ZHDD)
+      out_BQHD = self._training_attention(q_BQHD, key, value, mask, relative, compression_ZHDD)
     return self._output(out_BQHD)
 
   def _training_attention(self, q_BQHD, k_BKHD, v_BKHD, mask: SelfMask, relative,
@@ -276,33 +276,40 @@ class SelfAttention(_Attention):
                          cfg.param_dtype).astype(cfg.dtype) for name in ('key', 'value')]
     return attention_variants.Relative(*tables, cfg.max_relative_distance)
 
-  def _cached_attention(self, q_BQHD, k_BHQD, v_BHQD, mask: SelfMask | None, relative,
+  def _cached_attention(self, q_BQHD, key, value, mask: SelfMask | None, relative,
                         compression_ZHDD) -> Array:
-    """Decode mode: this call's Q tokens go into the cache, then attend to it."""
+    """Decode mode: this call's Q tokens go into the cache, then attend to it.
+
+    `key` and `value` are this call's projections, [B, H, Q, D], or [B, Q, H, D] under rotary
+    positions: those keys are turned by their positions before they are cached heads-major.
+    """
     cfg = self.config
-    turn = None
-    if cfg.positions == 'rotary':  # Keys are cached turned by their positions, heads-major.
-      turn = lambda k_BQHD, positions_BQ: positions.rotary(k_BQHD, positions_BQ).transpose(
-          0, 2, 1, 3)
-      v_BHQD = v_BHQD.transpose(0, 2, 1, 3)
+    rotary = cfg.positions == 'rotary'
+    if rotary:
+      value = value.transpose(0, 2, 1, 3)
+    initialised = self.has_variable('cache', 'index')
     slots_BQ = None if mask is None else mask.positions_BL
-    k_BHKD, v_BHKD, positions_BQ, ancestry = self._update_cache(k_BHQD, v_BHQD, turn, slots_BQ)
-    if positions_BQ is None:  # The init call, which only sizes the caches.
-      return attention_variants.cached_attention(q_BQHD, k_BHKD, v_BHKD, None)[0]
-    length = v_BHKD.shape[2]  # (Beam search's keys are laid out otherwise: _update_cache.)
-    if cfg.positions == 'rotary':
+    index, positions_BQ = self._positions(value.shape[2], slots_BQ)
+    key_BHQD = positions.rotary(key, positions_BQ).transpose(0, 2, 1, 3) if rotary else key
+    if not initialised:  # The init call, which only sizes the caches.
+      self._size_cache(key_BHQD, value)
+      return attention_cache.RowCache(key_BHQD, value).attend(q_BQHD, None)[0]
+    cached = self._update_cache(key_BHQD, value, index, slots_BQ)
+    length = cached.length
+    if rotary:
       q_BQHD = positions.rotary(q_BQHD, positions_BQ)
     prompt = mask if slots_BQ is None else None  # A decoder-only model's prefill.
     mask_B1QK, compressed_B1QM, key_valid_BK = attention_cache.cached_mask(
         self.kind, positions_BQ, length, prompt, q_BQHD.shape[0], cfg.local_half_width,
         cfg.compression_stride)
     if self.kind == 'compressed':
-      entries = self._compressed_cache(k_BHKD.shape)
-      for entry, raw_BHKD, kernel_ZHDD in zip(entries, (k_BHKD, v_BHKD), compression_ZHDD):
+      entries = self._compressed_cache(cached.key_BHKD.shape)
+      for entry, raw_BHKD, kernel_ZHDD in zip(entries, cached, compression_ZHDD):
         entry.value = attention_cache.recompress(entry.value, raw_BHKD, positions_BQ,
                                                  kernel_ZHDD, key_valid_BK, cfg.compression_stride)
-      k_BHKD = jnp.concatenate([entries[0].value, k_BHKD], axis=2)
-      v_BHKD = jnp.concatenate([entries[1].value, v_BHKD], axis=2)
+      cached = attention_cache.RowCache(
+          *(jnp.concatenate([entry.value, raw_BHKD], axis=2)
+            for entry, raw_BHKD in zip(entries, cached)))
       mask_B1QK = jnp.concatenate([
           jnp.broadcast_to(compressed_B1QM, mask_B1QK.shape[:3] + compressed_B1QM.shape[-1:]),
           jnp.broadcast_to(mask_B1QK, mask_B1QK.shape[:3] + (mask_B1QK.shape[-1],))], axis=-1)
@@ -314,50 +321,43 @@ class SelfAttention(_Attention):
     if cfg.positions == 'alibi':
       bias_BHQK = positions.alibi_bias(positions_BQ, key_positions_1K,
                                        positions.alibi_slopes(cfg.num_heads))
-    out_BQHD, weights_BHQK = attention_variants.cached_attention(
-        q_BQHD, k_BHKD, v_BHKD, mask_B1QK, relative, buckets_BQKR, bias_BHQK, ancestry)
+    out_BQHD, weights_BHQK = cached.attend(q_BQHD, mask_B1QK, relative, buckets_BQKR, bias_BHQK)
     self.sow('intermediates', 'attention_weights', weights_BHQK)
     return out_BQHD
 
-  def _update_cache(self, k_BHQD, v_BHQD, turn=None, slots_BQ=None):
-    """Writes this call's Q keys/values from the cache index on, or row b's from
-    `slots_BQ[b, 0]` on when given. Returns the whole cache, the written tokens' positions
-    [1 or B, Q] and None; in the init call that only sizes the caches, the inputs and None,
-    None.
-
-    Beam search's layers with an ancestry table (decode.py, Q = 1) return the cache as it was
-    before this write and its attention_variants.Ancestry: a step reads the cache it was
-    handed and the write updates that buffer in place (reading the written one, XLA copies).
-
-    `turn(k_BQHD, positions_BQ)`, given, makes the keys to cache from the projected [B, Q, H, D].
-    """
-    initialised = self.has_variable('cache', 'key')
+  def _positions(self, queries: int, slots_BQ: Array | None):
+    """The cache index (the variable counting the tokens cached so far) and this call's
+    tokens' positions [1 or B, Q], which are also their cache slots: from the index on, or row
+    b's from `slots_BQ[b, 0]` on (a decoder-only model's steps, rows of unequal sources)."""
     index = self.variable('cache', 'index', lambda: jnp.array(0, jnp.int32))
-    i = index.value
-    queries = k_BHQD.shape[2] if turn is None else k_BHQD.shape[1]
-    positions_BQ = (i + jnp.arange(queries))[None] if slots_BQ is None else slots_BQ
-    if turn is not None:
-      k_BHQD = turn(k_BHQD, positions_BQ)
-    length = attention_cache.cache_length(k_BHQD.shape[2], self.kind,
+    return index, (index.value + jnp.arange(queries))[None] if slots_BQ is None else slots_BQ
+
+  def _size_cache(self, key_BHQD: Array, value_BHQD: Array) -> None:
+    """The init call's zeroed caches, one slot per token it was given (for 'compressed',
+    whole blocks)."""
+    length = attention_cache.cache_length(key_BHQD.shape[2], self.kind,
                                           self.config.compression_stride)
-    shape = k_BHQD.shape[:2] + (length,) + k_BHQD.shape[3:]
-    key = self.variable('cache', 'key', jnp.zeros, shape, k_BHQD.dtype)
-    value = self.variable('cache', 'value', jnp.zeros, shape, v_BHQD.dtype)
-    if not initialised:
-      if self.kind == 'compressed':
-        self._compressed_cache(shape)
-      return k_BHQD, v_BHQD, None, None
-    index.value = i + queries
-    if self.has_variable('cache', 'origin'):  # Beam search's: the cache stays put.
-      origin = self.variable('cache', 'origin', None)
-      origin.value = attention_cache.own_slot(origin.value, positions_BQ)
-      before = key.value, value.value
-      key.value, value.value = attention_cache.write_beams(*before, k_BHQD, v_BHQD, i,
-                                                           origin.value.shape[0])
-      return before + (positions_BQ, attention_variants.Ancestry(origin.value, k_BHQD, v_BHQD, i))
-    key.value = attention_cache.write(key.value, k_BHQD, i, slots_BQ)
-    value.value = attention_cache.write(value.value, v_BHQD, i, slots_BQ)
-    return key.value, value.value, positions_BQ, None
+    shape = key_BHQD.shape[:2] + (length,) + key_BHQD.shape[3:]
+    self.variable('cache', 'key', jnp.zeros, shape, key_BHQD.dtype)
+    self.variable('cache', 'value', jnp.zeros, shape, value_BHQD.dtype)
+    if self.kind == 'compressed':
+      self._compressed_cache(shape)
+
+  def _update_cache(self, key_BHQD: Array, value_BHQD: Array, index, slots_BQ: Array | None):
+    """Writes this call's keys and values at their slots (`_positions`) and moves the index
+    past them. Returns what the call reads: the written attention_cache.RowCache, or in beam
+    search (an attention_cache.BeamCache entry, decode.py) the BeamStep of the cache as it was
+    handed over, which the write then updates in place."""
+    slot = index.value
+    index.value = slot + key_BHQD.shape[2]
+    if self.has_variable('cache', attention_cache.BEAM_ENTRY):
+      beam = self.variable('cache', attention_cache.BEAM_ENTRY)
+      beam.value, step = beam.value.write(key_BHQD, value_BHQD, slot)
+      return step
+    key, value = self.variable('cache', 'key'), self.variable('cache', 'value')
+    key.value = attention_cache.write(key.value, key_BHQD, slot, slots_BQ)
+    value.value = attention_cache.write(value.value, value_BHQD, slot, slots_BQ)
+    return attention_cache.RowCache(key.value, value.value)
 
   def _compressed_cache(self, shape_BHKD):
     """The cache entries of compressed keys and values, one per block of the raw cache."""

@@ -1,11 +1,15 @@
-"""The self-attention decode cache's bookkeeping, as pure functions of arrays.
+"""The self-attention decode cache: its layouts, writes, masks and reads, and beam search's
+cache (`BeamCache`), whose keys never move.
 
-The modules in attention.py own the cache variables; these functions say what goes into them
-and which cached keys each query may see. Keys and values are cached heads-major
+The modules in attention.py own the cache variables; what goes into them, which cached keys
+each query may see and how a step reads them is here. Keys and values are cached heads-major
 ([B, H, K, D]), the layout a step's products read. Shapes in names follow the package legend
-(t2t_jax/__init__.py).
+(t2t_jax/__init__.py); in beam search's functions B counts sentences, N = B * W query rows.
 """
 
+from typing import NamedTuple
+
+import flax.struct
 import jax
 import jax.numpy as jnp
 
@@ -130,30 +134,172 @@ def shared_memory_attention(q_NQHD: Array, k_BHDK: Array, v_BHKD: Array,
   return out_BHQD.swapaxes(1, 2).reshape(rows, queries, heads, head_dim), weights_NHQK
 
 
-def beam_layout(k_BHKD: Array, v_BHKD: Array, sentences: int) -> tuple[Array, Array]:
-  """Beam search's layout of keys and values whose B rows are S sentences of V beams: keys
-  [H, S, D, V, K], values heads-first [H, B, K, D]. Each step's products then read them as
-  they lie, with the batch axes (H, S) leading and the contracted axis where a matrix product
-  wants it (attention_variants.cached_attention), instead of copying every layer's cache into
-  that order at every step."""
-  rows, heads, length, head_dim = k_BHKD.shape
-  k_HSDVK = k_BHKD.reshape(sentences, rows // sentences, heads, length, head_dim).transpose(
+class RowCache(NamedTuple):
+  """A cache with one row per query row, as a call reads it: keys and values [B, H, K, D]."""
+  key_BHKD: Array
+  value_BHKD: Array
+
+  @property
+  def length(self) -> int:
+    return self.key_BHKD.shape[2]
+
+  def attend(self, q_BQHD: Array, mask_B1QK: Array | None,
+             relative: attention_variants.Relative | None = None,
+             buckets_BQKR: Array | None = None,
+             bias_BHQK: Array | None = None) -> tuple[Array, Array]:
+    """attention_variants.dense_attention over the cache: the output [B, Q, H, D] and weights
+    [B, H, Q, K]. Decoding is deterministic, so there is no dropout."""
+    logits_BHQK = jnp.einsum('BQHD,BHKD->BHQK', q_BQHD, self.key_BHKD).astype(jnp.float32)
+    weights_BHQK = _weights(q_BQHD, logits_BHQK, mask_B1QK, relative, buckets_BQKR, bias_BHQK)
+    out_BQHD = jnp.einsum('BHQK,BHKD->BQHD', weights_BHQK, self.value_BHKD)
+    return _with_relative_values(out_BQHD, weights_BHQK, relative, buckets_BQKR), weights_BHQK
+
+
+def _weights(q_BQHD, logits_BHQK, mask_B1QK, relative, buckets_BQKR, bias_BHQK) -> Array:
+  """Attention weights from the query-key logits, with the relative and bias terms added."""
+  if relative is not None:
+    q_BQHR = jnp.einsum('BQHD,RD->BQHR', q_BQHD, relative.key_RD)
+    # The buckets' batch axis may be 1 (every row alike): '...' broadcasts it.
+    logits_BHQK += jnp.einsum('...QHR,...QKR->...HQK', q_BQHR,
+                              buckets_BQKR).astype(jnp.float32)
+  if bias_BHQK is not None:
+    logits_BHQK += bias_BHQK
+  if mask_B1QK is not None:
+    logits_BHQK = jnp.where(mask_B1QK, logits_BHQK, attention_variants.NEG_INF)
+  return jax.nn.softmax(logits_BHQK).astype(q_BQHD.dtype)
+
+
+def _with_relative_values(out_BQHD, weights_BHQK, relative, buckets_BQKR) -> Array:
+  if relative is None:
+    return out_BQHD
+  per_distance_BHQR = jnp.einsum('...HQK,...QKR->...HQR', weights_BHQK, buckets_BQKR)
+  return out_BQHD + jnp.einsum('BHQR,RD->BQHD', per_distance_BHQR, relative.value_RD)
+
+
+BEAM_ENTRY = 'key_value'  # The name of a layer's BeamCache among its cache entries.
+
+
+@flax.struct.dataclass
+class BeamCache:
+  """One self-attention layer's cache in beam search (decode.py): every key and value stays in
+  the cache row that wrote it, and an origin table says which row holds each key of each
+  beam's hypothesis. Reordering the beams moves only that table.
+
+  Why the table is enough: row r's slot k is written once, by the step at position k
+  (`write`), and never again, so it keeps the key of the hypothesis that was live in row r
+  at that step for the rest of the search. A hypothesis's keys before position k are its
+  ancestors', all written that way: a beam continuing parent p takes p's origins (`reorder`).
+
+  For B sentences of W beams (N = B * W rows, a sentence's consecutive) and K slots, the
+  fields keep these ranks whatever the step; a step's products read them as they lie.
+  """
+  # [H, B, D, W, K]: a sentence's W rows side by side behind the head dim, so a step scores
+  # its W queries against all of them as one matrix product per head and sentence.
+  key_HBDWK: Array
+  origin_BWK: Array  # int32: the row, of its sentence's W, holding key k of beam w's.
+  value_HNKD: Array
+
+  @classmethod
+  def start(cls, key_NHKD: Array, value_NHKD: Array, sentences: int) -> 'BeamCache':
+    """The beam cache of caches with one row per beam: every beam reads its own row."""
+    rows, _, length, _ = key_NHKD.shape
+    beams = rows // sentences
+    origin_BWK = jnp.broadcast_to(jnp.arange(beams, dtype=jnp.int32)[None, :, None],
+                                  (sentences, beams, length))
+    key_HBDWK, value_HNKD = _beam_layout(key_NHKD, value_NHKD, sentences)
+    return cls(key_HBDWK, origin_BWK, value_HNKD)
+
+  def write(self, key_NH1D: Array, value_NH1D: Array,
+            slot: Array) -> tuple['BeamCache', 'BeamStep']:
+    """The cache with this step's keys and values written at `slot` (its position), each
+    beam's own; and what this step reads (BeamStep)."""
+    sentences, beams, _ = self.origin_BWK.shape
+    own_BW1 = jnp.broadcast_to(jnp.arange(beams, dtype=self.origin_BWK.dtype)[None, :, None],
+                               (sentences, beams, 1))
+    origin_BWK = jax.lax.dynamic_update_slice_in_dim(self.origin_BWK, own_BW1, slot, 2)
+    key_HBDW1, value_HN1D = _beam_layout(key_NH1D, value_NH1D, sentences)
+    written = BeamCache(jax.lax.dynamic_update_slice_in_dim(self.key_HBDWK, key_HBDW1, slot, 4),
+                        origin_BWK,
+                        jax.lax.dynamic_update_slice_in_dim(self.value_HNKD, value_HN1D, slot, 2))
+    return written, BeamStep(self.key_HBDWK, origin_BWK, self.value_HNKD, key_NH1D, value_NH1D,
+                             slot)
+
+  def reorder(self, parent_BW: Array) -> 'BeamCache':
+    """The cache after beam w of every sentence continues its parent_BW[b, w]."""
+    return self.replace(origin_BWK=jnp.take_along_axis(self.origin_BWK, parent_BW[:, :, None],
+                                                       axis=1))
+
+
+def _beam_layout(key_NHKD: Array, value_NHKD: Array, sentences: int) -> tuple[Array, Array]:
+  """Keys and values with one row per beam in BeamCache's layout (K may be 1)."""
+  rows, heads, length, head_dim = key_NHKD.shape
+  key_HBDWK = key_NHKD.reshape(sentences, rows // sentences, heads, length, head_dim).transpose(
       2, 0, 4, 1, 3)
-  return k_HSDVK, v_BHKD.swapaxes(0, 1)
+  return key_HBDWK, value_NHKD.swapaxes(0, 1)
 
 
-def write_beams(k_HSDVK: Array, v_HBKD: Array, k_BHQD: Array, v_BHQD: Array, index: Array,
-                sentences: int) -> tuple[Array, Array]:
-  """Caches in beam_layout's layout with this step's keys and values written at `index`."""
-  k_HSDVQ, v_HBQD = beam_layout(k_BHQD, v_BHQD, sentences)
-  return (jax.lax.dynamic_update_slice_in_dim(k_HSDVK, k_HSDVQ, index, 4),
-          jax.lax.dynamic_update_slice_in_dim(v_HBKD, v_HBQD, index, 2))
+class BeamStep(NamedTuple):
+  """What one step of beam search attends to: the cache's keys and values as the step was
+  handed them, the origin table with the step's own slot, and the step's own keys and values,
+  read apart at `slot`. (Reading the written cache instead would stop XLA writing it in place:
+  it would copy every layer's cache at every step.)"""
+  key_HBDWK: Array
+  origin_BWK: Array
+  value_HNKD: Array
+  new_key_NH1D: Array
+  new_value_NH1D: Array
+  slot: Array
 
+  @property
+  def length(self) -> int:
+    return self.origin_BWK.shape[2]
 
-def own_slot(origin_SWK: Array, positions_1Q: Array) -> Array:
-  """Beam search's ancestry after a step wrote each row's key at `positions_1Q` [1, 1]: every
-  beam finds that key in its own cache row."""
-  sentences, beams, _ = origin_SWK.shape
-  own_SW1 = jnp.broadcast_to(jnp.arange(beams, dtype=origin_SWK.dtype)[None, :, None],
-                             (sentences, beams, 1))
-  return jax.lax.dynamic_update_slice_in_dim(origin_SWK, own_SW1, positions_1Q[0, 0], 2)
+  def attend(self, q_NQHD: Array, mask_N1QK: Array | None,
+             relative: attention_variants.Relative | None = None,
+             buckets_NQKR: Array | None = None,
+             bias_NHQK: Array | None = None) -> tuple[Array, Array]:
+    """RowCache.attend through the origin table: the output [N, 1, H, D] and weights
+    [N, H, 1, K]. Each query is scored against all W rows of its sentence, and the scores and
+    weights of rows that do not hold its key are zeroed: an exact selection."""
+    logits_NHQK, origin_one_hot = self._logits(q_NQHD)
+    weights_NHQK = _weights(q_NQHD, logits_NHQK, mask_N1QK, relative, buckets_NQKR, bias_NHQK)
+    out_NQHD = self._output(weights_NHQK, origin_one_hot)
+    return _with_relative_values(out_NQHD, weights_NHQK, relative, buckets_NQKR), weights_NHQK
+
+  def _logits(self, q_NQHD: Array) -> tuple[Array, Array]:
+    """The logits [N, H, 1, K] and the origin table one-hot: [B, W, W, K], whether row r
+    (third axis) holds key k of beam w's hypothesis, for the keys before this step's."""
+    sentences, beams, length = self.origin_BWK.shape
+    heads, head_dim = q_NQHD.shape[2:]
+    older_K = jnp.arange(length) != self.slot
+    origin_one_hot = (self.origin_BWK[:, :, None, :] == jnp.arange(beams)[:, None]) & older_K
+    q_HBWD = q_NQHD.reshape(sentences, beams, heads, head_dim).transpose(2, 0, 1, 3)
+    # [H, B, D, W * K] (I in the products): a sentence's W rows of keys as one matrix.
+    keys = self.key_HBDWK.reshape(heads, sentences, head_dim, beams * length)
+    # [H, B, W, W, K]: beam w's query (third axis) against row r's key k (fourth, fifth).
+    every_row = jnp.einsum('HBWD,HBDI->HBWI', q_HBWD, keys).reshape(
+        heads, sentences, beams, beams, length)
+    new_HBW1 = jnp.einsum('HBWD,BWHD->HBW', q_HBWD, self.new_key_NH1D.reshape(
+        sentences, beams, heads, head_dim))[..., None]
+    logits_HBWK = jnp.where(older_K, jnp.where(origin_one_hot, every_row, 0).sum(3),
+                            new_HBW1).astype(jnp.float32)
+    return logits_HBWK.reshape(heads, -1, 1, length).transpose(1, 0, 2, 3), origin_one_hot
+
+  def _output(self, weights_NHQK: Array, origin_one_hot: Array) -> Array:
+    """The output [N, 1, H, D] under `weights_NHQK`, each key's value read from its origin."""
+    sentences, beams, _, length = origin_one_hot.shape
+    heads, head_dim = self.value_HNKD.shape[0], self.value_HNKD.shape[-1]
+    weights_HBW1K = weights_NHQK.reshape(sentences, beams, heads, 1, length).transpose(
+        2, 0, 1, 3, 4)
+    # [H, B, W, W * K]: beam w's weight of each row's keys, zero where the row is not its origin.
+    weights = jnp.where(origin_one_hot, weights_HBW1K, 0).reshape(heads, sentences, beams, -1)
+    values = self.value_HNKD.reshape(heads, sentences, beams * length, head_dim)
+    # Both parts sum in float32 and round once, as one product over every key would.
+    out_HBWD = jnp.einsum('HBWI,HBID->HBWD', weights, values,
+                          preferred_element_type=jnp.float32)
+    new_weights_BWH1 = jax.lax.dynamic_index_in_dim(weights_NHQK, self.slot, 3).reshape(
+        sentences, beams, heads, 1)
+    new_BWHD = new_weights_BWH1.astype(jnp.float32) * self.new_value_NH1D.reshape(
+        sentences, beams, heads, head_dim)
+    return (out_HBWD.transpose(1, 2, 0, 3) + new_BWHD).astype(weights_NHQK.dtype).reshape(
+        sentences * beams, 1, heads, head_dim)

@@ -211,27 +211,28 @@ def top_k(x_xV: jax.Array, count: int, block: int | None = None) -> tuple[jax.Ar
   if blocks < 4 * count:
     return jax.lax.top_k(x_xV, count)
   lead = x_xV.shape[:-1]
-  x_RNZ = jnp.pad(x_xV.reshape(-1, vocab), [(0, 0), (0, blocks * block - vocab)],
-                  constant_values=-jnp.inf).reshape(-1, blocks, block)
-  _, block_RC = _rounds_of_max(x_RNZ.max(-1), count)
-  block_RC = jnp.sort(block_RC, axis=-1)  # Token order, so ties keep resolving by index.
-  chosen_RCZ = jnp.take_along_axis(x_RNZ, block_RC[:, :, None], axis=1)
-  values_RC, at_RC = _rounds_of_max(chosen_RCZ.reshape(chosen_RCZ.shape[0], -1), count)
-  index_RC = jnp.take_along_axis(block_RC, at_RC // block, axis=1) * block + at_RC % block
-  return values_RC.reshape(lead + (count,)), index_RC.reshape(lead + (count,))
+  # The leading axes flattened into rows: [rows, blocks, block], padded with -inf.
+  blocked = jnp.pad(x_xV.reshape(-1, vocab), [(0, 0), (0, blocks * block - vocab)],
+                    constant_values=-jnp.inf).reshape(-1, blocks, block)
+  _, chosen = _rounds_of_max(blocked.max(-1), count)  # [rows, count] block indices.
+  chosen = jnp.sort(chosen, axis=-1)  # Token order, so ties keep resolving by index.
+  candidates = jnp.take_along_axis(blocked, chosen[:, :, None], axis=1)  # [rows, count, block]
+  values, at = _rounds_of_max(candidates.reshape(candidates.shape[0], -1), count)
+  index = jnp.take_along_axis(chosen, at // block, axis=1) * block + at % block
+  return values.reshape(lead + (count,)), index.reshape(lead + (count,))
 
 
-def _rounds_of_max(x_RN: jax.Array, count: int) -> tuple[jax.Array, jax.Array]:
-  """top_k of a short last axis as `count` rounds: the maximum, the first index holding it,
-  that entry then set to -inf."""
-  index_RN = jax.lax.broadcasted_iota(jnp.int32, x_RN.shape, 1)
+def _rounds_of_max(x: jax.Array, count: int) -> tuple[jax.Array, jax.Array]:
+  """top_k of a [rows, entries] array's short last axis as `count` rounds: the maximum, the
+  first index holding it, that entry then set to -inf."""
+  entry = jax.lax.broadcasted_iota(jnp.int32, x.shape, 1)
   values, indices = [], []
   for _ in range(count):
-    best_R1 = x_RN.max(-1, keepdims=True)
-    at_R1 = jnp.where(x_RN == best_R1, index_RN, x_RN.shape[1]).min(-1, keepdims=True)
-    values.append(best_R1)
-    indices.append(at_R1)
-    x_RN = jnp.where(index_RN == at_R1, -jnp.inf, x_RN)
+    best = x.max(-1, keepdims=True)
+    at = jnp.where(x == best, entry, x.shape[1]).min(-1, keepdims=True)
+    values.append(best)
+    indices.append(at)
+    x = jnp.where(entry == at, -jnp.inf, x)
   return jnp.concatenate(values, axis=1), jnp.concatenate(indices, axis=1)
 
 
@@ -286,40 +287,35 @@ def _can_improve(state: BeamState, limit_B: jax.Array, alpha: float) -> jax.Arra
 def _reorder_cache(cache, parent_BW: jax.Array, config: TransformerConfig):
   """Each beam's self-attention cache follows its parent (the encoder-side entries agree).
 
-  A layer with an ancestry entry ('origin', `_with_origins`) keeps its keys and values where
-  they were written and moves only that [B, W, L] table of which row holds each key.
+  A layer with an attention_cache.BeamCache (`_with_beam_caches`) moves only its origin table.
   """
   batch_size, beam_size = parent_BW.shape
   rows_N = (jnp.arange(batch_size)[:, None] * beam_size + parent_BW).reshape(-1)
   row_axis = 1 if config.scan_layers else 0
 
   def move(tree):
-    if 'origin' in tree:
-      return {**tree, 'origin': jnp.take_along_axis(tree['origin'], parent_BW[:, :, None],
-                                                    axis=1)}
     return {name: move(value) if isinstance(value, dict)
+            else value.reorder(parent_BW) if isinstance(value, attention_cache.BeamCache)
             else value if name in _COUNTERS + _MEMORY_ENTRIES
             else value[(slice(None),) * row_axis + (rows_N,)] for name, value in tree.items()}
   return move(cache)
 
 
-def _with_origins(cache, batch_size: int, beam_size: int, config: TransformerConfig):
-  """The cache with an ancestry table [B, W, L] beside each self-attention cache that can
-  read its keys through one (not compressed layers, whose blocks mix a row's keys, nor
-  scanned layers or the decoder-only model): every beam starts reading its own row. Those
-  caches take attention_cache.beam_layout's layout."""
+def _with_beam_caches(cache, batch_size: int, config: TransformerConfig):
+  """The cache with an attention_cache.BeamCache for each self-attention cache that can read
+  its keys through an origin table (not compressed layers, whose blocks mix a row's keys,
+  nor scanned layers or the decoder-only model), in place of its keys and values."""
   if config.scan_layers or config.kind != 'encoder_decoder':
     return cache
 
-  def add(tree):
+  def convert(tree):
     if 'key' in tree and 'index' in tree and 'compressed_key' not in tree:
-      origin_BWL = jnp.broadcast_to(jnp.arange(beam_size, dtype=jnp.int32)[None, :, None], (
-          batch_size, beam_size, tree['key'].shape[2]))
-      key, value = attention_cache.beam_layout(tree['key'], tree['value'], batch_size)
-      return {**tree, 'origin': origin_BWL, 'key': key, 'value': value}
-    return {name: add(value) if isinstance(value, dict) else value
+      rows = {name: value for name, value in tree.items() if name not in ('key', 'value')}
+      return {**rows, attention_cache.BEAM_ENTRY: attention_cache.BeamCache.start(
+          tree['key'], tree['value'], batch_size)}
+    return {name: convert(value) if isinstance(value, dict) else value
             for name, value in tree.items()}
-  return add(cache)
+  return convert(cache)
 
 
 def _map_rows(fn, cache, config: TransformerConfig, skip: tuple[str, ...] = ()):
@@ -358,7 +354,7 @@ def beam_search(params, inputs_BS: jax.Array, config: TransformerConfig, max_len
   # (attention.CrossAttention); a decoder-only model's prompt mask wants a row per beam.
   cache = _map_rows(lambda x, axis: jnp.repeat(x, beam_size, axis=axis), cache, config,
                     skip=_MEMORY_ENTRIES)
-  cache = _with_origins(cache, batch_size, beam_size, config)
+  cache = _with_beam_caches(cache, batch_size, config)
   inputs_NS = (inputs_BS if config.kind == 'encoder_decoder'
                else jnp.repeat(inputs_BS, beam_size, axis=0))
 

@@ -339,8 +339,8 @@ def _loop_body_ops(hlo_text: str) -> list[str]:
 
 
 def test_beam_search_steps_update_the_caches_in_place_without_copying_them():
-  # Heads 2, sentences 6, head dim 8, beams 4, length 10: keys [H, S, D, V, L] and values
-  # [H, S * V, L, D] (attention_cache.beam_layout), in each of the 2 decoder layers.
+  # Heads 2, sentences 6, head dim 8, beams 4, length 10: keys [H, B, D, W, L] and values
+  # [H, N, L, D] (attention_cache.BeamCache), in each of the 2 decoder layers.
   params, inputs = _random_params(seed=3), _sources(rows=6)
   cache_shape = re.compile(r'= f32\[(2,6,8,4,10|2,24,10,8)\]\{[\d,]+\} (\S+)\((\S+?)[,)]')
   writes = {}
