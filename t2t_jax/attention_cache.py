@@ -150,23 +150,10 @@ class RowCache(NamedTuple):
     """attention_variants.dense_attention over the cache: the output [B, Q, H, D] and weights
     [B, H, Q, K]. Decoding is deterministic, so there is no dropout."""
     logits_BHQK = jnp.einsum('BQHD,BHKD->BHQK', q_BQHD, self.key_BHKD).astype(jnp.float32)
-    weights_BHQK = _weights(q_BQHD, logits_BHQK, mask_B1QK, relative, buckets_BQKR, bias_BHQK)
+    weights_BHQK = attention_variants.attention_weights(
+        q_BQHD, logits_BHQK, mask_B1QK, relative, buckets_BQKR, bias_BHQK)
     out_BQHD = jnp.einsum('BHQK,BHKD->BQHD', weights_BHQK, self.value_BHKD)
     return _with_relative_values(out_BQHD, weights_BHQK, relative, buckets_BQKR), weights_BHQK
-
-
-def _weights(q_BQHD, logits_BHQK, mask_B1QK, relative, buckets_BQKR, bias_BHQK) -> Array:
-  """Attention weights from the query-key logits, with the relative and bias terms added."""
-  if relative is not None:
-    q_BQHR = jnp.einsum('BQHD,RD->BQHR', q_BQHD, relative.key_RD)
-    # The buckets' batch axis may be 1 (every row alike): '...' broadcasts it.
-    logits_BHQK += jnp.einsum('...QHR,...QKR->...HQK', q_BQHR,
-                              buckets_BQKR).astype(jnp.float32)
-  if bias_BHQK is not None:
-    logits_BHQK += bias_BHQK
-  if mask_B1QK is not None:
-    logits_BHQK = jnp.where(mask_B1QK, logits_BHQK, attention_variants.NEG_INF)
-  return jax.nn.softmax(logits_BHQK).astype(q_BQHD.dtype)
 
 
 def _with_relative_values(out_BQHD, weights_BHQK, relative, buckets_BQKR) -> Array:
@@ -262,7 +249,8 @@ class BeamStep(NamedTuple):
     [N, H, 1, K]. Each query is scored against all W rows of its sentence, and the scores and
     weights of rows that do not hold its key are zeroed: an exact selection."""
     logits_NHQK, origin_one_hot = self._logits(q_NQHD)
-    weights_NHQK = _weights(q_NQHD, logits_NHQK, mask_N1QK, relative, buckets_NQKR, bias_NHQK)
+    weights_NHQK = attention_variants.attention_weights(
+        q_NQHD, logits_NHQK, mask_N1QK, relative, buckets_NQKR, bias_NHQK)
     out_NQHD = self._output(weights_NHQK, origin_one_hot)
     return _with_relative_values(out_NQHD, weights_NHQK, relative, buckets_NQKR), weights_NHQK
 

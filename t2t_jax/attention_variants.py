@@ -34,6 +34,22 @@ def relative_buckets(query_positions_xQ: Array, key_positions_xK: Array, max_dis
   return jax.nn.one_hot(clipped_xQK, 2 * max_distance + 1, dtype=dtype)
 
 
+def attention_weights(q_xQHD: Array, logits_xHQK: Array, mask_x1QK: Array | None,
+                      relative: Relative | None, buckets_xQKR: Array | None,
+                      bias_xHQK: Array | None) -> Array:
+  """softmax of the query-key logits (float32) plus the relative and bias terms, masked, in the
+  queries' dtype: the weights of `dense_attention` and of the decode caches' reads."""
+  if relative is not None:
+    q_xQHR = jnp.einsum('...QHD,RD->...QHR', q_xQHD, relative.key_RD)
+    logits_xHQK += jnp.einsum('...QHR,...QKR->...HQK', q_xQHR,
+                              buckets_xQKR).astype(jnp.float32)
+  if bias_xHQK is not None:
+    logits_xHQK += bias_xHQK
+  if mask_x1QK is not None:
+    logits_xHQK = jnp.where(mask_x1QK, logits_xHQK, NEG_INF)
+  return jax.nn.softmax(logits_xHQK).astype(q_xQHD.dtype)
+
+
 def dense_attention(q_xQHD: Array, k_xKHD: Array, v_xKHD: Array, mask_x1QK: Array | None,
                     drop: Callable[[Array], Array], relative: Relative | None = None,
                     buckets_xQKR: Array | None = None,
@@ -47,15 +63,8 @@ def dense_attention(q_xQHD: Array, k_xKHD: Array, v_xKHD: Array, mask_x1QK: Arra
   query-key product and hold a [..., Q, K, R] one-hot.
   """
   logits_xHQK = jnp.einsum('...QHD,...KHD->...HQK', q_xQHD, k_xKHD).astype(jnp.float32)
-  if relative is not None:
-    q_xQHR = jnp.einsum('...QHD,RD->...QHR', q_xQHD, relative.key_RD)
-    logits_xHQK += jnp.einsum('...QHR,...QKR->...HQK', q_xQHR,
-                              buckets_xQKR).astype(jnp.float32)
-  if bias_xHQK is not None:
-    logits_xHQK += bias_xHQK
-  if mask_x1QK is not None:
-    logits_xHQK = jnp.where(mask_x1QK, logits_xHQK, NEG_INF)
-  weights_xHQK = jax.nn.softmax(logits_xHQK).astype(q_xQHD.dtype)
+  weights_xHQK = attention_weights(q_xQHD, logits_xHQK, mask_x1QK, relative, buckets_xQKR,
+                                   bias_xHQK)
   dropped_xHQK = drop(weights_xHQK)
   out_xQHD = jnp.einsum('...HQK,...KHD->...QHD', dropped_xHQK, v_xKHD)
   if relative is not None:

@@ -28,6 +28,29 @@ def _env():
   return env
 
 
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    return s.getsockname()[1]
+
+
+def _process_env(port: int, index: int) -> dict:
+  """Process `index` of 2 joining at 127.0.0.1:`port`, as a separate host would (4 devices)."""
+  return dict(_env(), T2T_COORDINATOR_ADDRESS=f'127.0.0.1:{port}', T2T_NUM_PROCESSES='2',
+              T2T_PROCESS_ID=str(index), JAX_PLATFORMS='cpu',
+              XLA_FLAGS='--xla_force_host_platform_device_count=4')
+
+
+def _start_two(workdir, flags: list[str], stderr_of) -> list[subprocess.Popen]:
+  """The tiny config's two processes on `workdir`, each its own slice, started without a
+  launcher (none stops the others for them); `stderr_of(index)` is each one's stderr."""
+  port = _free_port()
+  return [subprocess.Popen([sys.executable, '-m', 't2t_jax.main', '--config=configs/tiny.py',
+                            f'--workdir={workdir}', '--config.mesh.dcn_data=2', *flags],
+                           cwd=ROOT, env=_process_env(port, index), stderr=stderr_of(index),
+                           stdout=subprocess.DEVNULL, text=True) for index in range(2)]
+
+
 @pytest.mark.slow
 @pytest.mark.multihost
 def test_two_processes_match_one_and_their_checkpoint_restores(tiny_config, tmp_path):
@@ -67,11 +90,8 @@ def test_two_processes_match_one_and_their_checkpoint_restores(tiny_config, tmp_
 @pytest.mark.slow
 @pytest.mark.multihost
 def test_a_peer_that_never_joins_gives_a_clear_error(tmp_path):
-  with socket.socket() as s:
-    s.bind(('127.0.0.1', 0))
-    port = s.getsockname()[1]
-  env = dict(_env(), T2T_COORDINATOR_ADDRESS=f'127.0.0.1:{port}', T2T_NUM_PROCESSES='2',
-             T2T_PROCESS_ID='0')
+  env = dict(_env(), T2T_COORDINATOR_ADDRESS=f'127.0.0.1:{_free_port()}',
+             T2T_NUM_PROCESSES='2', T2T_PROCESS_ID='0')
   run = subprocess.run([sys.executable, '-m', 't2t_jax.main', '--config=configs/tiny.py',
                         f'--workdir={tmp_path}', '--distributed_timeout=3'], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=120)
@@ -84,19 +104,8 @@ def test_a_peer_that_never_joins_gives_a_clear_error(tmp_path):
 def test_a_refused_lock_on_process_0_stops_every_process_with_its_message(tmp_path):
   """Launched as separate hosts would be (no launcher stopping the others for them)."""
   from t2t_jax import workdir_lock  # pylint: disable=g-import-not-at-top
-  with socket.socket() as s:
-    s.bind(('127.0.0.1', 0))
-    port = s.getsockname()[1]
   with workdir_lock.WorkdirLock(str(tmp_path)):  # A live run (this test) holds the workdir.
-    processes = []
-    for index in range(2):
-      env = dict(_env(), T2T_COORDINATOR_ADDRESS=f'127.0.0.1:{port}', T2T_NUM_PROCESSES='2',
-                 T2T_PROCESS_ID=str(index), JAX_PLATFORMS='cpu',
-                 XLA_FLAGS='--xla_force_host_platform_device_count=4')
-      processes.append(subprocess.Popen(
-          [sys.executable, '-m', 't2t_jax.main', '--config=configs/tiny.py',
-           f'--workdir={tmp_path}', '--config.mesh.dcn_data=2'], cwd=ROOT, env=env,
-          stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True))
+    processes = _start_two(tmp_path, [], lambda index: subprocess.PIPE)
     # Below the 300 s a waiting process would otherwise spend before a timeout (8 s alone;
     # a 2-core machine busy with other work has taken over 120 s).
     errors = [process.communicate(timeout=240)[1] for process in processes]
@@ -117,21 +126,13 @@ def test_ctrl_c_on_one_process_makes_every_process_save_one_step_and_exit_130(ti
   import re  # pylint: disable=import-outside-toplevel
   import signal  # pylint: disable=import-outside-toplevel
   import time  # pylint: disable=import-outside-toplevel
-  with socket.socket() as s:
-    s.bind(('127.0.0.1', 0))
-    port = s.getsockname()[1]
   workdir = tmp_path / 'run'
-  processes, logs = [], [tmp_path / f'{index}.log' for index in range(2)]
-  for index in range(2):
-    env = dict(_env(), T2T_COORDINATOR_ADDRESS=f'127.0.0.1:{port}', T2T_NUM_PROCESSES='2',
-               T2T_PROCESS_ID=str(index), JAX_PLATFORMS='cpu',
-               XLA_FLAGS='--xla_force_host_platform_device_count=4')
-    processes.append(subprocess.Popen(
-        [sys.executable, '-m', 't2t_jax.main', '--config=configs/tiny.py',
-         f'--workdir={workdir}', '--config.mesh.dcn_data=2', '--config.train.num_steps=100000',
-         '--config.train.log_every=1', '--config.ckpt.every=0', '--config.eval.bleu_sentences=0',
-         '--config.train.eval_every=100000', '--config.ckpt.preemption_grace_seconds=120'],
-        cwd=ROOT, env=env, stderr=open(logs[index], 'w'), stdout=subprocess.DEVNULL))
+  logs = [tmp_path / f'{index}.log' for index in range(2)]
+  processes = _start_two(
+      workdir, ['--config.train.num_steps=100000', '--config.train.log_every=1',
+                '--config.ckpt.every=0', '--config.eval.bleu_sentences=0',
+                '--config.train.eval_every=100000', '--config.ckpt.preemption_grace_seconds=120'],
+      lambda index: open(logs[index], 'w'))  # pylint: disable=consider-using-with
   deadline = time.monotonic() + 400
   while not re.search(r'\] step 3: loss', logs[1].read_text()):
     assert time.monotonic() < deadline and processes[1].poll() is None, logs[1].read_text()
