@@ -7,12 +7,9 @@ dropout key), `data` (the grain iterator state, JSON) and `config` (the resolved
 params from either kind, averaging and writing them is saved_params.py's.
 """
 
-import contextlib
 import dataclasses
 import errno
-import gc
 import json
-import logging as std_logging
 import os
 import shutil
 import sys
@@ -105,7 +102,7 @@ class Checkpointer:
     self._wait()
     self._existing = set(self.manager.all_steps())
     try:
-      with _unretrieved_task_errors_dropped():
+      with saved_params.unretrieved_task_errors_dropped():
         self.manager.save(step, args=ocp.args.Composite(**{
             STATE: ocp.args.StandardSave(saved_tree(state)),
             # A host numpy value: every process holds the same key, the primary one writes it.
@@ -126,7 +123,7 @@ class Checkpointer:
     """Blocks until the save in flight is written; raises CheckpointError if it failed."""
     step, self._in_flight = self._in_flight, None
     try:
-      with _unretrieved_task_errors_dropped():
+      with saved_params.unretrieved_task_errors_dropped():
         self.manager.wait_until_finished()
     except Exception as e:  # pylint: disable=broad-exception-caught
       self._failed(step, e)
@@ -174,16 +171,10 @@ class Checkpointer:
     steps, damaged = sorted(self.manager.all_steps(), reverse=True), []
     for index, step in enumerate(steps):
       path = os.path.join(self.directory, str(step))
-      try:
-        with _unretrieved_task_errors_dropped():
-          restored, saved_config, target = self._read(step, path, abstract_state,
-                                                      rng_abstract, config)
-        error = None
-      except CheckpointError:
-        raise
-      except Exception as e:  # pylint: disable=broad-exception-caught
-        error = e
+      read, error = saved_params.read_or_describe(
+          lambda: self._read(step, path, abstract_state, rng_abstract, config))  # pylint: disable=cell-var-from-loop
       if _all_processes_agree(error is None):
+        restored, saved_config, target = read
         logging.info('Restored checkpoint %s', path)
         for bad in damaged:  # Only now: an intact older one proves the reading code works.
           logging.warning('Moved damaged checkpoint %d to %s', bad, self._move_damaged(bad))
@@ -193,7 +184,7 @@ class Checkpointer:
       fallback = (f'falling back to step {steps[index + 1]}' if index + 1 < len(steps) else
                   'no older checkpoint is left')
       logging.warning('Checkpoint %s is damaged (%s); %s.', path,
-                      saved_params.describe_error(error) if error else 'unreadable on another process', fallback)
+                      error or 'unreadable on another process', fallback)
     if steps:
       raise CheckpointError(
           f'every checkpoint in {self.directory} is unreadable (steps {steps}; causes logged '
@@ -292,32 +283,6 @@ def _drop_late_writer_callbacks() -> None:
     previous(unraisable)
   hook.drops_late_writer_callbacks = True
   sys.unraisablehook = hook
-
-
-class _UnretrievedTaskErrors(std_logging.Filter):
-  """asyncio's 'Task exception was never retrieved': orbax's sibling reads (or writes) of a
-  checkpoint whose first error was already raised, reported again, with the tensorstore spec,
-  whenever the garbage collector finds them."""
-
-  def filter(self, record: std_logging.LogRecord) -> bool:
-    return 'exception was never retrieved' not in record.getMessage()
-
-
-@contextlib.contextmanager
-def _unretrieved_task_errors_dropped():
-  """Around one orbax read or write: the error a failed one raises is reported once, in
-  t2t_jax's own words. After a failure the garbage collector runs before the filter goes, so
-  that the sibling tasks report now, inside it; outside such a call every report is kept."""
-  logger = std_logging.getLogger('asyncio')
-  dropped = _UnretrievedTaskErrors()
-  logger.addFilter(dropped)
-  try:
-    yield
-  except BaseException:
-    gc.collect()
-    raise
-  finally:
-    logger.removeFilter(dropped)
 
 
 # Config compatibility on resume.

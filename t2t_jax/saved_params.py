@@ -6,6 +6,9 @@ A params-only checkpoint (averaged or exported) is a directory with the orbax it
 `config` and `info`; a training checkpoint holds its params in the `state` item.
 """
 
+import contextlib
+import gc
+import logging as std_logging
 import os
 import re
 
@@ -85,6 +88,49 @@ def params_item(path: str) -> tuple[str, bool]:
                         'subdirectory.')
 
 
+class _UnretrievedTaskErrors(std_logging.Filter):
+  """asyncio's 'Task exception was never retrieved': orbax's sibling reads (or writes) of a
+  checkpoint whose first error was already raised, reported again, with the tensorstore spec,
+  whenever the garbage collector finds them."""
+
+  def filter(self, record: std_logging.LogRecord) -> bool:
+    return 'exception was never retrieved' not in record.getMessage()
+
+
+@contextlib.contextmanager
+def unretrieved_task_errors_dropped():
+  """Around one orbax read or write: the error a failed one raises is reported once, in
+  t2t_jax's own words. After a failure the garbage collector runs before the filter goes, so
+  that the sibling tasks report now, inside it; outside such a call every report is kept."""
+  logger = std_logging.getLogger('asyncio')
+  dropped = _UnretrievedTaskErrors()
+  logger.addFilter(dropped)
+  try:
+    yield
+  except BaseException:
+    gc.collect()
+    raise
+  finally:
+    logger.removeFilter(dropped)
+
+
+
+def read_or_describe(read):
+  """(read(), None), or (None, the error it raised described) for a read that fails other than
+  with CheckpointError. The error, and with it the failed read's sibling tasks, is freed inside
+  `unretrieved_task_errors_dropped`, so their late reports are dropped there, not logged later
+  when the caller lets go of it."""
+  with unretrieved_task_errors_dropped():
+    try:
+      return read(), None
+    except CheckpointError:
+      raise
+    except Exception as e:  # pylint: disable=broad-exception-caught
+      description = describe_error(e)
+    gc.collect()  # The failed tasks, unreachable now, report (and are dropped) here.
+  return None, description
+
+
 def load_params(path: str, abstract_params=None, weights: str = 'params'):
   """The params of a checkpoint directory (a training step or a params-only checkpoint), or
   with `weights`='ema' the moving average a training checkpoint holds beside them.
@@ -116,8 +162,9 @@ def load_params(path: str, abstract_params=None, weights: str = 'params'):
   if wrapped:
     target = {weights: target}
     restore_args = {weights: restore_args}
-  restored = ocp.PyTreeCheckpointer().restore(item, args=ocp.args.PyTreeRestore(
-      item=target, restore_args=restore_args, partial_restore=True))
+  with unretrieved_task_errors_dropped():
+    restored = ocp.PyTreeCheckpointer().restore(item, args=ocp.args.PyTreeRestore(
+        item=target, restore_args=restore_args, partial_restore=True))
   return restored[weights] if wrapped else restored
 
 
@@ -170,13 +217,10 @@ def restore_params(workdir: str, abstract_params, checkpoint: str | None = None,
                  reverse=True)
   for step in steps:
     path = os.path.join(os.path.dirname(path), str(step))
-    try:
-      return load_params(path, abstract_params, weights)
-    except CheckpointError:
-      raise
-    except Exception as e:  # pylint: disable=broad-exception-caught
-      logging.warning('Checkpoint %s is damaged (%s); trying the previous one.', path,
-                      describe_error(e))
+    params, error = read_or_describe(lambda: load_params(path, abstract_params, weights))  # pylint: disable=cell-var-from-loop
+    if error is None:
+      return params
+    logging.warning('Checkpoint %s is damaged (%s); trying the previous one.', path, error)
   raise CheckpointError(f'every checkpoint in {os.path.dirname(path)} is damaged')
 
 

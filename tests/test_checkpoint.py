@@ -232,7 +232,7 @@ def test_unretrieved_task_errors_are_dropped_only_around_a_failed_orbax_call(tmp
   unretrieved = lambda: [r for r in caplog.records if 'never retrieved' in r.getMessage()]
   with caplog.at_level(std_logging.ERROR, logger='asyncio'):
     with pytest.raises(OSError, match='the read failed'):
-      with checkpoint._unretrieved_task_errors_dropped():  # pylint: disable=protected-access
+      with saved_params.unretrieved_task_errors_dropped():
         _orphan_a_failed_task()
         raise OSError('the read failed')
     assert unretrieved() == []  # Collected, and dropped, before the call returned.
