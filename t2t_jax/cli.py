@@ -18,6 +18,7 @@ from t2t_jax import RENAMED_KEYS
 from t2t_jax import exit_codes
 from t2t_jax import runtime
 
+
 def json_line(record: dict[str, Any], reasons: dict[str, str] | None = None) -> str:
   """`record` as one line of strict JSON: NaN and infinities become null, the reason beside them.
 

@@ -21,12 +21,13 @@ import jax
 import jax.numpy as jnp
 
 from t2t_jax import ConfigError
+from t2t_jax import RESOLVED_KEY
+from t2t_jax import as_asked
 from t2t_jax import config_check
 from t2t_jax import sharding
 from t2t_jax import translator
 from t2t_jax.model_config import compute_dtype, resolve_attention_impl
 
-RESOLVED = 'resolved'  # The key of config.json (and of the checkpoints' config) that holds them.
 # Resolved values whose change changes the numbers a run computes: a resume refuses to change
 # them behind the user's back. Keyed by the config key that asks for them.
 NUMERIC_KEYS = ('model.dtype', 'model.attention_impl', 'eval.dtype')
@@ -62,10 +63,7 @@ def resolve(config, devices: Sequence[Any] | None = None) -> Resolved:
   config_check.check(config, devices=devices)
   platform = devices[0].platform
   model_dtype = compute_dtype(config.model.dtype, platform)
-  mesh_shape = sharding.mesh_shape(config.mesh.shape, len(devices))
-  shards = 1
-  for axis, size in zip(sharding.MESH_AXES, mesh_shape):
-    shards *= size if axis in sharding.BATCH_AXES else 1
+  mesh = sharding.make_mesh(config.mesh, devices)
   return Resolved(
       platform=platform, devices=len(devices),
       processes=len({device.process_index for device in devices}),
@@ -75,19 +73,14 @@ def resolve(config, devices: Sequence[Any] | None = None) -> Resolved:
           config.model.d_model // config.model.num_heads, config.model.attention_dropout,
           platform),
       eval_dtype=translator.eval_dtype(config.eval.dtype, jnp.dtype(model_dtype).name, platform),
-      mesh_shape=mesh_shape, batch_shards=shards,
-      train_row_multiple=shards * config.opt.grad_accum_steps)
+      mesh_shape=tuple(mesh.shape.values()), batch_shards=sharding.batch_shards(mesh),
+      train_row_multiple=sharding.batch_shards(mesh) * config.opt.grad_accum_steps)
 
 
 def config_json(config, resolved: Resolved) -> str:
   """config.json: the config as asked, and under "resolved" what it resolved to."""
   asked = json.loads(config.to_json_best_effort())
-  return json.dumps({**asked, RESOLVED: resolved.as_dict()}, indent=2, sort_keys=True)
-
-
-def asked(saved: dict) -> dict:
-  """A saved config.json without its resolved values: the config as asked."""
-  return {key: value for key, value in saved.items() if key != RESOLVED}
+  return json.dumps({**asked, RESOLVED_KEY: resolved.as_dict()}, indent=2, sort_keys=True)
 
 
 def _value(tree: dict, dotted: str):
@@ -101,7 +94,7 @@ def check_resume(saved_json: str, config, resolved: Resolved, where: str) -> Non
   raises ConfigError where a numeric value would change although the user asked for the same
   setting as then (so the change comes from the devices, not from the user)."""
   saved = json.loads(saved_json)
-  before = saved.get(RESOLVED)
+  before = saved.get(RESOLVED_KEY)
   if not before:
     return  # Saved before resolved values were recorded: nothing to compare.
   now = resolved.as_dict()
@@ -111,7 +104,7 @@ def check_resume(saved_json: str, config, resolved: Resolved, where: str) -> Non
     if before.get(key) == now.get(key):
       continue
     change = f'{key}: {before.get(key)!r} -> {now.get(key)!r}'
-    if key in NUMERIC_KEYS and _value(saved, key) == _value(current, key):
+    if key in NUMERIC_KEYS and _value(as_asked(saved), key) == _value(current, key):
       refused.append(
           f'config.{key}={_value(current, key)!r} resolved to {before[key]!r} on '
           f"{before.get('platform')} when {where} was saved and resolves to {now[key]!r} on "

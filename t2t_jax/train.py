@@ -61,7 +61,6 @@ def train_and_evaluate(config, workdir: str, force_unlock: bool = False) -> dict
 class _Launch:
   """One launch of the loop on a workdir: what it built, restored and writes to."""
   config: Any
-  resolved: resolve.Resolved
   workdir: str
   setup: Setup
   task: data.TaskData
@@ -162,7 +161,7 @@ def _start(config, resolved: resolve.Resolved, workdir: str) -> _Launch:
   writer = (tensorboardX.SummaryWriter(workdir, purge_step=int(state.step) + 1 if restored
                                        else None)
             if jax.process_index() == 0 else metric_log.NullWriter())
-  return _Launch(config, resolved, workdir, setup, task, eval_batches, train_iter, state,
+  return _Launch(config, workdir, setup, task, eval_batches, train_iter, state,
                  dropout_rng, bool(restored), checkpointer, translator_lib.from_config(
                      config, setup.model_config, setup.mesh, setup.axis_rules,
                      dtype=resolved.eval_dtype), writer, config_json)

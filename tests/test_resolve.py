@@ -15,6 +15,7 @@ import pytest
 
 from conftest import ROOT, text_config
 from t2t_jax import ConfigError
+from t2t_jax import as_asked
 from t2t_jax import model_config as model_config_lib
 from t2t_jax import resolve
 from t2t_jax import targets
@@ -100,7 +101,7 @@ def test_a_resume_the_user_overrode_or_that_only_moved_says_so_in_one_line(tiny_
   tiny_config.eval.dtype = 'auto'
   same = resolve.resolve(tiny_config, jax.devices()[:8])
   resolve.check_resume(saved, tiny_config, same, 'checkpoints/20')  # Nothing changed: silent.
-  old = json.dumps(resolve.asked(json.loads(saved)))  # Saved before "resolved" existed.
+  old = json.dumps(as_asked(json.loads(saved)))  # Saved before "resolved" existed.
   resolve.check_resume(old, tiny_config, on_gpu, 'checkpoints/20')
   assert not caplog.records
 
