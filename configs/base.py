@@ -51,6 +51,9 @@ def get_config():
   data.min_bucket = 8  # Shortest bucket length; also the granularity of bucket lengths.
   data.batching = 'buckets'  # 'buckets': token budget per length bucket; 'packed': packed rows.
   data.pack_length = 0  # Packed: row length in tokens; 0 means max_len.
+  # Rows of every train batch are a multiple of this, so a run may resume on any mesh whose
+  # batch shards x opt.grad_accum_steps divide it; 0: those of the mesh the run starts on.
+  data.row_multiple = 0
 
   model = config.model = ml_collections.ConfigDict()
   model.d_model = 512  # Width of embeddings and of every residual stream.

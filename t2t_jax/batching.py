@@ -4,8 +4,13 @@ A plan is a function of (data, config, seed, epoch) only, identical on every pro
 global batch has a fixed row count per shape; process p of P collates only rows
 [p * R / P, (p + 1) * R / P), so P processes read disjoint examples and together see every
 example exactly once per epoch. The iterator's state is (epoch, batch), so a restored run
-continues with exactly the batches an uninterrupted one would have produced, with any process
-count that divides the rows (the global plan does not depend on it).
+continues with exactly the batches an uninterrupted one would have produced.
+
+The row counts are the token budget over the batch length, rounded down to a multiple of the
+plan's row multiple (config.data.row_multiple, or the batch shards x micro-batches of the mesh
+the run started on). Nothing else of the mesh enters the plan: a run resumed on other devices,
+processes or micro-batches reads the same global batches, as long as they split its rows
+evenly (`split_problem`).
 """
 
 import hashlib
@@ -38,6 +43,32 @@ def _rows(batch_tokens: int, length: int, row_multiple: int) -> int:
   return max(row_multiple, batch_tokens // length // row_multiple * row_multiple)
 
 
+def train_rows(data_config, row_multiple: int) -> list[int]:
+  """The row count of each train batch shape (per length bucket, or the packed row) in a plan
+  whose rows are multiples of `row_multiple`: what a mesh must split evenly."""
+  if data_config.batching == 'packed':
+    lengths = [pack_length(data_config)]
+  else:
+    lengths = bucket_boundaries(data_config.max_len, data_config.min_bucket,
+                                data_config.bucket_scale)
+  return [_rows(data_config.batch_tokens, length, row_multiple) for length in lengths]
+
+
+def split_problem(rows: Sequence[int], shards: int, accumulation: int, processes: int) -> str:
+  """Why train batches of `rows` rows cannot be split over `shards` batch shards x
+  `accumulation` micro-batches, each of `processes` processes collating a whole block of rows
+  ('' if they can)."""
+  whole = math.gcd(*rows)
+  parts = math.lcm(shards * accumulation, processes)
+  if whole % parts == 0:
+    return ''
+  return (f'the train batches have {sorted(set(rows))} rows (all multiples of {whole}), which '
+          f'{shards} batch shard{"s" * (shards > 1)} x {accumulation} '
+          f'micro-batch{"es" * (accumulation > 1)}'
+          + (f' over {processes} processes' if processes > 1 else '')
+          + f' cannot split evenly: {parts} must divide {whole}')
+
+
 def _gather(ragged: Ragged, examples: np.ndarray, rows: np.ndarray, columns: np.ndarray,
             out: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
   """Writes each example's ids into `out[row, column:]`; returns (token rows, positions)."""
@@ -53,17 +84,18 @@ def _gather(ragged: Ragged, examples: np.ndarray, rows: np.ndarray, columns: np.
 class _Batches:
   """What both modes share: the data, the process slice and the plan cache."""
 
-  def __init__(self, split, row_multiple: int, shuffle: bool, seed: int, process_index: int,
-               process_count: int):
-    if row_multiple % process_count:
-      raise ConfigError(f'{process_count} processes cannot split batches whose row counts are '
-                        f'multiples of {row_multiple}: the mesh batch axes must be a multiple '
-                        'of the process count')
+  def __init__(self, split, shuffle: bool, seed: int, process_index: int, process_count: int):
     self.split, self.shuffle, self.seed = split, shuffle, seed
     # Language modelling has no source: its 'inputs' fields are zero columns wide.
     self.has_source = bool(split.inputs.lengths.any())
     self.process_index, self.process_count = process_index, process_count
     self._cached = (None, None)  # (epoch, plan), swapped as one object: grain reads it in threads.
+
+  def _check_processes(self, rows: Sequence[int]) -> None:
+    if any(count % self.process_count for count in rows):
+      raise ConfigError(f'{self.process_count} processes cannot split batches of {list(rows)} '
+                        'rows evenly: the mesh batch axes must be a multiple of the process '
+                        'count')
 
   def _local(self, rows: int) -> slice:
     per_process = rows // self.process_count
@@ -93,7 +125,7 @@ class TokenBudgetBatches(_Batches):
 
   def __init__(self, split, batch_tokens: int, boundaries: Sequence[int], row_multiple: int,
                shuffle: bool, seed: int, process_index: int = 0, process_count: int = 1):
-    super().__init__(split, row_multiple, shuffle, seed, process_index, process_count)
+    super().__init__(split, shuffle, seed, process_index, process_count)
     lengths = np.maximum(split.inputs.lengths, split.targets.lengths)
     self.boundaries = list(boundaries)
     self.bucket_of = np.searchsorted(self.boundaries, lengths, side='left')
@@ -101,6 +133,7 @@ class TokenBudgetBatches(_Batches):
       raise ValueError(f'a pair of length {lengths.max()} exceeds the longest bucket '
                        f'{self.boundaries[-1]}')
     self.rows = [_rows(batch_tokens, b, row_multiple) for b in self.boundaries]
+    self._check_processes(self.rows)
     self.batches_per_epoch = sum(
         math.ceil(np.sum(self.bucket_of == k) / self.rows[k]) for k in range(len(self.rows)))
 
@@ -159,9 +192,10 @@ class PackedBatches(_Batches):
 
   def __init__(self, split, batch_tokens: int, length: int, row_multiple: int, shuffle: bool,
                seed: int, process_index: int = 0, process_count: int = 1):
-    super().__init__(split, row_multiple, shuffle, seed, process_index, process_count)
+    super().__init__(split, shuffle, seed, process_index, process_count)
     self.length = length
     self.rows = _rows(batch_tokens, length, row_multiple)
+    self._check_processes([self.rows])
     longest = max(split.inputs.lengths.max(initial=0), split.targets.lengths.max(initial=0))
     if longest > length:
       raise ValueError(f'a pair of {longest} tokens does not fit a packed row of {length}: '
@@ -281,9 +315,10 @@ class TrainIterator:
     if state['plan'] != self.batches.signature():
       raise DataError(
           'the checkpoint was saved by a data pipeline with another global plan (data, seed, '
-          'batching mode, batch_tokens, bucket or pack shapes, or mesh batch size differ), so '
-          'resuming would repeat or skip examples: restore the data config and mesh batch '
-          'axes it was saved with, or start from a new workdir')
+          'batching mode, batch_tokens, bucket or pack shapes, or row multiple differ), so '
+          'resuming would repeat or skip examples: restore the data config it was saved with '
+          '(a checkpoint from before t2t_jax recorded its row multiple also needs the mesh batch '
+          'shards x opt.grad_accum_steps it was saved with), or start from a new workdir')
     self._start(state['epoch'], state['batch'])
 
 
@@ -299,24 +334,37 @@ def eval_batches(batches: TokenBudgetBatches, limit: int = 0) -> Iterator[dict[s
     yield batches[index]
 
 
+def plan_row_multiple(config, batch_shards: int) -> int:
+  """The row multiple of a new run's train plan: config.data.row_multiple, or (0) the batch
+  shards x micro-batches it starts on, so that every micro-batch splits over the shards."""
+  return config.data.row_multiple or batch_shards * config.opt.grad_accum_steps
+
+
 def make_batchers(config, train_split, eval_split, row_multiple: int, process_index: int = 0,
-                  process_count: int = 1) -> tuple:
-  """(train, eval) batchers from `config.data`; evaluation always uses length buckets."""
+                  process_count: int = 1, train_row_multiple: int = 0) -> tuple:
+  """(train, eval) batchers from `config.data`; evaluation always uses length buckets.
+
+  `row_multiple`: the batch shards, which split each eval batch; `train_row_multiple`: the
+  train plan's (default: `plan_row_multiple`; a resumed run passes its saved one).
+  """
   data_config = config.data
+  if data_config.batching not in BATCHING_MODES:
+    raise ConfigError(f'config.data.batching must be one of {BATCHING_MODES}, '
+                      f'got {data_config.batching!r}')
   boundaries = bucket_boundaries(data_config.max_len, data_config.min_bucket,
                                  data_config.bucket_scale)
   shard = dict(process_index=process_index, process_count=process_count)
-  # Every micro-batch of an accumulated step must still split evenly over the batch shards.
-  train_rows = row_multiple * config.opt.grad_accum_steps
+  multiple = train_row_multiple or plan_row_multiple(config, row_multiple)
+  problem = split_problem(train_rows(data_config, multiple), row_multiple,
+                          config.opt.grad_accum_steps, process_count)
+  if problem:
+    raise ConfigError(problem)
   if data_config.batching == 'buckets':
-    train = TokenBudgetBatches(train_split, data_config.batch_tokens, boundaries, train_rows,
+    train = TokenBudgetBatches(train_split, data_config.batch_tokens, boundaries, multiple,
                                shuffle=True, seed=config.seed, **shard)
-  elif data_config.batching == 'packed':
-    train = PackedBatches(train_split, data_config.batch_tokens, pack_length(data_config),
-                          train_rows, shuffle=True, seed=config.seed, **shard)
   else:
-    raise ConfigError(f'config.data.batching must be one of {BATCHING_MODES}, '
-                      f'got {data_config.batching!r}')
+    train = PackedBatches(train_split, data_config.batch_tokens, pack_length(data_config),
+                          multiple, shuffle=True, seed=config.seed, **shard)
   evaluation = TokenBudgetBatches(eval_split, data_config.batch_tokens, boundaries, row_multiple,
                                   shuffle=False, seed=config.seed, **shard)
   return train, evaluation

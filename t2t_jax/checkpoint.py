@@ -27,14 +27,19 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers
 
 from t2t_jax import CheckpointError
+from t2t_jax import ConfigError
 from t2t_jax import as_asked
 from t2t_jax import optim
 from t2t_jax import saved_params
 from t2t_jax.saved_params import CONFIG, STATE
 
 RNG, DATA = 'rng', 'data'  # Items of a training checkpoint beside STATE and CONFIG.
-# Config keys whose change on resume cannot alter the trained parameters' values.
-HARMLESS_PREFIXES = ('name', 'train.', 'eval.', 'ckpt.')
+# Config keys a resume may change: where, how often and how fast the run computes, what it
+# evaluates and saves, and where its data lies; not what it trains. Each change is logged.
+MAY_CHANGE = ('name', 'train.', 'eval.', 'ckpt.', 'mesh.', 'opt.grad_accum_steps',
+              'opt.loss_chunk_tokens', 'opt.ema_decay', 'model.remat', 'model.attention_impl',
+              'model.dtype', 'data.data_dir', 'data.cache_dir', 'data.tfds_data_dir',
+              'data.tfds_manual_dir', 'data.row_multiple')
 TMP_MARK = '.orbax-checkpoint-tmp'  # In the name of a folder orbax has not finished writing.
 
 
@@ -157,6 +162,17 @@ class Checkpointer:
       for name in names:
         shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
       time.sleep(0.05)
+
+  def latest_config(self) -> tuple[str, str] | None:
+    """(path, saved config JSON) of the newest checkpoint whose config reads, or None: what a
+    resume continues, read before the data and the arrays. The restore itself checks the
+    checkpoint it settles on (an older one, if the newest is damaged)."""
+    for step in sorted(self.manager.all_steps(), reverse=True):
+      read, _ = saved_params.read_or_describe(lambda: self.manager.restore(  # pylint: disable=cell-var-from-loop
+          step, args=ocp.args.Composite(**{CONFIG: ocp.args.JsonRestore()}))[CONFIG]['config'])
+      if read is not None:
+        return os.path.join(self.directory, str(step)), read
+    return None
 
   def restore(self, abstract_state, config: ml_collections.ConfigDict,
               rng_shape: tuple[int, ...] = (2,)) -> Restored | None:
@@ -308,35 +324,55 @@ def _format(shape_dtype) -> str:
   return 'nothing' if shape_dtype is None else f'{shape_dtype[1].name}{list(shape_dtype[0])}'
 
 
+def refuse_changes(path: str, saved_config_json: str, config) -> dict[str, tuple[Any, Any]]:
+  """Raises ConfigError where `config` differs from the config saved with checkpoint `path` in
+  what the run trains; returns the differences a resume may make ({key: (saved, current)})."""
+  differences = config_differences(saved_config_json, config)
+  refused = {k: v for k, v in differences.items() if not _may_change(k, v, config)}
+  if refused:
+    raise ConfigError(
+        f'checkpoint {path} was saved with other settings of what the run trains (model, '
+        'vocabulary, data, seed or schedule), which a resumed run cannot change: '
+        + '; '.join(f'{k}: {o!r} -> {n!r}' for k, (o, n) in refused.items())
+        + '. Rerun with the saved values, or start a new --workdir (--config.ckpt.init_from='
+        f'{path} starts it from these parameters)')
+  return differences
+
+
 def check_compatible(path: str, saved_tree: dict, abstract_trees: tuple, saved_config_json: str,
                      config) -> None:
-  """Refuses a checkpoint whose arrays the config cannot hold; logs other config changes.
+  """Refuses a checkpoint whose arrays the config cannot hold (CheckpointError), or whose
+  config differs in what the run trains (ConfigError); logs the changes a resume may make.
 
   `abstract_trees` are the items saved side by side (train state, dropout key).
   """
-  differences = config_differences(saved_config_json, config)
   expected = {name: value for tree in abstract_trees for name, value in saved_params.array_shapes(tree).items()}
   mismatched = [f'{key}: saved {_format(saved_tree.get(key))}, config gives '
                 f'{_format(expected.get(key))}'
                 for key in sorted(set(saved_tree) | set(expected))
                 if saved_tree.get(key) != expected.get(key)]
-  listed = '; '.join(f'{key}: {old!r} -> {new!r}' for key, (old, new) in differences.items())
   if mismatched:
+    listed = '; '.join(f'{key}: {old!r} -> {new!r}' for key, (old, new) in
+                       config_differences(saved_config_json, config).items())
     raise CheckpointError(
         f'checkpoint {path} was written with a config whose arrays have other shapes or '
         f'dtypes than this config gives ({len(mismatched)} arrays, e.g. {mismatched[0]}). '
         f'Config keys that differ: {listed or "none"}. Rerun with the checkpoint\'s values '
         f'(saved in its "{CONFIG}" item and in the workdir\'s config.json), or use a new '
         '--workdir.')
-  harmless = {k: v for k, v in differences.items() if k.startswith(HARMLESS_PREFIXES)}
-  other = {k: v for k, v in differences.items() if k not in harmless}
-  if harmless:
+  differences = refuse_changes(path, saved_config_json, config)
+  if differences:
     logging.info('Resuming %s with changed settings: %s', path,
-                 '; '.join(f'{k}: {o!r} -> {n!r}' for k, (o, n) in harmless.items()))
-  if other:
-    logging.warning('Resuming %s with changed settings that make training differ from an '
-                    'uninterrupted run: %s', path,
-                    '; '.join(f'{k}: {o!r} -> {n!r}' for k, (o, n) in other.items()))
+                 '; '.join(f'{k}: {o!r} -> {n!r}' for k, (o, n) in differences.items()))
+
+
+def _may_change(key: str, values: tuple, config) -> bool:
+  """Whether a resume may change config `key` from `values[0]` to `values[1]`."""
+  if None in values:  # A key added or removed by another t2t_jax version.
+    return True
+  if key == 'train.num_steps':  # Sets where these schedules end, so their every step.
+    return config.opt.schedule not in ('linear', 'cosine') and not config.opt.cooldown_steps
+  return key.startswith(MAY_CHANGE)
 
 
 # Params-only loading, averaging and writing.

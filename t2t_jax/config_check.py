@@ -36,6 +36,7 @@ RANGES = {
     'data.bucket_scale': (1.0, _INF, True),
     'data.min_bucket': (1, _INF, True),
     'data.pack_length': (0, _INF, True),
+    'data.row_multiple': (0, _INF, True),
     'model.d_model': (1, _INF, True),
     'model.d_ff': (1, _INF, True),
     'model.num_heads': (1, _INF, True),
@@ -168,8 +169,16 @@ def _batch_problems(config, devices=None) -> list[str]:
   """The token budget must give every data shard of the mesh (and micro-batch) a row of the
   shortest batch length (the packed row, or the smallest bucket); a longer bucket it cannot
   fill that way gets one row per shard (batching.py), more tokens than the budget."""
-  shards = sharding.batch_shards(sharding.make_mesh(config.mesh, devices))
+  mesh = sharding.make_mesh(config.mesh, devices)
+  shards = sharding.batch_shards(mesh)
   parts = shards * config.opt.grad_accum_steps
+  if config.data.row_multiple:  # A plan of its own: the mesh must split it.
+    processes = len({device.process_index for device in mesh.devices.flat})
+    problem = batching.split_problem(
+        batching.train_rows(config.data, config.data.row_multiple), shards,
+        config.opt.grad_accum_steps, processes)
+    return [f'config.data.row_multiple={config.data.row_multiple}: {problem}; use a multiple '
+            f'of {math.lcm(parts, processes)}'] if problem else []
   if config.data.batching == 'packed':
     length, what = batching.pack_length(config.data), 'the packed row'
   else:

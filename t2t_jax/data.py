@@ -19,7 +19,8 @@ from t2t_jax import tokenizer
 # pylint: disable=unused-import
 # The batching API, re-exported: train.py and the tools use it through this module.
 from t2t_jax.batching import (bucket_boundaries, eval_batches, make_batchers, pack_length,
-                              PackedBatches, TokenBudgetBatches, train_iterator)
+                              PackedBatches, plan_row_multiple, TokenBudgetBatches,
+                              train_iterator)
 from t2t_jax.sources import DataError
 # pylint: enable=unused-import
 from t2t_jax.token_cache import Ragged

@@ -195,9 +195,10 @@ def abstract_batch(config, mesh) -> tuple[dict, int, int]:
   """The global batch the config trains on, as sharded ShapeDtypeStructs; its rows and length.
 
   The longest bucket (or the packed row length), with as many rows as the token budget
-  allows, rounded down to whole rows per batch shard and micro-batch.
+  allows, rounded down to a multiple of the plan's row multiple (data.row_multiple, or whole
+  rows per batch shard and micro-batch).
   """
-  shards = sharding.batch_shards(mesh) * config.opt.grad_accum_steps
+  shards = data.plan_row_multiple(config, sharding.batch_shards(mesh))
   if config.data.batching == 'packed':
     length = data.pack_length(config.data)
     keys = ('inputs', 'targets', 'inputs_positions', 'targets_positions', 'inputs_segments',

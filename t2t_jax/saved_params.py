@@ -18,6 +18,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from t2t_jax import CheckpointError
+from t2t_jax import ConfigError
 
 STATE, CONFIG, PARAMS, INFO = 'state', 'config', 'params', 'info'  # Orbax item names.
 # Which weights of a training checkpoint to read: the params, or their moving average.
@@ -117,13 +118,13 @@ def unretrieved_task_errors_dropped():
 
 def read_or_describe(read):
   """(read(), None), or (None, the error it raised described) for a read that fails other than
-  with CheckpointError. The error, and with it the failed read's sibling tasks, is freed inside
+  with CheckpointError or ConfigError. The error, and with it the failed read's sibling tasks, is freed inside
   `unretrieved_task_errors_dropped`, so their late reports are dropped there, not logged later
   when the caller lets go of it."""
   with unretrieved_task_errors_dropped():
     try:
       return read(), None
-    except CheckpointError:
+    except (CheckpointError, ConfigError):  # A refusal, not damage.
       raise
     except Exception as e:  # pylint: disable=broad-exception-caught
       description = describe_error(e)

@@ -132,8 +132,13 @@ def _close_after_error(checkpointer: checkpoint.Checkpointer) -> None:
 def _start(config, resolved: resolve.Resolved, workdir: str) -> _Launch:
   """Mesh, data and jitted functions; the state restored from the workdir or initialised."""
   mesh = sharding.make_mesh(config.mesh)
+  checkpointer = checkpoint.Checkpointer(workdir, config.ckpt)
+  saved = checkpointer.latest_config()
+  if saved:  # A resume: refused before any work if it cannot go on as the run saved it.
+    checkpoint.refuse_changes(*saved, config)
+    resolved = resolve.for_saved_run(config, resolved, saved[1], saved[0])
   task = _load_data(config, workdir)
-  train_batches, eval_batches = _batchers(config, task, resolved.batch_shards)
+  train_batches, eval_batches = _batchers(config, task, resolved)
   setup = build(config, data.vocab_size(config), mesh)
   logging.info('Model: %d parameters; mesh %s; %d train / %d eval pairs; %d batches per epoch',
                count_params(setup.abstract_state.params), dict(mesh.shape), len(task.train),
@@ -141,7 +146,6 @@ def _start(config, resolved: resolve.Resolved, workdir: str) -> _Launch:
   init_rng, dropout_rng = jax.random.split(jax.random.PRNGKey(config.seed))
   dropout_rng = prng.dropout_key(dropout_rng, config.model.dropout_prng)
   train_iter = data.train_iterator(train_batches)
-  checkpointer = checkpoint.Checkpointer(workdir, config.ckpt)
   restored = checkpointer.restore(setup.abstract_state, config, dropout_rng.shape)
   if restored:
     resolve.check_resume(restored.config_json, config, resolved,
@@ -250,12 +254,13 @@ def _evaluate(launch: _Launch, life: lifecycle.Lifecycle, step: int, saved_now: 
   return results
 
 
-def _batchers(config, task: data.TaskData, batch_shards: int) -> tuple:
+def _batchers(config, task: data.TaskData, resolved: resolve.Resolved) -> tuple:
   """(train, eval) batch plans; this process collates only its rows of each global batch."""
   if not len(task.train):
     raise data.DataError('no training pairs are left after reading and filtering the data')
-  return data.make_batchers(config, task.train, task.eval, batch_shards,
-                            jax.process_index(), jax.process_count())
+  return data.make_batchers(config, task.train, task.eval, resolved.batch_shards,
+                            jax.process_index(), jax.process_count(),
+                            resolved.train_row_multiple)
 
 
 def _load_data(config, workdir: str) -> data.TaskData:

@@ -24,6 +24,7 @@ import chaos
 from conftest import ROOT, leaves_equal, saved_state_field
 from t2t_jax import EOS_ID
 from t2t_jax import average
+from t2t_jax import ConfigError
 from t2t_jax import checkpoint
 from t2t_jax import data
 from t2t_jax import export
@@ -155,14 +156,25 @@ def test_shape_changing_config_is_refused_and_harmless_change_logged(trained, ca
                      match=r'other shapes.*model\.d_ff: 64 -> 128.*new --workdir'):
     checkpoint.Checkpointer(workdir, config.ckpt).restore(bigger_setup.abstract_state, bigger)
   longer = _config()
-  longer.train.num_steps, longer.train.log_every, longer.opt.lr_scale = 40, 2, 1.0
+  longer.train.num_steps, longer.train.log_every, longer.mesh.shape = 40, 2, (4, 2, 1)
   caplog.set_level(std_logging.INFO)
   restored = checkpoint.Checkpointer(workdir, config.ckpt).restore(setup.abstract_state, longer)
   assert restored.step == 20
   messages = _absl_messages(caplog)
-  assert ('changed settings: eval.average_last: 3 -> 0; train.log_every: 5 -> 2; '
-          'train.num_steps: 20 -> 40') in messages
-  assert 'differ from an uninterrupted run: opt.lr_scale: 2.0 -> 1.0' in messages
+  assert ('changed settings: eval.average_last: 3 -> 0; mesh.shape: [-1, 1, 1] -> [4, 2, 1]; '
+          'train.log_every: 5 -> 2; train.num_steps: 20 -> 40') in messages
+  # What the run trains may not change: each such key is named, in one line.
+  retrained = _config()
+  retrained.opt.lr_scale, retrained.seed, retrained.data.batch_tokens = 1.0, 7, 512
+  with pytest.raises(ConfigError, match=r'^checkpoint \S+/20 was saved with other settings of '
+                     r"what the run trains .*: data\.batch_tokens: 256 -> 512; opt\.lr_scale: "
+                     r"2\.0 -> 1\.0; seed: 0 -> 7\. Rerun"):
+    checkpoint.Checkpointer(workdir, config.ckpt).restore(setup.abstract_state, retrained)
+  # A schedule that ends at train.num_steps makes it part of every step's learning rate.
+  cosine = _config()
+  cosine.opt.cooldown_steps, cosine.train.num_steps = 5, 40
+  with pytest.raises(ConfigError, match=r'opt\.cooldown_steps: 0 -> 5; train\.num_steps: 20 -> 40'):
+    checkpoint.Checkpointer(workdir, config.ckpt).restore(setup.abstract_state, cosine)
 
 
 @pytest.mark.slow
@@ -386,7 +398,8 @@ def test_training_evaluates_the_average_of_the_last_checkpoints(trained):
   config = _config()
   config.eval.bleu_sentences = 0
   task = data.load(config, '')
-  _, eval_batches = train._batchers(config, task, sharding.batch_shards(setup.mesh))  # pylint: disable=protected-access
+  _, eval_batches = data.make_batchers(config, task.train, task.eval,
+                                       sharding.batch_shards(setup.mesh))
   expected, _ = train.run_evaluation(setup, mean, task, eval_batches, config, None)
   np.testing.assert_allclose(results['averaged_eval_loss'], expected['eval_loss'], rtol=1e-5)
   assert results['averaged_eval_loss'] != results['eval_loss']

@@ -32,7 +32,7 @@ def test_auto_settings_resolve_to_float32_on_the_cpus(tiny_config):
   assert resolved.as_dict() == {
       'platform': 'cpu', 'devices': 8, 'processes': 1, 'model.dtype': 'float32',
       'model.attention_impl': 'einsum', 'eval.dtype': 'float32', 'mesh.shape': [4, 2, 1, 1],
-      'batch_shards': 8, 'train_row_multiple': 16}
+      'batch_shards': 8, 'data.row_multiple': 16}
 
 
 def test_auto_settings_resolve_to_bfloat16_for_a_tpu_target_without_opening_it(tiny_config):
