@@ -170,18 +170,23 @@ GRADIENT_NOISE = 1e-5
 
 
 def adam_moments(opt_state):
-  """(mu, nu) of the one Adam stage in an optax state (a chain, clipped or not)."""
+  """(mu, nu) of the one Adam stage in an optax state (a chain, clipped or not), or in one as a
+  checkpoint saves it (its stages as dicts: saved_state_field)."""
   import optax  # pylint: disable=g-import-not-at-top
-  is_adam = lambda x: isinstance(x, optax.ScaleByAdamState)
+  saved = lambda x: isinstance(x, dict) and {'mu', 'nu'} <= set(x)
+  is_adam = lambda x: isinstance(x, optax.ScaleByAdamState) or saved(x)
   stages = [s for s in jax.tree.leaves(opt_state, is_leaf=is_adam) if is_adam(s)]
   assert len(stages) == 1, stages
-  return stages[0].mu, stages[0].nu
+  return (stages[0]['mu'], stages[0]['nu']) if saved(stages[0]) else (stages[0].mu,
+                                                                       stages[0].nu)
 
 
 def assert_adam_runs_agree(run, reference, rates, b1=0.9, b2=0.98):
   """`run` and `reference`: [(params, opt_state)] after each of the same T Adam steps (on host);
-  `rates`: the learning rate of each step. Asserts the bound derived above."""
-  assert len(run) == len(reference) == len(rates) >= 1
+  `rates`: the learning rate of each step. Asserts the bound derived above; returns it, per
+  weight (a list of arrays in the order of jax.tree.leaves(params))."""
+  assert len(reference) == len(rates) >= 1 and 1 <= len(run) <= len(reference)  # Run: or
+  # only its first and last steps, which are all the bound reads of it.
   leaves = lambda tree: jax.tree.leaves(jax.device_get(tree))
   first_mu, reference_first_mu = (leaves(adam_moments(r[1])[0]) for r in (run[0], reference[0]))
   for mu, expected in zip(first_mu, reference_first_mu):
@@ -207,6 +212,32 @@ def assert_adam_runs_agree(run, reference, rates, b1=0.9, b2=0.98):
   # The bound is not vacuous: a wrong gradient moves a weight by about lr a step, and most
   # weights with a gradient are held to a tenth of that.
   assert tight > 0.9 * sum(np.sum(m) for m in moving), (tight, sum(np.sum(m) for m in moving))
+  return bound
+
+
+def assert_moved_run_agrees(workdir, reference_workdir, steps: int, config) -> None:
+  """A run that moved between shapes (devices, mesh splits, processes: other reduction orders
+  of the same sums) against a reference that stayed on one, both saving every step 1..`steps`
+  with `config`'s schedule: the parameters at `steps` within assert_adam_runs_agree's bound,
+  and the moving average (if kept), a convex mix of the parameters of steps 0..`steps`, within
+  the bound at `steps` (the bound only grows with the steps)."""
+  from t2t_jax import optim  # pylint: disable=g-import-not-at-top
+  state = lambda directory, step: tuple(
+      saved_state_field(f'{directory}/checkpoints/{step}', field) for field in
+      ('params', 'opt_state'))
+  schedule = optim.learning_rate_schedule(config.opt, config.model.d_model,
+                                          config.train.num_steps)
+  reference = [state(reference_workdir, step) for step in range(1, steps + 1)]
+  bound = assert_adam_runs_agree(
+      [state(workdir, 1), state(workdir, steps)], reference,
+      [float(schedule(step - 1)) for step in range(1, steps + 1)], config.opt.b1, config.opt.b2)
+  if config.opt.ema_decay:
+    ema, expected = (jax.tree.leaves(saved_state_field(f'{d}/checkpoints/{steps}', 'ema'))
+                     for d in (workdir, reference_workdir))
+    for actual, wanted, limit in zip(ema, expected, bound, strict=True):
+      excess = (np.abs(np.asarray(actual, np.float64) - wanted) - limit
+                - 1e-6 * np.abs(wanted))
+      assert np.all(excess <= 0), f'moving average beyond the bound by up to {excess.max():.3g}'
 
 
 # The tiny copy task's sequences are 1..8 symbols then EOS. A model blind to the source can at
