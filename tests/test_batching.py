@@ -188,3 +188,47 @@ def test_packed_training_runs_and_resumes(tiny_config, tmp_path):
   assert results['step'] == 4 and np.isfinite(results['eval_loss'])
   tiny_config.train.num_steps = 6
   assert train.train_and_evaluate(tiny_config, str(tmp_path))['step'] == 6
+
+
+@pytest.mark.parametrize('mode', batching.BATCHING_MODES)
+def test_the_global_batches_do_not_depend_on_shards_processes_or_micro_batches(mode, tiny_config):
+  """A plan of rows in multiples of 8, read by 8 shards in 1 process, 4 shards x 2 micro-batches
+  in 2 processes, 2 shards in 2 processes and 1 shard x 8 micro-batches: the processes' rows,
+  stacked, are the same global batches, bit for bit, in the same order, over two epochs."""
+  tiny_config.data.batching = mode
+  tiny_config.data.max_len = tiny_config.data.pack_length = 32
+  tiny_config.data.batch_tokens = 512
+  split = _split(count=120)
+
+  def global_batches(shards, processes, accumulation):
+    tiny_config.opt.grad_accum_steps = accumulation
+    trains = [data.make_batchers(tiny_config, split, split, shards, p, processes,
+                                 train_row_multiple=8)[0] for p in range(processes)]
+    assert len({train.signature() for train in trains}) == 1
+    iterators = [data.train_iterator(train) for train in trains]
+    steps = 2 * trains[0].epoch_length(0) + 1  # Into the third epoch.
+    return trains[0].signature(), [
+        {key: np.concatenate([b[key] for b in local]) for key in local[0]}
+        for local in ([next(it) for it in iterators] for _ in range(steps))]
+
+  signature, expected = global_batches(8, 1, 1)
+  for shards, processes, accumulation in ((4, 2, 2), (2, 2, 1), (1, 1, 8)):
+    other_signature, batches = global_batches(shards, processes, accumulation)
+    assert other_signature == signature
+    assert len(batches) == len(expected)
+    for batch, want in zip(batches, expected):
+      assert batch.keys() == want.keys()
+      for key in want:
+        np.testing.assert_array_equal(batch[key], want[key])
+
+
+def test_a_split_the_rows_do_not_allow_is_named_with_the_rows_and_the_parts():
+  rows = [16, 8, 8]
+  assert batching.split_problem(rows, 8, 1, 1) == ''
+  assert batching.split_problem(rows, 4, 2, 2) == ''
+  assert batching.split_problem(rows, 2, 2, 4) == ''  # 4 processes each collate 2 rows.
+  assert batching.split_problem(rows, 16, 1, 1) == (
+      'the train batches have [8, 16] rows (all multiples of 8), which 16 batch shards x 1 '
+      'micro-batch cannot split evenly: 16 must divide 8')
+  assert batching.split_problem([12, 24], 4, 2, 2).endswith('8 must divide 12')
+  assert 'over 3 processes' in batching.split_problem([16], 1, 1, 3)

@@ -177,6 +177,54 @@ def test_shape_changing_config_is_refused_and_harmless_change_logged(trained, ca
     checkpoint.Checkpointer(workdir, config.ckpt).restore(setup.abstract_state, cosine)
 
 
+# One value per key a resume may change, and one per key of what the run trains.
+MAY_CHANGE = {'name': 'moved', 'train.num_steps': 40, 'train.eval_every': 3, 'eval.beam_size': 2,
+              'ckpt.every': 2, 'mesh.shape': (2, 2, 1), 'opt.grad_accum_steps': 2,
+              'opt.loss_chunk_tokens': 0, 'opt.ema_decay': 0.999, 'model.remat': 'full',
+              'model.dtype': 'bfloat16', 'model.attention_impl': 'xla',
+              'data.data_dir': '/elsewhere', 'data.cache_dir': '/cache', 'data.row_multiple': 8}
+MAY_NOT = {'seed': 1, 'data.batch_tokens': 512, 'data.vocab_size': 9000, 'data.train_src': 'x',
+           'data.batching': 'packed', 'model.positions': 'rotary', 'model.dropout': 0.0,
+           'model.dropout_prng': 'rbg', 'opt.lr_scale': 1.0, 'opt.warmup_steps': 10,
+           'opt.schedule': 'cosine', 'opt.b2': 0.997, 'opt.label_smoothing': 0.0}
+
+
+def _with(config, key, value):
+  section, _, name = key.rpartition('.')
+  (config[section] if section else config)[name] = value
+  return config
+
+
+@pytest.mark.parametrize('key', sorted(MAY_CHANGE))
+def test_a_resume_may_change_where_and_how_the_run_computes(key):
+  saved = _config().to_json_best_effort()
+  changed = _with(_config(), key, MAY_CHANGE[key])
+  assert list(checkpoint.refuse_changes('ckpt/20', saved, changed)) == [key]
+
+
+@pytest.mark.parametrize('key', sorted(MAY_NOT))
+def test_a_resume_may_not_change_what_the_run_trains(key):
+  saved = _config().to_json_best_effort()
+  with pytest.raises(ConfigError, match=rf'^checkpoint ckpt/20 was saved with other settings of '
+                     rf'what the run trains .*: {re.escape(key)}: [^;]*\. Rerun with the saved '
+                     r'values, or start a new --workdir \(--config\.ckpt\.init_from=ckpt/20'):
+    checkpoint.refuse_changes('ckpt/20', saved, _with(_config(), key, MAY_NOT[key]))
+
+
+def test_train_steps_may_change_unless_the_schedule_ends_at_them():
+  for schedule, cooldown, refused in (('rsqrt', 0, False), ('rsqrt', 5, True),
+                                      ('linear', 0, True), ('cosine', 0, True)):
+    before = _with(_with(_config(), 'opt.schedule', schedule), 'opt.cooldown_steps', cooldown)
+    after = _with(_with(_config(), 'opt.schedule', schedule), 'opt.cooldown_steps', cooldown)
+    after.train.num_steps = 40
+    if refused:
+      with pytest.raises(ConfigError, match=r'train\.num_steps: 20 -> 40\. Rerun'):
+        checkpoint.refuse_changes('ckpt/20', before.to_json_best_effort(), after)
+    else:
+      assert checkpoint.refuse_changes('ckpt/20', before.to_json_best_effort(), after) == {
+          'train.num_steps': (20, 40)}
+
+
 @pytest.mark.slow
 def test_dropout_prng_with_another_key_size_is_refused_not_called_damaged(trained):
   workdir, _, setup, _ = trained

@@ -16,6 +16,7 @@ import pytest
 from conftest import ROOT, text_config
 from t2t_jax import ConfigError
 from t2t_jax import as_asked
+from t2t_jax import batching
 from t2t_jax import model_config as model_config_lib
 from t2t_jax import resolve
 from t2t_jax import targets
@@ -169,3 +170,86 @@ def test_the_model_configs_defaults_are_the_base_config_resolved_on_a_cpu():
   built = model_config_lib.TransformerConfig.from_config(base.get_config().model, 100, 'cpu')
   assert built == model_config_lib.TransformerConfig(vocab_size=100)
   assert base.get_config().model.attention_impl == 'auto' and built.attention_impl == 'einsum'
+
+
+def _moved(config, shape, devices=8, processes=1):
+  """What `config` resolves to on `devices` devices in `processes` processes, mesh `shape`."""
+  config.mesh.shape = shape
+  resolved = resolve.resolve(config, jax.devices()[:devices])
+  return dataclasses.replace(resolved, processes=processes)
+
+
+def test_a_resume_keeps_the_saved_plan_whatever_mesh_it_lands_on(tiny_config):
+  saved = _saved(tiny_config)  # 8 batch shards: rows in multiples of 8.
+  assert json.loads(saved)['resolved']['data.row_multiple'] == 8
+  for shape, devices in (((4, 1, 1), 4), ((1, 2, 2), 4), ((2, 1, 1), 2), ((1, 1, 1), 1)):
+    moved = resolve.for_saved_run(tiny_config, _moved(tiny_config, shape, devices), saved,
+                                  'checkpoints/20')
+    assert moved.train_row_multiple == 8, shape  # Not the 4, 2 or 1 a new run there would get.
+  # Two micro-batches of the 4 shards still split rows that are multiples of 8.
+  tiny_config.opt.grad_accum_steps = 2
+  assert resolve.for_saved_run(tiny_config, _moved(tiny_config, (4, 1, 1), 4), saved,
+                               'checkpoints/20').train_row_multiple == 8
+
+
+def test_a_mesh_that_cannot_split_the_saved_plan_is_refused_with_the_ways_on(tiny_config):
+  tiny_config.mesh.shape = (4, 1, 1)
+  saved = resolve.config_json(tiny_config, resolve.resolve(tiny_config, jax.devices()[:4]))
+  with pytest.raises(ConfigError) as raised:  # Rows in multiples of 4 over 8 batch shards.
+    resolve.for_saved_run(tiny_config, _moved(tiny_config, (-1, 1, 1)), saved, 'ckpt/20')
+  message = str(raised.value)
+  rows = batching.train_rows(tiny_config.data, 4)
+  assert message.startswith(f'cannot resume the run saved at ckpt/20 on this mesh: the train '
+                            f'batches have {sorted(set(rows))} rows (all multiples of 4), which '
+                            '8 batch shards x 1 micro-batch cannot split evenly')
+  assert '--config.mesh.shape=(4,1,2,1) (4 batch shards' in message
+  assert '--config.data.row_multiple=8 and --config.ckpt.init_from=ckpt/20' in message
+  assert '\n' not in message
+  # With micro-batches, fewer of them is a way on too.
+  tiny_config.opt.grad_accum_steps = 2
+  with pytest.raises(ConfigError, match=r'Ways on: --config.opt.grad_accum_steps=1 \(more rows'):
+    resolve.for_saved_run(tiny_config, _moved(tiny_config, (4, 1, 1), 4), saved, 'ckpt/20')
+  # Asking for another plan than the saved one is refused too.
+  tiny_config.opt.grad_accum_steps = 1
+  tiny_config.data.row_multiple = 16
+  with pytest.raises(ConfigError, match=r'config.data.row_multiple=16 asks for other global '
+                     r'batches than those of the run saved at ckpt/20, whose rows are '
+                     r'multiples of 4'):
+    resolve.for_saved_run(tiny_config, _moved(tiny_config, (4, 1, 1), 4), saved, 'ckpt/20')
+  tiny_config.data.row_multiple = 4  # The saved value itself is fine.
+  assert resolve.for_saved_run(tiny_config, _moved(tiny_config, (4, 1, 1), 4), saved,
+                               'ckpt/20').train_row_multiple == 4
+
+
+def test_a_resume_that_moved_says_from_where_to_where_in_one_line(tiny_config, caplog):
+  tiny_config.mesh.shape = (4, 2, 1)
+  saved = _saved(tiny_config)
+  moved = resolve.for_saved_run(tiny_config, _moved(tiny_config, (1, 2, 1), 2, 1), saved, 'c/6')
+  with caplog.at_level(logging.WARNING):
+    resolve.check_resume(saved, tiny_config, moved, 'c/6')
+  said = [r.getMessage() for r in caplog.records]
+  assert said == [
+      'Resuming c/6 on another shape: 8 cpu devices in 1 process, mesh data=4 fsdp=2 tensor=1 '
+      'expert=1, 1 micro-batch -> 2 cpu devices in 1 process, mesh data=1 fsdp=2 tensor=1 '
+      'expert=1, 1 micro-batch. The same global batches (rows in multiples of 8) and dropout '
+      'masks follow; only the order of floating-point sums changes (gradients are reduced over '
+      'other shards), so values leave those of a run that did not move in the last bits and '
+      'drift slowly']
+  caplog.clear()
+  tiny_config.opt.grad_accum_steps = 2  # Each micro-batch draws its own dropout masks.
+  with caplog.at_level(logging.WARNING):
+    resolve.check_resume(saved, tiny_config, moved, 'c/6')
+  [said] = [r.getMessage() for r in caplog.records]
+  assert '1 micro-batch -> 2 cpu devices' in said and ', 2 micro-batches.' in said
+  assert 'The same global batches (rows in multiples of 8) follow' in said
+  assert 'other micro-batches also draw other dropout masks' in said
+
+
+def test_an_explicit_row_multiple_is_the_plan_and_must_split_over_the_mesh(tiny_config):
+  tiny_config.data.row_multiple = 16
+  assert resolve.resolve(tiny_config, jax.devices()[:8]).train_row_multiple == 16
+  tiny_config.data.row_multiple = 12  # Not a multiple of the 8 batch shards.
+  with pytest.raises(ConfigError, match=r'config.data.row_multiple=12: the train batches have '
+                     r'\[12\] rows \(all multiples of 12\), which 8 batch shards x 1 '
+                     r'micro-batch cannot split evenly: 8 must divide 12; use a multiple of 8'):
+    resolve.resolve(tiny_config, jax.devices()[:8])
