@@ -1,6 +1,7 @@
 """launch/ on a real one-node SLURM (tests/slurm_cluster.py): a 2-task job of launch/slurm.sbatch
 trains like one process, a job preempted with SIGTERM requeues itself and ends bitwise equal to
-an uninterrupted one, and a sweep runs as one array whose failed element is reported."""
+an uninterrupted one, or, requeued onto 1 task, within the bound of a run moved between shapes,
+and a sweep runs as one array whose failed element is reported."""
 
 import dataclasses
 import json
@@ -14,7 +15,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from conftest import ROOT, scalar_events
+from conftest import ROOT, assert_moved_run_agrees, scalar_events
 import slurm_cluster
 from t2t_jax import train
 from t2t_jax import workdir_lock
@@ -22,6 +23,9 @@ from t2t_jax import workdir_lock
 STEPS = 30
 OVERRIDES = {'train.num_steps': STEPS, 'train.log_every': 1, 'train.eval_every': STEPS,
              'ckpt.every': 10, 'eval.bleu_sentences': 0, 'ckpt.preemption_grace_seconds': 20}
+# Every step saved and kept, for assert_moved_run_agrees: by the uninterrupted job (it reads
+# steps 1..STEPS there) and by the one requeued onto 1 task.
+EVERY_STEP = {**OVERRIDES, 'ckpt.every': 1, 'ckpt.keep': STEPS}
 # launch/slurm.sbatch asks for 2 nodes x 8 GPUs; here: 2 tasks on the one CPU node.
 TWO_TASKS = ['--nodes=1', '--ntasks=2', '--ntasks-per-node=2', '--cpus-per-task=1',
              '--gpus-per-task=0', '--time=10']
@@ -55,12 +59,12 @@ def _submit(cluster, *args) -> str:
   return run.stdout.strip().split(';')[0]
 
 
-def _sbatch_two_tasks(cluster, workdir) -> tuple[str, str]:
+def _sbatch_two_tasks(cluster, workdir, overrides=OVERRIDES) -> tuple[str, str]:
   """Submits launch/slurm.sbatch with 2 tasks training the tiny config; (job id, log path)."""
   log = os.path.join(os.path.dirname(workdir), f'{os.path.basename(workdir)}-%j.out')
   job = _submit(cluster, *TWO_TASKS, f'--output={log}', 'launch/slurm.sbatch',
                 '--config=configs/tiny.py', f'--workdir={workdir}',
-                *[f'--config.{key}={value}' for key, value in OVERRIDES.items()])
+                *[f'--config.{key}={value}' for key, value in overrides.items()])
   return job, log.replace('%j', job)
 
 
@@ -96,9 +100,10 @@ def _wait_for(predicate, what, timeout=JOB_TIMEOUT):
 
 @pytest.fixture(scope='module')
 def two_task_run(slurm, tmp_path_factory):
-  """An uninterrupted 2-task job of launch/slurm.sbatch: its workdir, log and final job fields."""
+  """An uninterrupted 2-task job of launch/slurm.sbatch saving every step: its workdir, log
+  and final job fields."""
   workdir = str(tmp_path_factory.mktemp('straight') / 'run')
-  job, log = _sbatch_two_tasks(slurm, workdir)
+  job, log = _sbatch_two_tasks(slurm, workdir, EVERY_STEP)
   fields = slurm.wait_done(job, JOB_TIMEOUT)
   return workdir, _read(log), fields
 
@@ -131,7 +136,8 @@ def test_two_task_sbatch_job_trains_like_one_process(two_task_run, tiny_config, 
             'environment; 1 local / 2 global devices') in log
   final = json.loads(_read(os.path.join(workdir, 'final.json')))
   assert final['step'] == STEPS
-  assert sorted(os.listdir(os.path.join(workdir, 'checkpoints'))) == ['10', '20', '30']
+  assert sorted(map(int, os.listdir(os.path.join(workdir, 'checkpoints')))) == list(
+      range(1, STEPS + 1))
   assert not os.path.exists(os.path.join(workdir, workdir_lock.LOCK_FILE))
 
   for key, value in OVERRIDES.items():  # The same config in this process, on 8 CPU devices.
@@ -180,6 +186,49 @@ def test_sigterm_requeues_the_job_which_resumes_to_the_uninterrupted_result(
   assert jax.tree.structure(straight) == jax.tree.structure(resumed)
   assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(straight),
                                                   jax.tree.leaves(resumed)))
+
+
+@pytest.mark.slow
+def test_a_job_requeued_onto_one_task_resumes_in_one_process_to_the_uninterrupted_result(
+    slurm, two_task_run, tiny_config, tmp_path):
+  """A preempted 2-task job is given 1 task while it waits for its restart (as a user would,
+  to have it scheduled sooner); it goes on in one process of one device."""
+  workdir = str(tmp_path / 'run')
+  job, log = _sbatch_two_tasks(slurm, workdir, EVERY_STEP)
+  _wait_for(lambda: os.path.exists(log) and 'step 2:' in _read(log), 'step 2 in the log')
+  slurm.run('scancel', '--signal=TERM', job)
+  _wait_for(lambda: slurm.job_state(job)['Restarts'] == '1' and
+            slurm.job_state(job)['JobState'] == 'PENDING', 'requeued job')
+  # Held while it changes, or it could start on 2 tasks (its BeginTime is 6 s after the
+  # requeue). NumTasks alone would be recomputed from the 2 tasks per node when it starts.
+  for command in (['hold', job], ['update', f'JobId={job}', 'NumTasks=1', 'TasksPerNode=1'],
+                  ['release', job]):
+    slurm.run('scontrol', *command)
+  fields = slurm.wait_done(job, JOB_TIMEOUT)
+  text = _read(log)
+  assert (fields['JobState'], fields['ExitCode'], fields['Restarts'],
+          fields['NumTasks']) == ('COMPLETED', '0:0', '1', '1'), text[-3000:]
+  saved = [int(step) for step in re.findall(r'preempted \(SIGTERM\): saved a checkpoint at '
+                                            r'step (\d+)', text)]
+  assert len(saved) == 2 and saved[0] == saved[1] and 2 <= saved[0] < STEPS, text[-3000:]
+  restart = text.index(f'slurm_step.sh: job {job}, restart 1, 1 task(s)')
+  mesh = lambda devices: f'mesh data={devices} fsdp=1 tensor=1 expert=1, 1 micro-batch'
+  assert text.count(
+      f'Resuming {workdir}/checkpoints/{saved[0]} on another shape: 2 cpu devices in 2 '
+      f'processes, {mesh(2)} -> 1 cpu device in 1 process, {mesh(1)}. The same global batches '
+      '(rows in multiples of 2) and dropout masks follow') == 1, text[restart:][-3000:]
+  assert 'joined the coordinator' not in text[restart:]  # One process: nothing to join.
+  assert json.loads(_read(os.path.join(workdir, 'final.json')))['step'] == STEPS
+
+  straight = two_task_run[0]
+  losses, expected = (scalar_events(w)['train/loss'] for w in (workdir, straight))
+  assert sorted(losses) == sorted(expected) == list(range(1, STEPS + 1))
+  np.testing.assert_allclose([losses[step] for step in sorted(losses)],
+                             [expected[step] for step in sorted(expected)], rtol=1e-5)
+  for key, value in EVERY_STEP.items():
+    section, name = key.split('.')
+    tiny_config[section][name] = value
+  assert_moved_run_agrees(workdir, straight, STEPS, tiny_config)
 
 
 @pytest.mark.slow
