@@ -90,6 +90,7 @@ class Checkpointer:
                                          item_handlers=_handlers())
     self._in_flight = None  # Step of the asynchronous save not yet known to have finished.
     self._existing = set()  # Steps saved before the save in flight started.
+    self._failure_reported = False  # A failed save raised its CheckpointError.
 
   def should_save(self, step: int) -> bool:
     return self.every > 0 and step % self.every == 0
@@ -134,6 +135,7 @@ class Checkpointer:
       self._failed(step, e)
 
   def _failed(self, step, error: BaseException) -> None:
+    self._failure_reported = True
     self.remove_unfinished(step)
     self.manager.reload()
     text = str(error)
@@ -249,7 +251,19 @@ class Checkpointer:
     try:
       self._wait()
     finally:
+      self._close_manager()
+
+  def _close_manager(self) -> None:
+    """Closes orbax's manager. Where the finalize thread of a failed save failed first (on the
+    checkpoint's metadata) orbax's async checkpointer keeps its own copy of the failure, and
+    its close raises that copy: after the CheckpointError already raised it is logged only."""
+    try:
       self.manager.close()
+    except Exception as e:  # pylint: disable=broad-exception-caught
+      if not self._failure_reported:
+        raise
+      logging.info('orbax reports the failed save again on closing: %s',
+                   saved_params.describe_error(e))
 
 
 def saved_tree(state):

@@ -273,6 +273,28 @@ def test_failed_save_stops_with_the_cause_and_keeps_the_previous_checkpoint(tmp_
   assert np.array_equal(restored['state']['w'], np.arange(4.0))
 
 
+def test_a_failed_save_reported_twice_by_orbax_closes_without_a_second_error(tmp_path,
+                                                                             monkeypatch):
+  """The checkpoint's metadata fails to write too (a full disk fails every write): orbax's
+  finalize thread stops there, before it collects the items' failure, which its async
+  checkpointer then raises again on closing. The run must still end with its one error."""
+  from orbax.checkpoint._src.metadata import checkpoint as orbax_metadata  # pylint: disable=g-import-not-at-top
+  checkpointer = checkpoint.Checkpointer(str(tmp_path), _config().ckpt)
+  _disk_full_in_background(monkeypatch)
+
+  def disk_full(self, file_path, metadata):
+    raise OSError(errno.ENOSPC, 'No space left on device')
+  monkeypatch.setattr(orbax_metadata._MetadataStoreImpl, 'write', disk_full)  # pylint: disable=protected-access
+  checkpointer.save(2, {'w': jnp.arange(4.0)}, jax.random.PRNGKey(0), {'next_index': 2}, '{}')
+  deadline = time.monotonic() + 60
+  with pytest.raises(checkpoint.CheckpointError, match='saving checkpoint 2 .*the disk is full'):
+    while time.monotonic() < deadline:
+      checkpointer.check()
+      time.sleep(0.01)
+  checkpointer.close()  # Before: orbax's second report, a bare OSError, came out here.
+  assert os.listdir(tmp_path / 'checkpoints') == []
+
+
 def _orphan_a_failed_task() -> None:
   """A task that failed with nobody retrieving its error, freed only by the garbage collector
   (held in a reference cycle), as orbax's sibling reads are when the first one fails."""
