@@ -41,9 +41,9 @@ def stack_options(config: TransformerConfig) -> dict:
 def decoder_options(config: TransformerConfig) -> dict:
   """`stack_options` of a decoder: ALiBi's -m_h (i - j) on the scores after the query scale.
 
-  CTranslate2 adds m_h (j - (K - 1)) for the K keys a query sees, which differs from
-  -m_h (i - j) by m_h (i - (K - 1)), the same for every key of query i: the softmax is the
-  same. Its slopes are Press et al.'s, positions.alibi_slopes's.
+  CTranslate2 adds m_h (j - c), c one less than the key length its bias table was built for,
+  which differs from -m_h (i - j) by m_h (i - c), the same for every key of query i: the
+  softmax is the same. Its slopes are Press et al.'s, positions.alibi_slopes's.
   """
   options = stack_options(config)
   if config.positions == 'alibi':
@@ -64,9 +64,9 @@ def position_table(config: TransformerConfig, params: dict, side: str) -> np.nda
 def embed(stack, embeddings, config: TransformerConfig, params: dict, side: str) -> None:
   """A stack's token embeddings (scaled by sqrt(d_model)) and its position table, if any.
 
-  Under rotary, relative or ALiBi positions there is none; an encoder spec still has the slot,
-  which CTranslate2 leaves unused when its attention is rotary or relative (the tests would see
-  its sinusoids otherwise).
+  Under rotary, relative or ALiBi positions there is none. A rotary encoder's spec still has
+  the slot, which CTranslate2 leaves unused when the attention is rotary (filled with its own
+  sinusoids otherwise, which the family test would see).
   """
   embeddings.weight = params['embedding' if side == 'target' or config.share_embeddings
                              else 'source_embedding']['embedding']
