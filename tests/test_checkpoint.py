@@ -693,15 +693,26 @@ def test_a_full_disk_stops_the_run_and_a_disk_with_room_resumes_it(tmp_path):
 
 
 @pytest.mark.slow
-def test_chaos_kills_sigterm_ctrl_c_and_a_full_disk_then_resume_equal_a_straight_run(
+def test_chaos_kills_sigterm_ctrl_c_a_full_disk_and_a_move_then_resume_agree_with_a_straight_run(
     tmp_path):
   seed = int(os.environ.get('T2T_CHAOS_SEED') or random.randrange(2**31))
   print(f'chaos seed {seed}: replay with T2T_CHAOS_SEED={seed} (this test) or '
         f'`python tests/chaos.py --kills=4 --seed={seed}`')  # pytest shows it on failure.
   result = chaos.run(kills=4, seed=seed, root=str(tmp_path))
   assert result['ok'], (f'seed {seed}', result['problems'], result['launches'])
-  kinds = [launch['kind'] for launch in result['launches']]
+  launches = result['launches']
+  kinds = [launch['kind'] for launch in launches]
   expected = ['vocab', 'cache', 'step', 'save', 'sigterm', 'sigint', None] + (
       ['diskfull'] if result['disk_full'] is True else [])
   assert sorted(kinds, key=str) == sorted(expected, key=str)
-  assert result['launches'][-1]['left_behind'] == []  # No run.lock after a clean exit either.
+  assert launches[-1]['left_behind'] == []  # No run.lock after a clean exit either.
+  # The later signal's launch ran on 4 devices and saved; it and the next, back on 8, said so,
+  # no launch before it did (chaos.run checks each launch against the checkpoint it resumed).
+  move = result['move']
+  assert kinds[move['launch'] - 1] == max(('sigterm', 'sigint'), key=kinds.index)
+  assert move['from_step'] >= 1 and move['saved'], move
+  said = [launch['said_moved'] for launch in launches]
+  assert said[:move['launch'] + 1] == [False] * (move['launch'] - 1) + [True, True], said
+  # The steps taken there reach the end: the parameters differ from the straight run's, inside
+  # the bound; the losses by less than chaos.LOSS_RTOL.
+  assert 0 < move['share_of_bound'] <= 1 and move['loss_change'] <= chaos.LOSS_RTOL, move
