@@ -148,7 +148,7 @@ def summary(translator, outputs) -> str:
           f'{stats.sentences / seconds:.1f} sentences/s, {tokens / seconds:.0f} target tokens/s; ')
   if translator.engine == 'ctranslate2':
     return head + (
-        f'CTranslate2 {translator.compute_type}, {stats.batches} calls (one per output limit); '
+        f'CTranslate2 {translator.compute_type}, {stats.batches} batches; '
         f'{outside / seconds:.0%} of the time outside its search (tokenising '
         f'{stats.text_seconds:.1f} s); model loaded in {translator.load_seconds:.1f} s')
   return head + (
