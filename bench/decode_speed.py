@@ -401,7 +401,8 @@ def _random_line(config, beam_size: int) -> dict:
   translator = translator_lib.Translator(model_config, mesh, axis_rules, config.data.batch_tokens,
                                  config.data.min_bucket, config.eval.max_extra_len,
                                  beam_size=beam_size, alpha=config.eval.alpha,
-                                 dtype=config.eval.dtype)
+                                 dtype=config.eval.dtype,
+                                 length_penalty=config.eval.length_penalty)
   outputs = translator.translate(params, inputs)
   compile_seconds = translator.stats.compile_seconds
   seconds = common.median_seconds(lambda: translator.translate(params, inputs),

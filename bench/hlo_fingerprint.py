@@ -71,7 +71,8 @@ def _search_programs(config, setup, platform: str):
                                      model_config.max_len, model_config.kind == 'decoder_only')
   replicated = jax.sharding.NamedSharding(setup.mesh, jax.sharding.PartitionSpec())
   for name, beam in (('greedy', 1), ('beam', _BEAM.value)):
-    search = translator_lib.search_function(model_config, max_len, beam, config.eval.alpha)
+    search = translator_lib.search_function(model_config, max_len, beam, config.eval.alpha,
+                                            config.eval.length_penalty)
     yield (name, runtime.jit_search(search, platform, out_shardings=replicated), model_config,
            max_len)
 
@@ -92,7 +93,8 @@ def _run(name: str, config, setup, params, model_config, max_len: int, platform:
     search = functools.partial(decode.greedy_search, config=model_config, max_len=max_len)
   else:
     search = functools.partial(decode.beam_search, config=model_config, max_len=max_len,
-                               beam_size=_BEAM.value, alpha=config.eval.alpha)
+                               beam_size=_BEAM.value, alpha=config.eval.alpha,
+                               penalty=config.eval.length_penalty)
   with sharding.mesh_context(setup.mesh, setup.axis_rules):
     outputs = runtime.jit_search(search, platform)(params, inputs)
   outputs = [np.asarray(x) for x in jax.tree.leaves(outputs)]

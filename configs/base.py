@@ -136,7 +136,8 @@ def get_config():
   evaluation.bleu_tokenize = '13a'  # sacreBLEU tokenizer; 'none' when references are tokenised.
   evaluation.bleu_lowercase = False  # Case-insensitive BLEU (lowercase hypotheses and references).
   evaluation.beam_size = 4  # Beam width for evaluation decoding; 1 is greedy.
-  evaluation.alpha = 0.6  # Length penalty exponent: ((5 + len) / 6) ** alpha.
+  evaluation.alpha = 0.6  # Length penalty exponent: scores are log p / penalty(len) ** alpha.
+  evaluation.length_penalty = 'gnmt'  # penalty: 'gnmt' (5 + len) / 6; 'length' len (CTranslate2's).
   evaluation.max_extra_len = 50  # Longest output = source length + this (capped by model.max_len).
   # Decoding activations: 'auto' (bfloat16 on GPU/TPU, float32 on CPU), 'model' (model.dtype),
   # 'float32' or 'bfloat16'.

@@ -16,6 +16,9 @@ EOS_ID = 1
 # Config keys that were renamed: old dotted key -> new one. A flag with the old key is refused
 # naming the new one; a config saved with the old key (config.json, checkpoints) still loads.
 RENAMED_KEYS = {'model.local_window': 'model.local_half_width'}
+# Config keys added later: dotted key -> the value that does what the code did before it. A
+# config saved without the key (config.json, checkpoints) loads with that value.
+ADDED_KEYS = {'eval.length_penalty': 'gnmt'}
 
 
 class ConfigError(ValueError):
@@ -41,7 +44,8 @@ def as_asked(saved: dict) -> dict:
 
 def with_current_keys(tree: dict) -> dict:
   """A saved config (nested dicts, as config.json holds it) with renamed keys under their new
-  names, so configs written before a rename still load and compare."""
+  names and added keys at their old behaviour, so configs written before still load and
+  compare."""
   tree = {key: with_current_keys(value) if isinstance(value, dict) else value
           for key, value in tree.items()}
   for old, new in RENAMED_KEYS.items():
@@ -49,4 +53,9 @@ def with_current_keys(tree: dict) -> dict:
     part = tree.get(section)
     if isinstance(part, dict) and old_name in part and new_name not in part:
       part[new_name] = part.pop(old_name)
+  for key, value in ADDED_KEYS.items():
+    section, name = key.split('.')
+    part = tree.get(section)
+    if isinstance(part, dict) and name not in part:
+      part[name] = value
   return tree

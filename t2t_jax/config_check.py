@@ -98,6 +98,7 @@ CHOICES = {
     'model.kind': MODEL_KINDS,
     'model.prefix_attention': PREFIX_ATTENTION,
     'eval.dtype': translator.DECODE_DTYPES,
+    'eval.length_penalty': translator.LENGTH_PENALTIES,
     'model.positions': positions.POSITION_KINDS,
 }
 

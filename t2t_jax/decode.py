@@ -74,9 +74,18 @@ def max_decode_length(source_length: int, extra: int, model_max_len: int,
   return min(source_length + extra, room)
 
 
-def length_penalty(length, alpha: float):
-  """((5 + length) / 6) ** alpha, the GNMT penalty tensor2tensor and the paper use."""
-  return ((5.0 + jnp.asarray(length, jnp.float32)) / 6.0) ** alpha
+LENGTH_PENALTIES = ('gnmt', 'length')  # config.eval.length_penalty: `length_penalty`'s kinds.
+
+
+def length_penalty(length, alpha: float, kind: str = 'gnmt'):
+  """What a finished hypothesis's log-probability is divided by, for `length` tokens (EOS
+  included): 'gnmt' ((5 + length) / 6) ** alpha, the penalty of GNMT, tensor2tensor and the
+  paper; 'length' length ** alpha, CTranslate2's (and fairseq's). Both are 1 at alpha 0."""
+  if kind == 'gnmt':
+    return ((5.0 + jnp.asarray(length, jnp.float32)) / 6.0) ** alpha
+  if kind == 'length':
+    return jnp.asarray(length, jnp.float32) ** alpha
+  raise ValueError(f'length penalty {kind!r} must be one of {LENGTH_PENALTIES}')
 
 
 def _decode_step(model, params, cache, encoded_BSE, inputs_BS, previous_B):
@@ -237,7 +246,7 @@ def _rounds_of_max(x: jax.Array, count: int) -> tuple[jax.Array, jax.Array]:
 
 
 def _beam_update(state: BeamState, logits_BWV: jax.Array, limit_B: jax.Array,
-                 alpha: float) -> tuple[BeamState, jax.Array]:
+                 alpha: float, penalty: str = 'gnmt') -> tuple[BeamState, jax.Array]:
   """Extends every live hypothesis by one token; returns the new state and live parents [B, W].
 
   A row whose length limit this step reaches ends all its candidates, and its live
@@ -260,7 +269,8 @@ def _beam_update(state: BeamState, logits_BWV: jax.Array, limit_B: jax.Array,
   # EOS ends a hypothesis only if it ranks among the best W candidates (so beam 1 is greedy);
   # at the length limit every candidate ends.
   ends_BC = ((token_BC == EOS_ID) & (jnp.arange(2 * beam_size) < beam_size)) | is_last_B1
-  scores_BC = jnp.where(ends_BC, log_probs_BC / length_penalty(i + 1, alpha), _NEG)
+  scores_BC = jnp.where(ends_BC, log_probs_BC / length_penalty(i + 1, alpha, penalty),
+                        _NEG)
   finished_scores_BW, keep_BW = jax.lax.top_k(
       jnp.concatenate([state.finished_scores_BW, scores_BC], axis=1), beam_size)
   finished_tokens_BWL = jnp.take_along_axis(
@@ -274,12 +284,18 @@ def _beam_update(state: BeamState, logits_BWV: jax.Array, limit_B: jax.Array,
                    finished_scores_BW), parent_BW
 
 
-def _can_improve(state: BeamState, limit_B: jax.Array, alpha: float) -> jax.Array:
+def _can_improve(state: BeamState, limit_B: jax.Array, alpha: float,
+                 penalty: str = 'gnmt') -> jax.Array:
   """Whether any row's best live hypothesis could still enter its finished top W."""
-  # Log-probabilities only fall as a hypothesis grows, so its best reachable score divides
-  # today's by the largest penalty of the lengths still open (the penalty is monotonic).
-  largest_penalty_B = jnp.maximum(length_penalty(state.step + 1, alpha),
-                                  length_penalty(limit_B, alpha))
+  # A live hypothesis of log-probability p <= 0 can finish at any length n from step + 1 to
+  # its row's limit, with a log-probability q <= p (every token adds a log-probability <= 0),
+  # so its score q / P(n) is at most p / P(n) <= p / max_n P(n) (P(n) > 0 for n >= 1, and
+  # p <= 0 gains most from the largest divisor). Both penalties are monotonic in n (a power
+  # of (5 + n) / 6, or of n), so that maximum is P at an end of the range: the larger of
+  # P(step + 1) and P(limit). (A padding row's limit is 0: P(0) is (5 / 6)^alpha for 'gnmt',
+  # 0 or 1 for 'length', at most 1 <= P(step + 1) either way, for alpha >= 0.)
+  largest_penalty_B = jnp.maximum(length_penalty(state.step + 1, alpha, penalty),
+                                  length_penalty(limit_B, alpha, penalty))
   best_live_B = state.live_log_probs_BW[:, 0] / largest_penalty_B
   return ~jnp.all(state.finished_scores_BW[:, -1] >= best_live_B)
 
@@ -329,13 +345,15 @@ def _map_rows(fn, cache, config: TransformerConfig, skip: tuple[str, ...] = ()):
 
 
 def beam_search(params, inputs_BS: jax.Array, config: TransformerConfig, max_len: int,
-                beam_size: int, alpha: float,
-                max_lengths_B: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+                beam_size: int, alpha: float, max_lengths_B: jax.Array | None = None,
+                penalty: str = 'gnmt') -> tuple[jax.Array, jax.Array]:
   """The `beam_size` best hypotheses [B, W, max_len] (EOS included, PAD after) and scores [B, W].
 
-  Scores are log-probability / ((5 + length) / 6) ** alpha, best first. Row b's hypotheses
-  end by `max_lengths_B[b]` tokens (default: `max_len`, the cache size, for every row). A row
-  stops when its W finished hypotheses all beat what its best live one could still reach.
+  Scores are log-probability / `length_penalty(length, alpha, penalty)` (GNMT's
+  ((5 + length) / 6) ** alpha by default, length ** alpha for 'length'), best first. Row b's
+  hypotheses end by `max_lengths_B[b]` tokens (default: `max_len`, the cache size, for every
+  row). A row stops when its W finished hypotheses all beat what its best live one could still
+  reach (`_can_improve`).
   """
   runtime.check_search_compiled_here('beam_search')
   model = make_model(decode_config(config))
@@ -349,7 +367,7 @@ def beam_search(params, inputs_BS: jax.Array, config: TransformerConfig, max_len
   state = BeamState(jnp.array(0), empty_BWL, only_first_beam_BW, empty_BWL,
                     jnp.full((batch_size, beam_size), _NEG))
   state, _ = _beam_update(state, jnp.broadcast_to(logits_BV[:, None], (
-      batch_size, beam_size, logits_BV.shape[-1])), limit_B, alpha)
+      batch_size, beam_size, logits_BV.shape[-1])), limit_B, alpha, penalty)
   # The cross-attention keys and values stay one row per sentence, shared by its beams
   # (attention.CrossAttention); a decoder-only model's prompt mask wants a row per beam.
   cache = _map_rows(lambda x, axis: jnp.repeat(x, beam_size, axis=axis), cache, config,
@@ -363,12 +381,12 @@ def beam_search(params, inputs_BS: jax.Array, config: TransformerConfig, max_len
     previous_N = state.live_tokens_BWL[:, :, state.step - 1].reshape(-1)
     logits_NV, cache = _decode_step(model, params, cache, None, inputs_NS, previous_N)
     state, parent_BW = _beam_update(state, logits_NV.reshape(batch_size, beam_size, -1),
-                                    limit_B, alpha)
+                                    limit_B, alpha, penalty)
     return state, _reorder_cache(cache, parent_BW, config)
 
   def not_done(carry):
     state, _ = carry
-    return (state.step < max_len) & _can_improve(state, limit_B, alpha)
+    return (state.step < max_len) & _can_improve(state, limit_B, alpha, penalty)
 
   state, _ = jax.lax.while_loop(not_done, step, (state, cache))
   return state.finished_tokens_BWL, state.finished_scores_BW

@@ -178,7 +178,8 @@ def _compile_search(config, setup, platform: str) -> Program:
   rows = max(shards, config.data.batch_tokens // (length * beam) // shards * shards)
   max_len = decode.max_decode_length(length, config.eval.max_extra_len, model_config.max_len,
                                      model_config.kind == 'decoder_only')
-  search = translator_lib.search_function(model_config, max_len, beam, config.eval.alpha)
+  search = translator_lib.search_function(model_config, max_len, beam, config.eval.alpha,
+                                          config.eval.length_penalty)
   batch_sharding = sharding.batch_sharding(setup.mesh)
   inputs = jax.ShapeDtypeStruct((rows, length), jnp.int32, sharding=batch_sharding)
   limits = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=batch_sharding)

@@ -11,6 +11,7 @@ Three figures:
   python -m t2t_jax.evaluate --workdir=/tmp/t2t_default --src=test.src --ref=test.ref
   python -m t2t_jax.evaluate --workdir=/tmp/m30 --checkpoint=/tmp/m30/averaged/avg10_7100-8000
       (no --src/--ref: the run's own validation files)
+  python -m t2t_jax.evaluate --engine=ctranslate2 --workdir=/tmp/t2t_default --src=... --ref=...
 """
 
 import dataclasses
@@ -88,6 +89,19 @@ def tokenized_bleu(hypotheses, tokenized_references, lowercase: bool = False,
               str(metric.get_signature()))
 
 
+def search_label(translator) -> str:
+  """How `translator` searched, as the BLEU lines say it: 'beam 4, alpha 0.6', with a length
+  penalty other than GNMT's and the CTranslate2 engine named."""
+  label = f'beam {translator.beam_size}, alpha {translator.alpha}'
+  if translator.length_penalty != 'gnmt':
+    label += f', length penalty {translator.length_penalty}'
+  if translator.engine == 'ctranslate2':
+    label += f', CTranslate2 {translator.compute_type}'
+    if translator.search.patience is not None:
+      label += f', patience {translator.search.patience}'
+  return label
+
+
 def exact_match(hypotheses, references) -> float:
   """Percentage of hypotheses identical to their reference (after whitespace normalisation)."""
   pairs = list(zip(hypotheses, references))
@@ -122,8 +136,7 @@ def validation_bleu(translator, params, split, vocab, eval_config, examples_to_p
   hypotheses = [vocab.decode(ids) for ids in translator.translate(params, split.inputs[:count])]
   bleu = sacrebleu_score(hypotheses, references, eval_config.bleu_tokenize,
                          eval_config.bleu_lowercase)
-  how = 'greedy' if translator.beam_size == 1 else (
-      f'beam {translator.beam_size}, alpha {translator.alpha}')
+  how = 'greedy' if translator.beam_size == 1 else search_label(translator)
   logging.info('%s on %d validation sentences (%s)', bleu, count, how)
   for source, reference, hypothesis in list(zip(split.sources, references,
                                                hypotheses))[:examples_to_print]:
@@ -179,8 +192,8 @@ def main(argv):
     if lines is not None and len(lines) != len(sources):
       raise app.UsageError(f'--src={src} has {len(sources)} lines but --{name} has '
                            f'{len(lines)}: line N of each must belong to the same sentence')
-  run = translate.load(FLAGS.workdir, FLAGS.checkpoint, FLAGS.beam_size, FLAGS.alpha,
-                       FLAGS.batch_tokens, weights=FLAGS.weights)
+  run = translate.load_from_flags(FLAGS.checkpoint, FLAGS.beam_size, FLAGS.alpha,
+                                 FLAGS.batch_tokens, FLAGS.weights)
   hypotheses, _, _ = translate.translate_lines(run, sources, src, progress=True)
   if FLAGS.output:
     with open(FLAGS.output, 'w', encoding='utf-8') as f:
@@ -196,10 +209,9 @@ def main(argv):
     figures.append(dataclasses.replace(
         bleu, label=f'{bleu.label} (as configured: config.eval.bleu_tokenize='
         f'{configured[0]!r}, bleu_lowercase={configured[1]})'))
-  beam = run.translator
   print(f'{len(sources)} sentences of {src}, checkpoint {FLAGS.checkpoint or "latest"}'
         f'{" (moving average of the weights)" if FLAGS.weights == "ema" else ""}, '
-        f'beam {beam.beam_size}, alpha {beam.alpha}')
+        f'{search_label(run.translator)}')
   for bleu in figures:
     print(bleu)
   sys.stdout.flush()
@@ -236,6 +248,8 @@ def _define_flags():
   flags.DEFINE_integer('batch_tokens', None, 'Tokens per decoding batch over all beams; '
                        'default: config.data.batch_tokens.')
   flags.DEFINE_string('output', '', 'Also write the translations to this file.')
+  from t2t_jax import translate  # pylint: disable=g-import-not-at-top
+  translate.define_engine_flags()
 
 def run():
   _define_flags()

@@ -143,11 +143,11 @@ def export(workdir: str, checkpoint_name: str | None = None, output: str = '',
            quantization: str | None = None, weights: str = 'params') -> str:
   """Writes the CTranslate2 model of one checkpoint of a run (of its params, or with
   `weights`='ema' of their moving average); returns the directory."""
-  from t2t_jax import translate  # pylint: disable=g-import-not-at-top  # Config and vocabulary.
+  from t2t_jax import run_files  # pylint: disable=g-import-not-at-top  # Config and vocabulary.
   if quantization is not None and quantization not in QUANTIZATIONS:
     raise ConfigError(f'--quantization={quantization!r} must be one of {QUANTIZATIONS}')
-  config = translate.load_config(workdir)
-  vocab = translate.load_vocabulary(config, workdir)
+  config = run_files.load_config(workdir)
+  vocab = run_files.load_vocabulary(config, workdir)
   model_config = TransformerConfig.from_config(config.model, vocab.vocab_size,
                                                jax.devices()[0].platform)
   check_exportable(model_config)

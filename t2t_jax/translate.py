@@ -3,10 +3,13 @@
   python -m t2t_jax.translate --workdir=/tmp/t2t_default --input=src.txt --output=out.txt
   echo "3 1 4 1 5" | python -m t2t_jax.translate --workdir=/tmp/t2t_default --beam_size=4
   python -m t2t_jax.translate --workdir=... --input=one.txt --attention_png=/tmp/attention
+  python -m t2t_jax.translate --engine=ctranslate2 --workdir=... --input=src.txt --output=out.txt
+
+--engine=ctranslate2 runs the search in CTranslate2 on the checkpoint exported to the workdir
+(ctranslate2_engine.py); the input, output and their handling are the same.
 """
 
 import dataclasses
-import json
 import os
 import sys
 import time
@@ -19,64 +22,50 @@ import ml_collections
 import numpy as np
 import tqdm
 
-from t2t_jax import CheckpointError
 from t2t_jax import ConfigError
 from t2t_jax import EOS_ID
-from t2t_jax import as_asked
 from t2t_jax import cli
-from t2t_jax import data
+from t2t_jax import ctranslate2_engine
 from t2t_jax import saved_params
 from t2t_jax import setup
 from t2t_jax import sharding
 from t2t_jax import tokenizer
 from t2t_jax import translator as translator_lib
 from t2t_jax.model import Transformer
+from t2t_jax.decode import LENGTH_PENALTIES
 from t2t_jax.model_config import TransformerConfig
+from t2t_jax.run_files import load_config, load_vocabulary
 from t2t_jax.sources import DataError
+
+ENGINES = ('t2t_jax', 'ctranslate2')
 
 
 @dataclasses.dataclass
 class Run:
-  """A trained model ready to translate: its config, vocabulary, parameters and decoder."""
+  """A trained model ready to translate: its config, vocabulary, parameters and decoder (a
+  translator.Translator, or a ctranslate2_engine.Translator with params None)."""
   config: ml_collections.ConfigDict
   vocab: tokenizer.Vocabulary
   model_config: TransformerConfig
   params: object
-  translator: translator_lib.Translator
+  translator: translator_lib.Translator | ctranslate2_engine.Translator
 
 
-def load_config(workdir: str) -> ml_collections.ConfigDict:
-  """The config training wrote to <workdir>/config.json, as asked (its values resolved for
-  the training devices are for resuming; translation resolves for its own)."""
-  path = os.path.join(workdir, 'config.json')
-  try:
-    with open(path) as f:
-      return ml_collections.ConfigDict(as_asked(json.load(f)))
-  except OSError as e:
-    raise CheckpointError(f'cannot read {path} ({e.strerror}): --workdir must '
-                                         'be the directory of a training run') from None
-
-
-def load_vocabulary(config, workdir: str) -> tokenizer.Vocabulary:
-  if config.data.source == 'synthetic':
-    return data.synthetic_vocabulary(config.data)
-  path = data.vocab_path(config, workdir)
-  if not os.path.exists(path):
-    raise CheckpointError(f'the vocabulary {path} of this run is missing: '
-                                         'restore it, or set --workdir to the run that has it')
-  return tokenizer.SentencePieceVocabulary(path)
-
-
-def load(workdir: str, checkpoint: str | None = None, beam_size: int | None = None,
-         alpha: float | None = None, batch_tokens: int | None = None,
-         dtype: str | None = None, weights: str = 'params') -> Run:
-  """Config, vocabulary and parameters of a run (`weights`='ema': their moving average);
-  unset decoding options come from its config."""
+def _read_run(workdir: str) -> tuple[ml_collections.ConfigDict, tokenizer.Vocabulary]:
   config = load_config(workdir)
   if config.data.source == 'lm':
     raise ConfigError(f"{workdir} holds a language model (config.data.source='lm'), which has "
                       'no source to translate: there is nothing to translate or score')
-  vocab = load_vocabulary(config, workdir)
+  return config, load_vocabulary(config, workdir)
+
+
+def load(workdir: str, checkpoint: str | None = None, beam_size: int | None = None,
+         alpha: float | None = None, batch_tokens: int | None = None,
+         dtype: str | None = None, weights: str = 'params',
+         length_penalty: str | None = None) -> Run:
+  """Config, vocabulary and parameters of a run (`weights`='ema': their moving average);
+  unset decoding options come from its config."""
+  config, vocab = _read_run(workdir)
   mesh = sharding.make_mesh(config.mesh)
   axis_rules = sharding.rules(config.mesh)
   model_config = TransformerConfig.from_config(config.model, vocab.vocab_size,
@@ -84,8 +73,24 @@ def load(workdir: str, checkpoint: str | None = None, beam_size: int | None = No
   params = saved_params.restore_params(
       workdir, setup.abstract_params(model_config, mesh, axis_rules), checkpoint, weights)
   translator = translator_lib.from_config(config, model_config, mesh, axis_rules, beam_size,
-                                          alpha, batch_tokens or None, dtype)
+                                          alpha, batch_tokens or None, dtype, length_penalty)
   return Run(config, vocab, model_config, params, translator)
+
+
+def load_ctranslate2(workdir: str, checkpoint: str | None = None, beam_size: int | None = None,
+                     alpha: float | None = None, batch_tokens: int | None = None,
+                     weights: str = 'params', length_penalty: str | None = None,
+                     patience: float | None = None, compute_type: str = 'float32',
+                     threads: int = 0) -> Run:
+  """`load` with CTranslate2 searching: the checkpoint exported to the workdir's cache (once),
+  loaded in `compute_type` with `threads` threads (0: CTranslate2's default); `patience`
+  ctranslate2_engine.Search's."""
+  config, vocab = _read_run(workdir)
+  model_config = TransformerConfig.from_config(config.model, vocab.vocab_size, 'cpu')
+  translator = ctranslate2_engine.from_config(
+      config, model_config, vocab, workdir, checkpoint, weights, beam_size, alpha,
+      batch_tokens or None, length_penalty, patience, compute_type, threads)
+  return Run(config, vocab, model_config, None, translator)
 
 
 def encode_lines(vocab, lines, max_tokens: int, name: str) -> list[np.ndarray]:
@@ -133,16 +138,23 @@ def translate_lines(run: Run, lines, name: str = '<stdin>', progress: bool = Fal
   return translations, inputs, outputs
 
 
-def summary(stats: translator_lib.TranslateStats, outputs) -> str:
+def summary(translator, outputs) -> str:
   """One line of throughput, and where the time went, for the log."""
+  stats = translator.stats
   seconds = stats.seconds + stats.text_seconds
   tokens = sum(len(ids) for ids in outputs)
   outside = seconds - stats.search_seconds
-  return (f'Translated {stats.sentences} sentences in {seconds:.1f} s: '
-          f'{stats.sentences / seconds:.1f} sentences/s, {tokens / seconds:.0f} target tokens/s; '
-          f'{stats.batches} batches, {stats.shapes_compiled} shapes compiled in '
-          f'{stats.compile_seconds:.1f} s; {outside / seconds:.0%} of the time outside the '
-          f'compiled search (compiling, tokenising {stats.text_seconds:.1f} s, batching)')
+  head = (f'Translated {stats.sentences} sentences in {seconds:.1f} s: '
+          f'{stats.sentences / seconds:.1f} sentences/s, {tokens / seconds:.0f} target tokens/s; ')
+  if translator.engine == 'ctranslate2':
+    return head + (
+        f'CTranslate2 {translator.compute_type}, {stats.batches} batches; '
+        f'{outside / seconds:.0%} of the time outside its search (tokenising '
+        f'{stats.text_seconds:.1f} s); model loaded in {translator.load_seconds:.1f} s')
+  return head + (
+      f'{stats.batches} batches, {stats.shapes_compiled} shapes compiled in '
+      f'{stats.compile_seconds:.1f} s; {outside / seconds:.0%} of the time outside the '
+      f'compiled search (compiling, tokenising {stats.text_seconds:.1f} s, batching)')
 
 
 def _strip_to_eos(ids) -> list[int]:
@@ -225,6 +237,43 @@ def _read_input(path: str) -> list[str]:
 FLAGS = flags.FLAGS
 
 
+def define_engine_flags():
+  """The flags that choose the engine and its search (translate's and evaluate's)."""
+  flags.DEFINE_enum('engine', 't2t_jax', list(ENGINES), "t2t_jax: t2t_jax's compiled search; "
+                    'ctranslate2: CTranslate2 on the checkpoint, exported once to '
+                    '<workdir>/ctranslate2/ (docs/translation.md compares their speeds).')
+  flags.DEFINE_enum('length_penalty', None, list(LENGTH_PENALTIES), 'Beam scores are log p / '
+                    'penalty: gnmt ((5 + length) / 6)^alpha, length length^alpha (the one '
+                    'CTranslate2 has). Default: config.eval.length_penalty.')
+  flags.DEFINE_enum('ct2_compute_type', 'float32', list(ctranslate2_engine.COMPUTE_TYPES),
+                    '--engine=ctranslate2: the type CTranslate2 computes in (int8: the weights '
+                    'quantized as it loads the float32 export).')
+  flags.DEFINE_integer('ct2_threads', 0, '--engine=ctranslate2: threads; 0: OMP_NUM_THREADS, '
+                       "else up to 4 cores (CTranslate2's default).", lower_bound=0)
+  flags.DEFINE_float('ct2_patience', None, '--engine=ctranslate2, beam search: unset, a '
+                     "sentence's search stops where t2t_jax's would give the same output (at "
+                     'alpha > 0: at its length limit); N: once N x beam hypotheses have '
+                     "finished, CTranslate2's own stop (1 is its default; faster, other "
+                     'outputs: docs/translation.md).')
+
+
+def load_from_flags(checkpoint: str | None, beam_size: int | None, alpha: float | None,
+                    batch_tokens: int | None, weights: str, dtype: str | None = None) -> Run:
+  """`load` or `load_ctranslate2` of --workdir, as --engine asks."""
+  if FLAGS.engine == 'ctranslate2':
+    if dtype:
+      raise app.UsageError("--dtype sets t2t_jax's decoding activations: with "
+                           '--engine=ctranslate2 use --ct2_compute_type')
+    return load_ctranslate2(FLAGS.workdir, checkpoint, beam_size, alpha, batch_tokens, weights,
+                            FLAGS.length_penalty, FLAGS.ct2_patience, FLAGS.ct2_compute_type,
+                            FLAGS.ct2_threads)
+  for name in ('ct2_compute_type', 'ct2_threads', 'ct2_patience'):
+    if FLAGS[name].present:
+      raise app.UsageError(f'--{name} applies to --engine=ctranslate2')
+  return load(FLAGS.workdir, checkpoint, beam_size, alpha, batch_tokens, dtype, weights,
+              FLAGS.length_penalty)
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
@@ -232,12 +281,15 @@ def main(argv):
     raise app.UsageError('--workdir is required')
   if FLAGS.output:
     cli.check_output_path(FLAGS.output, '--output')
+  if FLAGS.attention_png and FLAGS.engine != 't2t_jax':
+    raise app.UsageError("--attention_png draws the attention of t2t_jax's model: use "
+                         '--engine=t2t_jax')
   lines = _read_input(FLAGS.input)
-  run = load(FLAGS.workdir, FLAGS.checkpoint, FLAGS.beam_size, FLAGS.alpha, FLAGS.batch_tokens,
-             FLAGS.dtype, FLAGS.weights)
+  run = load_from_flags(FLAGS.checkpoint, FLAGS.beam_size, FLAGS.alpha, FLAGS.batch_tokens,
+                        FLAGS.weights, FLAGS.dtype)
   translations, inputs, outputs = translate_lines(run, lines, FLAGS.input or '<stdin>',
                                                   progress=bool(FLAGS.input))
-  logging.info('%s', summary(run.translator.stats, outputs))
+  logging.info('%s', summary(run.translator, outputs))
   text = ''.join(t + '\n' for t in translations)
   if FLAGS.output:
     with open(FLAGS.output, 'w', encoding='utf-8') as f:
@@ -276,6 +328,7 @@ def _define_flags():
                       '(one PNG per decoder layer).')
   flags.DEFINE_integer('attention_lines', 1, 'With --attention_png: how many input lines (the '
                        'first non-empty ones) get pictures.')
+  define_engine_flags()
 
 def run():
   _define_flags()

@@ -18,7 +18,7 @@ from t2t_jax import ConfigError
 from t2t_jax import PAD_ID
 from t2t_jax import sharding
 from t2t_jax import runtime
-from t2t_jax.decode import beam_search, greedy_search, max_decode_length
+from t2t_jax.decode import LENGTH_PENALTIES, beam_search, greedy_search, max_decode_length
 from t2t_jax.model_config import TransformerConfig
 
 DECODE_DTYPES = ('auto', 'model', 'float32', 'bfloat16')
@@ -44,19 +44,21 @@ def decoding_config(config: TransformerConfig, dtype: str, platform: str) -> Tra
       eval_dtype(dtype, jnp.dtype(config.dtype).name, platform)))
 
 
-def _best_beam(params, inputs_BS, config, max_len, beam_size, alpha, max_lengths_B):
+def _best_beam(params, inputs_BS, config, max_len, beam_size, alpha, max_lengths_B, penalty):
   """The best hypothesis [B, max_len] of each row's beam search."""
-  return beam_search(params, inputs_BS, config, max_len, beam_size, alpha, max_lengths_B)[0][:, 0]
+  return beam_search(params, inputs_BS, config, max_len, beam_size, alpha, max_lengths_B,
+                     penalty)[0][:, 0]
 
 
-def search_function(config: TransformerConfig, max_len: int, beam_size: int,
-                    alpha: float) -> Callable:
+def search_function(config: TransformerConfig, max_len: int, beam_size: int, alpha: float,
+                    length_penalty: str = 'gnmt') -> Callable:
   """search(params, inputs_BS, max_lengths_B=...) -> the best output [B, max_len] of each
-  row: greedy search for beam size 1, as in tensor2tensor, else beam search."""
+  row: greedy search for beam size 1, as in tensor2tensor, else beam search with
+  `length_penalty` (decode.LENGTH_PENALTIES)."""
   if beam_size == 1:
     return functools.partial(greedy_search, config=config, max_len=max_len)
   return functools.partial(_best_beam, config=config, max_len=max_len, beam_size=beam_size,
-                           alpha=alpha)
+                           alpha=alpha, penalty=length_penalty)
 
 
 def bucket_lengths(min_bucket: int, max_len: int) -> list[int]:
@@ -92,7 +94,8 @@ class TranslateStats:
 
 def from_config(config, model_config: TransformerConfig, mesh, axis_rules,
                 beam_size: int | None = None, alpha: float | None = None,
-                batch_tokens: int | None = None, dtype: str | None = None) -> 'Translator':
+                batch_tokens: int | None = None, dtype: str | None = None,
+                length_penalty: str | None = None) -> 'Translator':
   """The translator a run's config asks for (config.data batching, config.eval decoding);
   the arguments given override the config's values."""
   return Translator(
@@ -101,7 +104,8 @@ def from_config(config, model_config: TransformerConfig, mesh, axis_rules,
       config.data.min_bucket, config.eval.max_extra_len,
       beam_size=config.eval.beam_size if beam_size is None else beam_size,
       alpha=config.eval.alpha if alpha is None else alpha,
-      dtype=config.eval.dtype if dtype is None else dtype)
+      dtype=config.eval.dtype if dtype is None else dtype,
+      length_penalty=config.eval.length_penalty if length_penalty is None else length_penalty)
 
 
 class Translator:
@@ -113,19 +117,24 @@ class Translator:
   last batch shrinks to a power-of-two number of rows, so little work goes to padding rows.
   Each output is at most its own source length + `max_extra_len` tokens (capped by the
   model's max_len), whichever batch it lands in: outputs do not depend on the batching.
-  Beam size 1 is greedy search, as in tensor2tensor. `dtype` is one of DECODE_DTYPES.
+  Beam size 1 is greedy search, as in tensor2tensor. `dtype` is one of DECODE_DTYPES,
+  `length_penalty` one of decode.LENGTH_PENALTIES.
   """
+
+  engine = 't2t_jax'  # translate --engine's name for it.
 
   def __init__(self, config: TransformerConfig, mesh, axis_rules, batch_tokens: int,
                min_bucket: int, max_extra_len: int, beam_size: int = 1, alpha: float = 0.6,
-               dtype: str = 'model'):
+               dtype: str = 'model', length_penalty: str = 'gnmt'):
     runtime.start()  # Done already where a command made it; a library caller's first.
     if beam_size < 1:
       raise ValueError(f'beam size must be at least 1, got {beam_size}')
+    if length_penalty not in LENGTH_PENALTIES:
+      raise ConfigError(f'length penalty {length_penalty!r} must be one of {LENGTH_PENALTIES}')
     config = decoding_config(config, dtype, mesh.devices.flat[0].platform)
     self.config, self.mesh, self.axis_rules = config, mesh, axis_rules
     self.batch_tokens, self.min_bucket, self.max_extra_len = batch_tokens, min_bucket, max_extra_len
-    self.beam_size, self.alpha = beam_size, alpha
+    self.beam_size, self.alpha, self.length_penalty = beam_size, alpha, length_penalty
     self.buckets = bucket_lengths(min_bucket, config.max_len)
     self.stats = TranslateStats()
     self._compiled = {}
@@ -134,10 +143,10 @@ class Translator:
     """The compiled search for this batch's shape, compiled (and timed) on first use."""
     rows, length = inputs_BS.shape
     max_len = max_decode_length(length, self.max_extra_len, self.config.max_len)
-    key = (rows, length, beam_size, alpha if beam_size > 1 else None)
+    key = (rows, length, beam_size, (alpha, self.length_penalty) if beam_size > 1 else None)
     if key not in self._compiled:
       replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
-      search = search_function(self.config, max_len, beam_size, alpha)
+      search = search_function(self.config, max_len, beam_size, alpha, self.length_penalty)
       start = time.perf_counter()
       self._compiled[key] = runtime.jit_search(
           search, self.mesh.devices.flat[0].platform, out_shardings=replicated).lower(

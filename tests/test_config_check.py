@@ -17,6 +17,8 @@ from t2t_jax import config_check
     ('opt.label_smoothing', -0.1, 'config.opt.label_smoothing=-0.1 is outside'),
     ('data.batch_tokens', 0, 'config.data.batch_tokens=0 is outside'),
     ('eval.beam_size', 0, 'config.eval.beam_size=0 is outside the allowed range [1, inf)'),
+    ('eval.length_penalty', 'wu', "config.eval.length_penalty='wu' must be one of ('gnmt', "
+     "'length')"),
     ('data.batching', 'pack', "config.data.batching='pack' must be one of ('buckets', 'packed')"),
     ('data.source', 'csv', "config.data.source='csv' must be one of"),
     ('data.vocab_type', 'word', "config.data.vocab_type='word' must be one of"),

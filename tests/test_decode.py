@@ -35,8 +35,11 @@ def _random_params(config=CONFIG, seed=1, std=1.0):
 
 # Compiled as Translator compiles them.
 greedy_search = runtime.jit_search(decode.greedy_search, static_argnames=('config', 'max_len'))
-beam_search = runtime.jit_search(decode.beam_search,
-                                 static_argnames=('config', 'max_len', 'beam_size', 'alpha'))
+beam_search = runtime.jit_search(decode.beam_search, static_argnames=(
+    'config', 'max_len', 'beam_size', 'alpha', 'penalty'))
+# The length penalties, written out: what a finished hypothesis of n tokens is divided by.
+PENALTIES = {'gnmt': lambda n, alpha: ((5 + n) / 6) ** alpha,
+             'length': lambda n, alpha: n ** alpha}
 
 
 def _sources(vocab=9, rows=8, length=5, seed=0):
@@ -72,9 +75,18 @@ def _sequence_log_probs(params, config, source, sequences) -> list[float]:
   return [result[s] for s in sequences]
 
 
-def test_length_penalty_is_the_gnmt_formula():
-  assert float(decode.length_penalty(3, 0.6)) == pytest.approx((8 / 6) ** 0.6)
-  assert float(decode.length_penalty(7, 0.0)) == 1.0
+def test_length_penalties_are_gnmts_and_length_to_the_alpha():
+  assert float(decode.length_penalty(3, 0.6)) == pytest.approx((8 / 6) ** 0.6)  # The default.
+  assert float(decode.length_penalty(3, 0.6, 'gnmt')) == pytest.approx(1.18840, abs=1e-5)
+  assert float(decode.length_penalty(3, 1.4, 'length')) == pytest.approx(4.65554, abs=1e-5)
+  assert float(decode.length_penalty(1, 1.4, 'length')) == 1.0
+  for kind in decode.LENGTH_PENALTIES:
+    assert float(decode.length_penalty(7, 0.0, kind)) == 1.0
+    lengths = np.arange(1, 60)
+    np.testing.assert_allclose(decode.length_penalty(lengths, 1.4, kind),
+                               PENALTIES[kind](lengths, 1.4), rtol=1e-6)
+  with pytest.raises(ValueError, match="'fairseq' must be one of"):
+    decode.length_penalty(3, 0.6, 'fairseq')
   assert decode.max_decode_length(20, 50, 64) == 64
   assert decode.max_decode_length(10, 50, 512) == 60
 
@@ -89,20 +101,21 @@ def test_beam_size_one_equals_greedy():
   assert any(ended) and not all(ended)
 
 
-@pytest.mark.parametrize('vocab, max_len, beam, alpha', [
-    (4, 2, 4, 0.6), (5, 2, 5, 2.0), (4, 3, 9, 0.0)])
-def test_wide_beam_returns_the_exhaustive_best(vocab, max_len, beam, alpha):
+@pytest.mark.parametrize('vocab, max_len, beam, alpha, penalty', [
+    (4, 2, 4, 0.6, 'gnmt'), (5, 2, 5, 2.0, 'gnmt'), (4, 3, 9, 0.0, 'gnmt'),
+    (5, 2, 5, 2.0, 'length'), (4, 3, 9, 1.4, 'length')])
+def test_wide_beam_returns_the_exhaustive_best(vocab, max_len, beam, alpha, penalty):
   config = dataclasses.replace(CONFIG, vocab_size=vocab)
   params, inputs = _random_params(config, seed=3, std=0.7), _sources(vocab, rows=3, seed=4)
   tokens, scores = beam_search(params, inputs, config=config, max_len=max_len, beam_size=beam,
-                                alpha=alpha)
+                                alpha=alpha, penalty=penalty)
   symbols = [t for t in range(vocab) if t not in (PAD_ID, EOS_ID)]
   hypotheses = [prefix + (EOS_ID,) for n in range(max_len)
                 for prefix in itertools.product(symbols, repeat=n)]
   hypotheses += list(itertools.product(symbols, repeat=max_len))  # Cut by the length limit.
   for row in range(inputs.shape[0]):
     log_probs = _sequence_log_probs(params, config, inputs[row], hypotheses)
-    scored = sorted(((p / float(decode.length_penalty(len(h), alpha)), h)
+    scored = sorted(((p / PENALTIES[penalty](len(h), alpha), h)
                      for p, h in zip(log_probs, hypotheses)), reverse=True)
     assert _trim(tokens[row, 0]) == scored[0][1]
     k = min(beam, len(scored))
@@ -126,21 +139,47 @@ def test_scores_are_length_normalised_log_probs_and_eos_ends_each_hypothesis():
       assert scores[row, k] == pytest.approx(expected, abs=1e-4)
 
 
-def test_early_stop_returns_what_the_full_search_returns(monkeypatch):
+@pytest.mark.parametrize('penalty', decode.LENGTH_PENALTIES)
+def test_early_stop_bound_is_the_best_score_an_open_length_could_reach(penalty):
+  """Brute force over the lengths: a live hypothesis of log-probability p may still finish at
+  any length n from step + 1 to the limit, with a log-probability as high as p (the rest of
+  its tokens certain), so the search may stop only where no p / penalty(n) beats the worst
+  finished score."""
+  rng = np.random.default_rng(0)
+  seen = set()
+  for _ in range(300):
+    step, alpha = int(rng.integers(0, 10)), float(rng.choice([0.0, 0.6, 1.0, 1.4, 2.0]))
+    limit = int(rng.integers(step + 1, 40))
+    live, worst_finished = -rng.exponential(3.0), -rng.exponential(1.0)
+    state = decode.BeamState(jnp.array(step), None, jnp.array([[live]], jnp.float32), None,
+                             jnp.array([[worst_finished]], jnp.float32))
+    expected = any(live / PENALTIES[penalty](n, alpha) > worst_finished
+                   for n in range(step + 1, limit + 1))
+    assert bool(decode._can_improve(state, jnp.array([limit]), alpha, penalty)) == expected, (
+        step, limit, alpha, live, worst_finished)
+    # Not the shortcut of the current length alone, which stops too early where longer wins.
+    seen.add((expected, expected != (live / PENALTIES[penalty](step + 1, alpha) >
+                                     worst_finished)))
+  assert seen == {(False, False), (True, False), (True, True)}
+
+
+@pytest.mark.parametrize('penalty, alpha', [('gnmt', 0.6), ('length', 0.6)])
+def test_early_stop_returns_what_the_full_search_returns(monkeypatch, penalty, alpha):
   params, inputs = _random_params(seed=1, std=0.5), _sources(rows=6)
   original, steps = decode._can_improve, []
 
-  def recording(state, max_len, alpha):
+  def recording(state, max_len, alpha, penalty):
     jax.debug.callback(lambda step: steps.append(int(step)), state.step)
-    return original(state, max_len, alpha)
+    return original(state, max_len, alpha, penalty)
 
   def search():  # A new function each time, so each call traces `beam_search` afresh.
-    return jax.jit(lambda p, i: decode.beam_search(p, i, CONFIG, 12, 3, 0.6))(params, inputs)
+    return jax.jit(lambda p, i: decode.beam_search(p, i, CONFIG, 12, 3, alpha,
+                                                   penalty=penalty))(params, inputs)
 
   monkeypatch.setattr(decode, '_can_improve', recording)
   stopped = jax.block_until_ready(search())
   assert max(steps) < 12  # It did stop early: every row's finished beams were out of reach.
-  monkeypatch.setattr(decode, '_can_improve', lambda state, max_len, alpha: jnp.array(True))
+  monkeypatch.setattr(decode, '_can_improve', lambda *args: jnp.array(True))
   full = search()
   np.testing.assert_array_equal(stopped[0], full[0])
   np.testing.assert_allclose(stopped[1], full[1], atol=1e-6)
@@ -236,13 +275,14 @@ def _next_log_probs(params, source_S, prefixes_BL, lengths_B, config):
   return jax.nn.log_softmax(logits_BLV[jnp.arange(len(prefixes_BL)), lengths_B])
 
 
-def _plain_beam_search(log_probs_of, limit: int, beam: int, alpha: float, vocab: int):
+def _plain_beam_search(log_probs_of, limit: int, beam: int, alpha: float, vocab: int,
+                       penalty: str = 'gnmt'):
   """Beam search as written down, one sentence, no cache, no early stop, no arrays of beams.
 
   Each step extends every live hypothesis by every token but PAD, ranks the extensions
   (log-probability, then lower beam, then lower token) and keeps the best 2 * beam: an EOS
-  among the best `beam` of them finishes (score log p / ((5 + length) / 6) ** alpha), other
-  EOS are dropped, the best `beam` others live on. At `limit` tokens every kept extension
+  among the best `beam` of them finishes (score log p / PENALTIES[penalty](length, alpha)),
+  other EOS are dropped, the best `beam` others live on. At `limit` tokens every kept extension
   finishes. Returns [(score, hypothesis)], best first.
   """
   live, finished = [((), 0.0)], []
@@ -252,12 +292,12 @@ def _plain_beam_search(log_probs_of, limit: int, beam: int, alpha: float, vocab:
                          for b, (_, total) in enumerate(live)
                          for token in range(vocab) if token != PAD_ID),
                         key=lambda e: (-e[0], e[1], e[2]))[:2 * beam]
-    penalty = ((5.0 + step + 1) / 6.0) ** alpha
+    divisor = PENALTIES[penalty](step + 1, alpha)
     next_live = []
     for rank, (total, b, token) in enumerate(extensions):
       hypothesis = live[b][0] + (token,)
       if step + 1 == limit or (token == EOS_ID and rank < beam):
-        finished.append((total / penalty, hypothesis))
+        finished.append((total / divisor, hypothesis))
       elif token != EOS_ID:
         next_live.append((hypothesis, total))
     finished = sorted(finished, key=lambda f: -f[0])[:beam]  # Stable: earlier ones first.
@@ -265,8 +305,9 @@ def _plain_beam_search(log_probs_of, limit: int, beam: int, alpha: float, vocab:
   return finished
 
 
-def test_beam_search_equals_a_plain_beam_search_over_many_seeds():
-  vocab, beam, alpha, max_len = 7, 3, 0.6, 6
+@pytest.mark.parametrize('penalty, alpha', [('gnmt', 0.6), ('length', 1.4)])
+def test_beam_search_equals_a_plain_beam_search_over_many_seeds(penalty, alpha):
+  vocab, beam, max_len = 7, 3, 6
   config = dataclasses.replace(CONFIG, vocab_size=vocab)
   limits = np.array([6, 4, 1, 6, 3, 5])  # Per-row output limits; row 2 may emit one token.
   seen = {'finished_at_step_1': False, 'finished_early': False, 'cut_by_limit': False}
@@ -274,7 +315,8 @@ def test_beam_search_equals_a_plain_beam_search_over_many_seeds():
     params = _random_params(config, seed=seed, std=1.5)
     inputs = _sources(vocab, rows=len(limits), seed=100 + seed)
     tokens, scores = beam_search(params, inputs, config=config, max_len=max_len,
-                                 beam_size=beam, alpha=alpha, max_lengths_B=limits)
+                                 beam_size=beam, alpha=alpha, max_lengths_B=limits,
+                                 penalty=penalty)
     tokens, scores = np.asarray(tokens), np.asarray(scores)
     for row, limit in enumerate(limits):
       def log_probs_of(prefixes, row=row):
@@ -284,7 +326,7 @@ def test_beam_search_equals_a_plain_beam_search_over_many_seeds():
         return np.asarray(_next_log_probs(params, inputs[row], jnp.asarray(rows),
                                           jnp.asarray([len(p) for p in prefixes]),
                                           config=config))
-      expected = _plain_beam_search(log_probs_of, int(limit), beam, alpha, vocab)
+      expected = _plain_beam_search(log_probs_of, int(limit), beam, alpha, vocab, penalty)
       got = [_trim(t[t != PAD_ID]) for t in tokens[row]]
       assert got == [hypothesis for _, hypothesis in expected], (seed, row)
       np.testing.assert_allclose(scores[row], [s for s, _ in expected], rtol=2e-5, atol=2e-5)

@@ -57,6 +57,19 @@ def test_the_best_bleu_record_keeps_the_first_highest_score(tmp_path):
   assert json.load(open(tmp_path / 'best_bleu.json'))['bleu'] == 30.0
 
 
+def test_a_config_saved_before_eval_length_penalty_existed_loads_with_gnmts(tmp_path):
+  from configs import tiny  # pylint: disable=g-import-not-at-top
+  config = tiny.get_config()
+  saved = json.loads(config.to_json_best_effort())
+  del saved['eval']['length_penalty']
+  (tmp_path / 'config.json').write_text(json.dumps(saved))
+  assert translate.load_config(str(tmp_path)).eval.length_penalty == 'gnmt'
+  assert checkpoint.config_differences(json.dumps(saved), config) == {}  # A resume sees none.
+  config.eval.length_penalty = 'length'
+  assert checkpoint.config_differences(json.dumps(saved), config) == {
+      'eval.length_penalty': ('gnmt', 'length')}
+
+
 @pytest.mark.slow
 def test_restore_params_reads_the_checkpointed_parameters(workdir):
   run = translate.load(workdir, checkpoint='10')

@@ -1,0 +1,326 @@
+"""translate and evaluate with --engine=ctranslate2 (ctranslate2_engine.py): the same outputs
+and labels as t2t_jax's engine, the length penalty both engines share, and the cache of
+exported models in the workdir (reused, rebuilt when its checkpoint changes, never left half
+written). The small models are tests/test_ctranslate2.py's: sinusoidal positions, trained
+just enough that outputs depend on the source, no label smoothing (PAD keeps a small
+probability, which CTranslate2's softmax leaves out: that module's docstring)."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import ROOT, write_lines
+from test_ctranslate2 import (BEAM, MAX_OUTPUT, NUM_SYMBOLS, VARIANTS, _config, _inputs,
+                              _sources, _teacher_forced, _translator, _until_eos)
+from t2t_jax import ConfigError
+from t2t_jax import EOS_ID, PAD_ID
+from t2t_jax import ctranslate2_engine
+from t2t_jax import decode
+from t2t_jax import export
+from t2t_jax import saved_params
+from t2t_jax import translate
+from t2t_jax.model import Transformer
+from t2t_jax.model_config import TransformerConfig
+
+
+@pytest.fixture(scope='module')
+def trained_workdir(tmp_path_factory):
+  """The paper's layout (post-LN, shared embeddings, sinusoids) trained 100 steps."""
+  from t2t_jax import train  # pylint: disable=g-import-not-at-top
+  workdir = str(tmp_path_factory.mktemp('ct2_engine'))
+  train.train_and_evaluate(_config(VARIANTS['post_shared']), workdir)
+  return workdir
+
+
+def _random_run(workdir, overrides: dict | None = None, step: int = 5, seed: int = 0) -> str:
+  """A run directory with config.json and, at checkpoints/<step>, random params-only weights."""
+  config = _config(overrides or {})
+  os.makedirs(workdir, exist_ok=True)
+  with open(os.path.join(workdir, 'config.json'), 'w') as f:
+    f.write(config.to_json_best_effort())
+  _write_random_params(workdir, config, step, seed)
+  return str(workdir)
+
+
+def _write_random_params(workdir, config, step: int, seed: int) -> str:
+  model_config = TransformerConfig.from_config(config.model, NUM_SYMBOLS + 2)
+  tokens = jnp.ones((1, 4), jnp.int32)
+  params = nn.meta.unbox(Transformer(model_config).init(jax.random.PRNGKey(seed), tokens,
+                                                        tokens)['params'])
+  return saved_params.write_params(os.path.join(workdir, 'checkpoints', str(step)), params,
+                                   config.to_json_best_effort(), {'kind': 'test'})
+
+
+def _run(module, *args, stdin=None):
+  env = dict(os.environ, PYTHONPATH=ROOT)
+  return subprocess.run([sys.executable, '-m', module, *args], cwd=ROOT, env=env, input=stdin,
+                        capture_output=True, text=True, timeout=300)
+
+
+# The length penalty both engines have.
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('alpha', ['recipe', 0.6])
+def test_length_penalty_beam_search_is_ctranslate2s(trained_workdir, alpha):
+  """eval.length_penalty='length' at configs/multi30k.py's alpha (1.4: most of this model's
+  best hypotheses then run to the length limit) and at 0.6 (most end with EOS): t2t_jax's
+  beam search and CTranslate2's (through the engine's arguments) find the same hypotheses,
+  each scored log p / length^alpha with its own softmax (t2t_jax's counts PAD, CTranslate2's
+  does not)."""
+  from configs import multi30k  # pylint: disable=g-import-not-at-top
+  if alpha == 'recipe':
+    alpha = multi30k.get_config().eval.alpha
+    assert alpha == 1.4
+  run = translate.load(trained_workdir)
+  model_dir, _ = ctranslate2_engine.exported_model(run.config, run.vocab, trained_workdir)
+  sources = _sources()
+  inputs = jnp.asarray(_inputs(run.vocab, sources))
+  search = jax.jit(decode.beam_search, static_argnums=(2, 3, 4, 5), static_argnames='penalty')
+  tokens, scores = (np.asarray(x) for x in search(run.params, inputs, run.model_config,
+                                                   MAX_OUTPUT, BEAM, alpha, penalty='length'))
+  options = ctranslate2_engine.Search(BEAM, alpha, 'length').options(MAX_OUTPUT)
+  results = _translator(model_dir).translate_batch(sources, **options, return_scores=True)
+  best = [[int(i) for i in tokens[row, 0] if i != PAD_ID] for row in range(len(sources))]
+  assert {EOS_ID in b for b in best} == {True, False}  # Both ways of ending are compared.
+  # Rows whose best two hypotheses are within 1e-3 may swap on rounding; the rest must agree.
+  untied = [row for row in range(len(sources)) if scores[row, 0] - scores[row, 1] > 1e-3]
+  assert len(untied) >= len(sources) // 2
+  for row in untied:
+    assert results[row].hypotheses[0] == [run.vocab.piece(i) for i in _until_eos(best[row])], row
+  full, without_pad = _teacher_forced(run, np.asarray(inputs), best)
+  lengths = np.array([len(b) for b in best], np.float64)  # EOS counted, as both engines count.
+  np.testing.assert_allclose(scores[:, 0], full / lengths**alpha, atol=1e-4)
+  ct2_scores = np.array([r.scores[0] for r in results])
+  np.testing.assert_allclose(ct2_scores[untied], (without_pad / lengths**alpha)[untied],
+                             atol=1e-4)
+  # The penalty decides: GNMT's at the same alpha picks other hypotheses for some sentences.
+  gnmt_tokens, _ = search(run.params, inputs, run.model_config, MAX_OUTPUT, BEAM, alpha,
+                          penalty='gnmt')
+  gnmt_best = [[int(i) for i in row if i != PAD_ID] for row in np.asarray(gnmt_tokens)[:, 0]]
+  assert sum(gnmt_best[row] != best[row] for row in untied) >= 3
+
+
+# The command line: both engines, same files, same labels.
+
+
+@pytest.mark.slow
+def test_both_engines_write_the_same_greedy_file_and_bleu_lines(trained_workdir, tmp_path):
+  lines = [' '.join(s) for s in _sources()] + ['', '3 1 4']
+  source = write_lines(tmp_path / 'in.txt', lines)
+  outputs = {}
+  for engine in ('t2t_jax', 'ctranslate2'):
+    output = tmp_path / f'{engine}.txt'
+    result = _run('t2t_jax.translate', f'--workdir={trained_workdir}', f'--input={source}',
+                  f'--output={output}', '--beam_size=1', f'--engine={engine}')
+    assert result.returncode == 0, result.stderr
+    assert f'Translated {len(lines)} sentences' in result.stderr
+    outputs[engine] = output.read_text()
+  assert outputs['ctranslate2'] == outputs['t2t_jax']
+  translations = outputs['t2t_jax'].split('\n')
+  assert len(translations) == len(lines) + 1 and translations[-3] == ''  # Blank lines kept.
+  assert len(set(translations)) >= 10  # Not one answer for every sentence.
+  printed = {}
+  for engine in ('t2t_jax', 'ctranslate2'):
+    result = _run('t2t_jax.evaluate', f'--workdir={trained_workdir}', f'--src={source}',
+                  f'--ref={source}', '--beam_size=1', f'--engine={engine}')
+    assert result.returncode == 0, result.stderr
+    printed[engine] = result.stdout.strip().splitlines()
+  header = f'{len(lines)} sentences of {source}, checkpoint latest, beam 1, alpha 0.6'
+  assert printed['t2t_jax'][0] == header
+  assert printed['ctranslate2'][0] == header + ', CTranslate2 float32'
+  assert printed['ctranslate2'][1:] == printed['t2t_jax'][1:]  # Same labels, same figures.
+  assert printed['t2t_jax'][1].startswith('sacreBLEU ')
+  assert printed['t2t_jax'][2].startswith('tokenised BLEU, compound split')
+
+
+@pytest.mark.slow
+def test_a_decoder_only_model_translates_through_the_generator(tmp_path):
+  """A causal decoder-only model (Transformer-D with prefix_attention='causal', the kind the
+  export writes as CTranslate2's decoder-only model) runs in ctranslate2.Generator, prompted
+  with source, EOS and the start token: the same greedy file as t2t_jax's, including outputs
+  cut at their limit (which counts the source's positions first), and at beam 4, alpha 0
+  (where the two penalties agree) the same best hypotheses wherever t2t_jax's two best scores
+  are apart."""
+  from t2t_jax import train  # pylint: disable=g-import-not-at-top
+  workdir = str(tmp_path / 'decoder_only')
+  config = _config(dict(kind='decoder_only', prefix_attention='causal'))
+  config.model.max_len = config.data.max_len = 24  # A long source leaves its output less room
+  # than max_extra_len.
+  train.train_and_evaluate(config, workdir)
+  lines = [' '.join(s) for s in _sources()] + ['', '3 1 4', ' '.join(['5'] * 14)]
+  source = write_lines(tmp_path / 'in.txt', lines)
+  outputs = {}
+  for engine in ('t2t_jax', 'ctranslate2'):
+    output = tmp_path / f'{engine}.txt'
+    result = _run('t2t_jax.translate', f'--workdir={workdir}', f'--input={source}',
+                  f'--output={output}', '--beam_size=1', f'--engine={engine}')
+    assert result.returncode == 0, result.stderr
+    outputs[engine] = output.read_text().split('\n')
+  assert outputs['ctranslate2'] == outputs['t2t_jax']
+  assert len(set(outputs['t2t_jax'])) >= 10
+  # The longest source (14 symbols + EOS) leaves 24 - 15 = 9 positions: an output that has
+  # not ended is cut there in both engines.
+  assert len(outputs['t2t_jax'][-2].split()) <= 9
+  run = translate.load(workdir, beam_size=BEAM, alpha=0.0)
+  ct2 = translate.load_ctranslate2(workdir, beam_size=BEAM, alpha=0.0)
+  assert isinstance(ct2.translator._model, ctranslate2_engine._ctranslate2().Generator)
+  inputs = _inputs(run.vocab, _sources())
+  rows = [row[:list(row).index(EOS_ID) + 1] for row in inputs]
+  ours, theirs = run.translator.translate(run.params, rows), ct2.translator.translate(None, rows)
+  search = jax.jit(decode.beam_search, static_argnums=(2, 3, 4, 5))
+  limit = decode.max_decode_length(inputs.shape[1], run.config.eval.max_extra_len, 24, True)
+  _, scores = search(run.params, jnp.asarray(inputs), run.model_config, limit, BEAM, 0.0)
+  scores = np.asarray(scores)
+  untied = [row for row in range(len(rows)) if scores[row, 0] - scores[row, 1] > 1e-3]
+  assert len(untied) >= len(rows) // 2
+  for row in untied:
+    np.testing.assert_array_equal(theirs[row], ours[row], err_msg=str(row))
+
+
+@pytest.mark.slow
+def test_the_cli_refuses_in_one_line_what_ctranslate2_cannot_do(tmp_path):
+  workdir = _random_run(tmp_path / 'run')
+  gnmt = _run('t2t_jax.translate', f'--workdir={workdir}', '--engine=ctranslate2',
+              '--beam_size=4', '--alpha=0.6', stdin='3 4\n')
+  assert gnmt.returncode == 1 and 'Traceback' not in gnmt.stderr
+  assert gnmt.stderr.strip().splitlines()[-1].startswith(
+      "error: --engine=ctranslate2 cannot run beam search (beam 4) with GNMT's length penalty")
+  assert not os.path.exists(os.path.join(workdir, 'ctranslate2'))  # Refused before exporting.
+  moe = _random_run(tmp_path / 'moe', dict(moe_experts=4, moe_layers='all'))
+  refused = _run('t2t_jax.translate', f'--workdir={moe}', '--engine=ctranslate2',
+                 '--beam_size=1', stdin='3 4\n')
+  assert refused.returncode == 1 and 'Traceback' not in refused.stderr
+  assert refused.stderr.strip().splitlines()[-1] == (
+      'error: config.model.moe_experts=4 cannot be exported to CTranslate2: CTranslate2 has '
+      'no mixture-of-experts feed-forward layers')
+  assert not os.path.exists(os.path.join(moe, 'ctranslate2'))  # Refused before any work.
+  misplaced = _run('t2t_jax.translate', f'--workdir={workdir}', '--ct2_compute_type=int8',
+                   stdin='3 4\n')
+  assert misplaced.returncode != 0
+  assert 'error: --ct2_compute_type applies to --engine=ctranslate2' in misplaced.stderr
+
+
+def test_a_compute_type_this_cpu_lacks_is_refused_naming_those_it_has(tmp_path):
+  import ctranslate2  # pylint: disable=g-import-not-at-top
+  lacking = sorted(set(ctranslate2_engine.COMPUTE_TYPES) - {'default', 'auto'} -
+                   ctranslate2.get_supported_compute_types('cpu'))
+  if not lacking:
+    pytest.skip('this CPU runs every compute type')
+  workdir = _random_run(tmp_path / 'run')
+  with pytest.raises(ConfigError, match=f'--ct2_compute_type={lacking[0]}: .*this CPU runs'):
+    translate.load_ctranslate2(workdir, beam_size=1, compute_type=lacking[0])
+
+
+def test_ctranslate2_search_arguments():
+  """Greedy and alpha 0 stop as CTranslate2 always does (then exactly t2t_jax's); a beam with
+  a penalty searches to the limit unless a patience is given."""
+  greedy = ctranslate2_engine.Search(1, 0.6, 'gnmt').options(30)
+  assert (greedy['beam_size'], greedy['length_penalty'], greedy['patience']) == (1, 0.0, 1.0)
+  assert ctranslate2_engine.Search(4, 0.0, 'gnmt').options(30)['patience'] == 1.0
+  assert ctranslate2_engine.Search(4, 1.4, 'length').options(30)['patience'] == 30.0
+  options = ctranslate2_engine.Search(4, 1.4, 'length', patience=1.0).options(30)
+  assert (options['length_penalty'], options['patience']) == (1.4, 1.0)
+  assert (options['max_decoding_length'], options['min_decoding_length']) == (30, 0)
+  with pytest.raises(ConfigError, match="GNMT's length penalty"):
+    ctranslate2_engine.Search(4, 0.6, 'gnmt').check()
+  with pytest.raises(ConfigError, match='--ct2_patience=0.0 must be above 0'):
+    ctranslate2_engine.Search(4, 0.6, 'length', 0.0).check()
+
+
+# The cache of exported models.
+
+
+def _model_bin(model_dir: str) -> tuple[int, int, bytes]:
+  path = os.path.join(model_dir, 'model.bin')
+  with open(path, 'rb') as f:
+    return os.stat(path).st_ino, os.stat(path).st_mtime_ns, f.read()
+
+
+def test_the_export_is_reused_then_rebuilt_when_its_checkpoint_changes(tmp_path):
+  workdir = _random_run(tmp_path / 'run', step=5)
+  config = translate.load_config(workdir)
+  vocab = translate.load_vocabulary(config, workdir)
+  model_dir, exported = ctranslate2_engine.exported_model(config, vocab, workdir)
+  assert exported and model_dir == os.path.join(workdir, 'ctranslate2', 'step_5')
+  assert sorted(os.listdir(model_dir)) == ['config.json', 'model.bin', 'shared_vocabulary.json',
+                                           'source.json']
+  first = _model_bin(model_dir)
+  again, exported = ctranslate2_engine.exported_model(config, vocab, workdir, '5')
+  assert (again, exported) == (model_dir, False)
+  assert _model_bin(model_dir) == first  # Not rewritten.
+  # The same step written again, with other weights (a run restarted in this workdir).
+  shutil.rmtree(os.path.join(workdir, 'checkpoints', '5'))
+  _write_random_params(workdir, config, 5, seed=1)
+  again, exported = ctranslate2_engine.exported_model(config, vocab, workdir)
+  assert (again, exported) == (model_dir, True)
+  assert _model_bin(model_dir)[2] != first[2]
+  # Another checkpoint, its own entry; an averaged directory outside checkpoints/ too.
+  _write_random_params(workdir, config, 6, seed=2)
+  latest, exported = ctranslate2_engine.exported_model(config, vocab, workdir)
+  assert exported and os.path.basename(latest) == 'step_6'
+  averaged = _write_random_params(tmp_path / 'elsewhere', config, 7, seed=3)
+  outside, exported = ctranslate2_engine.exported_model(config, vocab, workdir, averaged,
+                                                        'params')
+  assert exported and os.path.basename(outside).startswith('7_')
+  assert sorted(os.listdir(os.path.join(workdir, 'ctranslate2'))) == sorted(
+      ['step_5', 'step_6', os.path.basename(outside)])  # Nothing partial is left.
+  with open(os.path.join(latest, 'source.json')) as f:
+    assert json.load(f)['checkpoint'] == os.path.join(workdir, 'checkpoints', '6')
+
+
+def test_a_failed_export_leaves_no_model_directory(tmp_path, monkeypatch):
+  workdir = _random_run(tmp_path / 'run')
+  config = translate.load_config(workdir)
+  vocab = translate.load_vocabulary(config, workdir)
+  real_export = export.export_ctranslate2
+
+  def failing(workdir, checkpoint, output, quantization=None, weights='params'):
+    real_export(workdir, checkpoint, output, quantization, weights)  # Written, then...
+    raise OSError(28, 'No space left on device')
+  monkeypatch.setattr(export, 'export_ctranslate2', failing)
+  with pytest.raises(OSError, match='No space left'):
+    ctranslate2_engine.exported_model(config, vocab, workdir)
+  assert os.listdir(os.path.join(workdir, 'ctranslate2')) == []
+  monkeypatch.setattr(export, 'export_ctranslate2', real_export)
+  model_dir, exported = ctranslate2_engine.exported_model(config, vocab, workdir)
+  assert exported and os.path.isfile(os.path.join(model_dir, 'source.json'))
+
+
+@pytest.mark.slow
+def test_a_killed_export_leaves_no_model_directory_and_the_next_run_exports(tmp_path):
+  workdir = _random_run(tmp_path / 'run')
+  cache = os.path.join(workdir, 'ctranslate2')
+  env = dict(os.environ, PYTHONPATH=ROOT)
+  process = subprocess.Popen(
+      [sys.executable, '-m', 't2t_jax.translate', f'--workdir={workdir}', '--beam_size=1',
+       '--engine=ctranslate2'], cwd=ROOT, env=env, stdin=subprocess.PIPE,
+      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+  process.stdin.write('3 4\n')
+  process.stdin.close()
+  deadline, partial = time.monotonic() + 120, []
+  while not partial and time.monotonic() < deadline and process.poll() is None:
+    partial = [n for n in os.listdir(cache) if n.startswith('.partial-')] if os.path.isdir(
+        cache) else []
+    time.sleep(0.002)
+  os.kill(process.pid, signal.SIGKILL)
+  process.wait()
+  assert partial, f'the export ended before it was seen: {process.stderr.read()[-2000:]}'
+  left = os.listdir(cache)
+  assert left == partial  # The export died unfinished: no model directory, whole or not.
+  assert not os.path.exists(os.path.join(cache, partial[0], 'model', 'source.json'))
+  result = _run('t2t_jax.translate', f'--workdir={workdir}', '--beam_size=1',
+                '--engine=ctranslate2', stdin='3 4\n')
+  assert result.returncode == 0, result.stderr
+  assert os.listdir(cache) == ['step_5']  # Exported; the dead process's partial one removed.
+  assert os.path.isfile(os.path.join(cache, 'step_5', 'source.json'))
