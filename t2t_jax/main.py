@@ -17,6 +17,7 @@ import jax
 from ml_collections import config_flags
 
 from t2t_jax import cli
+from t2t_jax import exit_codes
 
 FLAGS = flags.FLAGS
 
@@ -48,9 +49,12 @@ def main(argv):
   if not FLAGS.workdir:
     raise app.UsageError('--workdir is required to train')
   logging.info('JAX devices: %s', jax.devices())
-  from t2t_jax import lifecycle  # pylint: disable=g-import-not-at-top
+  from t2t_jax import lifecycle, trial_report  # pylint: disable=g-import-not-at-top
   try:
     results = train.train_and_evaluate(FLAGS.config, FLAGS.workdir, FLAGS.force_unlock)
+  except trial_report.Pruned:  # Logged where it happened; launch/search.py reads the status.
+    logging.flush()
+    sys.exit(exit_codes.PRUNED)
   except lifecycle.Preempted as e:
     logging.warning('%s', e)
     logging.flush()

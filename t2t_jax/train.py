@@ -31,6 +31,7 @@ from t2t_jax import resolve
 from t2t_jax import runtime
 from t2t_jax import sharding
 from t2t_jax import translator as translator_lib
+from t2t_jax import trial_report
 from t2t_jax import workdir_lock
 from t2t_jax import saved_params
 from t2t_jax.setup import Setup, build, count_params  # pylint: disable=unused-import
@@ -73,6 +74,7 @@ class _Launch:
   translator: translator_lib.Translator
   writer: Any  # tensorboardX.SummaryWriter, or metric_log.NullWriter off process 0.
   config_json: str
+  pruned: str | None = None  # Why a search's pruner stopped the run (trial_report.py).
 
 
 def _train_and_evaluate(config, resolved: resolve.Resolved, workdir: str,
@@ -86,8 +88,9 @@ def _train_and_evaluate(config, resolved: resolve.Resolved, workdir: str,
                                  list(launch.setup.mesh.devices.flat),
                                  launch.setup.model_config.dtype))
   logging.info('Training from step %d to %d', start_step, config.train.num_steps)
+  reporter = trial_report.from_environment() if jax.process_index() == 0 else None
   try:
-    results, preempted = _train(launch, log, life)
+    results, preempted = _train(launch, log, life, reporter)
   except Exception:  # NaN loss, full disk, ...: the save in flight (of a good step) finishes.
     _close_after_error(launch.checkpointer)
     raise
@@ -99,6 +102,13 @@ def _train_and_evaluate(config, resolved: resolve.Resolved, workdir: str,
       launch.checkpointer.close()
     launch.writer.close()
     raise life.stopped(step, launch.checkpointer.directory)
+  if launch.pruned:
+    with life.phase(lifecycle.SAVE, step):
+      launch.checkpointer.close()
+    launch.writer.close()
+    if jax.process_index() == 0:
+      trial_report.record(workdir, step, launch.pruned)
+    raise trial_report.Pruned(step, launch.pruned)
   saved = _read_final(workdir, step) if not results else None
   if not results and not saved:  # Resumed at the end, figures unsaved: evaluate again.
     with life.phase(lifecycle.FINAL_EVALUATION, step):
@@ -171,12 +181,14 @@ def _start(config, resolved: resolve.Resolved, workdir: str) -> _Launch:
                      dtype=resolved.eval_dtype), writer, config_json)
 
 
-def _train(launch: _Launch, log: metric_log.MetricLog, life: lifecycle.Lifecycle
-           ) -> tuple[dict, bool]:
+def _train(launch: _Launch, log: metric_log.MetricLog, life: lifecycle.Lifecycle,
+           reporter: trial_report.Reporter | None = None) -> tuple[dict, bool]:
   """Steps from the state's step to config.train.num_steps, saving and evaluating on the way.
 
   Returns the last evaluation's figures and whether a signal (SIGTERM, Ctrl-C) stopped the loop
-  after saving the step it arrived in. `launch.state` follows the steps.
+  after saving the step it arrived in. `launch.state` follows the steps. In a search's trial
+  (trial_report.py) each evaluation before the last is reported; where the pruner stops the
+  run, the step is saved and `launch.pruned` says why.
   """
   config, setup = launch.config, launch.setup
   num_steps, results, pending, seen_shapes = config.train.num_steps, {}, None, set()
@@ -213,7 +225,11 @@ def _train(launch: _Launch, log: metric_log.MetricLog, life: lifecycle.Lifecycle
           preempted = True
           if not save_now:
             _save(launch, life, step)
-    if preempted:
+      if evaluate_now and not preempted:
+        launch.pruned = trial_report.decide(reporter, step, results, is_last)
+        if launch.pruned and not save_now:
+          _save(launch, life, step)
+    if preempted or launch.pruned:
       break
   return results, preempted
 

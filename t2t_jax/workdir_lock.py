@@ -129,6 +129,19 @@ def _runs(holder: Holder) -> bool:
   return True
 
 
+def held(workdir: str) -> bool | None:
+  """Whether a live process holds `workdir`'s lock: False (no lock, or its holder on this host
+  has ended), True (it runs here), None (another host's: its heartbeat decides)."""
+  try:
+    with open(os.path.join(workdir, LOCK_FILE)) as f:
+      holder = Holder(**json.load(f))
+  except (OSError, ValueError, TypeError):
+    return False
+  if holder.host != socket.gethostname():
+    return None
+  return _runs(holder)
+
+
 class WorkdirLock:
   """Holds `<workdir>/run.lock` while in use (a context manager); `force` takes it regardless."""
 

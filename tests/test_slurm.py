@@ -1,7 +1,8 @@
 """launch/ on a real one-node SLURM (tests/slurm_cluster.py): a 2-task job of launch/slurm.sbatch
 trains like one process, a job preempted with SIGTERM requeues itself and ends bitwise equal to
 an uninterrupted one, or, requeued onto 1 task, within the bound of a run moved between shapes,
-and a sweep runs as one array whose failed element is reported."""
+a sweep runs as one array whose failed element is reported, and a search's array elements
+train the trials of one study between them."""
 
 import dataclasses
 import json
@@ -265,3 +266,87 @@ def test_a_sweep_is_one_job_array_and_its_failed_element_is_reported(slurm, tmp_
   assert rows['warmup_steps=10'].split()[1:3] == ['10', '3']
   assert (f'(failed: exit status {status["exit_status"]}, SLURM job {job}_1; see '
           f'slurm-{job}_1.out)') in rows['warmup_steps=-1']
+
+
+SEARCH_FILE = '''def get_search():
+  return {'params': {'opt.lr_scale': ('log_uniform', 0.1, 4.0),
+                     'opt.warmup_steps': ('int', 1, 10)},
+          'metric': 'eval_loss', 'trials': 4, 'sampler': 'random', 'pruner': 'none'}
+'''
+
+
+@pytest.mark.slow
+def test_a_search_array_trains_one_study_whose_trials_both_elements_take(slurm, tmp_path):
+  """launch/search.py --mode=slurm: two array elements (one CPU each, at once on the 2-CPU
+  node) pull trials from one SQLite study; each trial is trained once, by one of them."""
+  import optuna  # pylint: disable=g-import-not-at-top
+  search_file = tmp_path / 'lr.py'
+  search_file.write_text(SEARCH_FILE)
+  root = tmp_path / 'search'
+  submit = slurm.run(sys.executable, 'launch/search.py', '--mode=slurm', '--array=2',
+                     str(search_file), '--', sys.executable, '-m', 't2t_jax.main',
+                     '--config=configs/tiny.py', f'--workdir={root}',
+                     '--config.train.num_steps=10', '--config.train.eval_every=5',
+                     '--config.ckpt.every=5', '--config.eval.bleu_sentences=0', cwd=ROOT,
+                     env=_job_env(slurm), check=False)
+  assert submit.returncode == 0, submit.stderr
+  job = re.search(r'^Submitted batch job (\d+)$', submit.stdout, re.M).group(1)
+  script = _read(root / 'search.sbatch')
+  assert '#SBATCH --array=0-1' in script and ' --workers=1 ' in script
+  # A job step, which --signal=TERM@300 and scancel --signal reach, requeued when preempted.
+  assert f'launch/slurm_step.sh {sys.executable} ' in script
+  assert '--mode' not in script and '--array=2' not in script
+  slurm.wait_done(job, JOB_TIMEOUT)
+  states = {index: slurm.job_state(f'{job}_{index}') for index in (0, 1)}
+  logs = {index: _read(root / f'slurm-{job}_{index}.out') for index in (0, 1)}
+  for index in (0, 1):
+    assert (states[index]['JobState'], states[index]['ExitCode'],
+            states[index]['ArrayJobId']) == ('COMPLETED', '0:0', job), logs[index][-3000:]
+
+  study = optuna.load_study(study_name='search', storage=f'sqlite:///{root}/search.db')
+  trials = sorted(study.get_trials(), key=lambda t: t.number)
+  assert [t.number for t in trials] == [0, 1, 2, 3]
+  assert [t.state.name for t in trials] == ['COMPLETE'] * 4
+  for trial in trials:
+    run = root / f'trial_{trial.number:04d}'
+    final = json.loads(_read(run / 'final.json').strip().splitlines()[-1])
+    assert final['step'] == 10 and trial.value == final['eval_loss']
+    assert sorted(trial.intermediate_values) == [5, 10]  # Each in-loop evaluation, reported.
+    assert json.loads(_read(run / 'search_trial.json'))['overrides'] == trial.params
+    assert 0.1 <= trial.params['opt.lr_scale'] <= 4.0
+    assert 1 <= trial.params['opt.warmup_steps'] <= 10
+  # Two samplers of one seed must not draw the same points for the two elements' trials.
+  assert len({t.params['opt.lr_scale'] for t in trials}) == 4, [t.params for t in trials]
+
+  events = [json.loads(line) for line in _read(root / 'search_events.jsonl').splitlines()]
+  runs = {f'trial_{n:04d}' for n in range(4)}
+  assert {e['run'] for e in events} == runs
+  for run in runs:  # Trained once, to the end, by one element: no trial twice.
+    mine = [e for e in events if e['run'] == run]
+    assert [e['event'] for e in mine] == ['start', 'complete'], mine
+    assert mine[0]['pid'] == mine[1]['pid']
+  by_pid = {}
+  for e in events:
+    if e['event'] == 'complete':
+      by_pid.setdefault(e['pid'], set()).add(e['run'])
+  assert len(by_pid) == 2, by_pid  # Both elements trained trials...
+  in_logs = [set(re.findall(r'^=== (trial_\d{4}) complete', logs[i], re.M)) for i in (0, 1)]
+  assert sorted(map(sorted, by_pid.values())) == sorted(map(sorted, in_logs))
+  assert in_logs[0] and in_logs[1] and in_logs[0] | in_logs[1] == runs
+  # ... at the same time: each element started a trial before the other's last one ended.
+  spans = [(min(e['time'] for e in events if e['pid'] == pid and e['event'] == 'start'),
+            max(e['time'] for e in events if e['pid'] == pid and e['event'] == 'complete'))
+           for pid in by_pid]
+  assert spans[0][0] < spans[1][1] and spans[1][0] < spans[0][1], spans
+
+  table = slurm.run(sys.executable, 'launch/search.py', '--summarize', str(root), cwd=ROOT,
+                    env=_job_env(slurm)).stdout.splitlines()
+  assert table[0].split() == ['trial', 'state', 'eval_loss', 'step', 'opt.lr_scale',
+                              'opt.warmup_steps']
+  rows = {int(line.split()[0]): line.split() for line in table[1:5]}
+  assert sorted(rows) == [0, 1, 2, 3]
+  assert all(row[1:2] + row[3:4] == ['complete', '10'] for row in rows.values()), table
+  best = min(trials, key=lambda t: t.value)
+  assert int(table[1].split()[0]) == best.number  # Best first, its command to reproduce it.
+  assert any(line.startswith(f'  trial {best.number}: ') and
+             line.endswith(f'--workdir={root}/trial_{best.number:04d}') for line in table), table
