@@ -20,7 +20,6 @@ exit status, which --summarize reports. No training logic lives here.
 """
 
 import argparse
-import importlib.util
 import itertools
 import json
 import os
@@ -45,21 +44,7 @@ class SweepError(ValueError):
 
 
 def load_sweep(path: str) -> dict:
-  spec = importlib.util.spec_from_file_location('sweep_file', path)
-  if spec is None or not os.path.exists(path):
-    raise SweepError(f'{path}: no such sweep file')
-  module = importlib.util.module_from_spec(spec)
-  try:
-    spec.loader.exec_module(module)
-    get_sweep = getattr(module, 'get_sweep', None)
-    if get_sweep is None:
-      raise SweepError(f'{path}: a sweep file must define get_sweep()')
-    return get_sweep()
-  except SweepError:
-    raise
-  except Exception as e:  # pylint: disable=broad-except
-    # The file's own error (a syntax error, a misspelt name): where it is, in one line.
-    raise SweepError(cli.load_error(e, path)) from e
+  return cli.call_file_function(path, 'get_sweep', SweepError, 'sweep')
 
 
 def _key(key: str) -> str:
@@ -193,14 +178,6 @@ def run_slurm(points, root, runs, sbatch_options, dry_run: bool) -> int:
   return subprocess.call(['sbatch', path])
 
 
-def _format(value) -> str:
-  if value is None:
-    return '-'
-  if isinstance(value, float):
-    return f'{value:.4g}'
-  return str(value)
-
-
 def _short_names(keys: list[str]) -> dict[str, str]:
   """{config key: column name}: the last part of each key, as point_name shortens it."""
   short = [key.rsplit('.', 1)[-1] for key in keys]
@@ -279,14 +256,8 @@ def summarize(root: str, sort: str | None = None, markdown: bool = False) -> str
     if row['run'] in unfinished:
       cells[-1] += [unfinished[row['run']]] + [''] * (len(SUMMARY_COLUMNS) - 1)
     else:
-      cells[-1] += [_format(row[column]) for column in SUMMARY_COLUMNS]
-  if markdown:
-    return '\n'.join('| ' + ' | '.join(cell.replace('|', '\\|') for cell in row) + ' |'
-                     for row in [columns, ['---'] * len(columns)] + cells)
-  widths = [max(len(row[i]) for row in cells + [columns]) for i in range(len(columns))]
-  lines = ['  '.join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip()
-           for row in [columns] + cells]
-  return '\n'.join(lines)
+      cells[-1] += [cli.format_cell(row[column]) for column in SUMMARY_COLUMNS]
+  return cli.text_table(columns, cells, markdown)
 
 
 def main():

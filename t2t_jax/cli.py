@@ -280,3 +280,43 @@ class _LibraryRecords(std_logging.Filter):
       record.msg, record.args = f'{message} (--verbose shows the traceback)', ()
       record.exc_info = record.exc_text = None
     return True
+
+
+def call_file_function(path: str, function: str, error: type[Exception], what: str):
+  """Runs `function`() of the Python file at `path` (a sweep or search file) and returns its
+  value; a file that is missing, lacks the function or fails to run raises `error` of one
+  line naming where (load_error)."""
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  spec = importlib.util.spec_from_file_location(f'{what}_file', path)
+  if spec is None or not os.path.isfile(path):
+    raise error(f'{path}: no such {what} file')
+  module = importlib.util.module_from_spec(spec)
+  try:
+    spec.loader.exec_module(module)
+    if not callable(getattr(module, function, None)):
+      raise error(f'{path}: a {what} file must define {function}()')
+    return getattr(module, function)()
+  except error:
+    raise
+  except Exception as e:  # pylint: disable=broad-except
+    # The file's own error (a syntax error, a misspelt name): where it is, in one line.
+    raise error(load_error(e, path)) from e
+
+
+def format_cell(value) -> str:
+  """A table cell: '-' for None, 4 significant digits for floats."""
+  if value is None:
+    return '-'
+  if isinstance(value, float):
+    return f'{value:.4g}'
+  return str(value)
+
+
+def text_table(head: list[str], rows: list[list[str]], markdown: bool = False) -> str:
+  """Columns padded to their widest cell, or a GitHub markdown table."""
+  if markdown:
+    return '\n'.join('| ' + ' | '.join(cell.replace('|', '\\|') for cell in row) + ' |'
+                     for row in [head, ['---'] * len(head)] + rows)
+  widths = [max(len(row[i]) for row in rows + [head]) for i in range(len(head))]
+  return '\n'.join('  '.join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip()
+                   for row in [head] + rows)

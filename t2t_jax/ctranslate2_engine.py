@@ -49,14 +49,7 @@ COMPUTE_TYPES = ('default', 'auto', 'float32', 'int8', 'int8_float32', 'int8_flo
 
 
 def _ctranslate2():
-  try:
-    import ctranslate2  # pylint: disable=g-import-not-at-top
-  except ModuleNotFoundError as e:
-    if e.name != 'ctranslate2':
-      raise
-    raise ConfigError("--engine=ctranslate2 needs the ctranslate2 package: pip install "
-                      "'t2t_jax[ctranslate2]'") from None
-  return ctranslate2
+  return export.import_needing_ctranslate2('ctranslate2', '--engine=ctranslate2')
 
 
 # The cache of exported models.

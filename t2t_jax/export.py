@@ -41,14 +41,22 @@ def export(workdir: str, checkpoint_name: str | None = None, dtype: str = 'float
 def export_ctranslate2(workdir: str, checkpoint_name: str | None = None, output: str = '',
                        quantization: str | None = None, weights: str = 'params') -> str:
   """Writes the CTranslate2 model of one checkpoint; returns the directory written."""
+  ctranslate2_export = import_needing_ctranslate2('t2t_jax.export_ctranslate2',
+                                                  '--format=ctranslate2')
+  return ctranslate2_export.export(workdir, checkpoint_name, output, quantization, weights)
+
+
+def import_needing_ctranslate2(module: str, flag: str):
+  """Imports `module` (ctranslate2, or a module that imports it); without the ctranslate2
+  package, a ConfigError saying which `flag` needs it and how to install it."""
+  import importlib  # pylint: disable=g-import-not-at-top
   try:
-    from t2t_jax import export_ctranslate2 as ctranslate2_export  # pylint: disable=g-import-not-at-top
+    return importlib.import_module(module)
   except ModuleNotFoundError as e:
     if e.name != 'ctranslate2':
       raise
-    raise ConfigError("--format=ctranslate2 needs the ctranslate2 package: pip install "
+    raise ConfigError(f"{flag} needs the ctranslate2 package: pip install "
                       "'t2t_jax[ctranslate2]'") from None
-  return ctranslate2_export.export(workdir, checkpoint_name, output, quantization, weights)
 
 
 def _define_flags():

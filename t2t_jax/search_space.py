@@ -25,7 +25,6 @@ A search file defines `get_search()` returning a dict:
 Everything here is checked before any trial starts; a mistake is a SearchError of one line.
 """
 
-import importlib.util
 import math
 import os
 
@@ -45,20 +44,7 @@ class SearchError(ValueError):
 
 def load(path: str) -> dict:
   """The checked search of a search file (defaults filled in)."""
-  spec = importlib.util.spec_from_file_location('search_file', path)
-  if spec is None or not os.path.isfile(path):
-    raise SearchError(f'{path}: no such search file')
-  module = importlib.util.module_from_spec(spec)
-  try:
-    spec.loader.exec_module(module)
-    get_search = getattr(module, 'get_search', None)
-    if get_search is None:
-      raise SearchError(f'{path}: a search file must define get_search()')
-    search = get_search()
-  except SearchError:
-    raise
-  except Exception as e:  # pylint: disable=broad-except
-    raise SearchError(cli.load_error(e, path)) from e
+  search = cli.call_file_function(path, 'get_search', SearchError, 'search')
   return check(search, path)
 
 

@@ -9,6 +9,7 @@ import statistics
 
 import numpy as np
 
+from t2t_jax import cli
 from t2t_jax.search_space import SearchError
 
 STATE_ORDER = ('COMPLETE', 'PRUNED', 'RUNNING', 'WAITING', 'FAIL')
@@ -121,14 +122,6 @@ def importances(study) -> str:
   return 'Parameter importances (fANOVA): ' + ', '.join(f'{k} {v:.2f}' for k, v in found.items())
 
 
-def _cell(value) -> str:
-  if value is None:
-    return '-'
-  if isinstance(value, float):
-    return f'{value:.4g}'
-  return str(value)
-
-
 def summarize(root: str, plot_dir: str | None = None, markdown: bool = False,
               top: int = 5) -> str:
   study, record = load_study(root)
@@ -143,15 +136,11 @@ def summarize(root: str, plot_dir: str | None = None, markdown: bool = False,
   cells = []
   for r in table:
     shown = r['mean'] if r['mean'] is not None else (r['curve'][-1][1] if r['curve'] else None)
-    cells.append([str(r['trial']), r['state'].lower(), _cell(shown)] +
-                 ([str(r['n']), _cell(r['std']), _cell(r['spread'])] if seeds else []) +
-                 [_cell(r['step'])] + [_cell(r['params'].get(k)) for k in keys])
-  if markdown:
-    lines = ['| ' + ' | '.join(row) + ' |' for row in [head, ['---'] * len(head)] + cells]
-  else:
-    widths = [max(len(row[i]) for row in cells + [head]) for i in range(len(head))]
-    lines = ['  '.join(c.ljust(w) for c, w in zip(row, widths)).rstrip()
-             for row in [head] + cells]
+    cell = cli.format_cell
+    cells.append([str(r['trial']), r['state'].lower(), cell(shown)] +
+                 ([str(r['n']), cell(r['std']), cell(r['spread'])] if seeds else []) +
+                 [cell(r['step'])] + [cell(r['params'].get(k)) for k in keys])
+  lines = [cli.text_table(head, cells, markdown)]
   best = [r for r in table if r['state'] == 'COMPLETE'][:top]
   lines += ['', f'Best {len(best)} ({record["search"]["direction"]} {metric}), reproduced by:']
   lines += [f'  trial {r["trial"]}: {r["command"]}' for r in best]

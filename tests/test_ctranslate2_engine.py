@@ -115,17 +115,23 @@ def test_length_penalty_beam_search_is_ctranslate2s(trained_workdir, alpha):
 
 
 @pytest.mark.slow
-def test_both_engines_write_the_same_greedy_file_and_bleu_lines(trained_workdir, tmp_path):
-  lines = [' '.join(s) for s in _sources()] + ['', '3 1 4']
+def _greedy_files(workdir, lines, tmp_path) -> tuple[str, dict[str, str]]:
+  """The input file of `lines`, and each engine's output file of it (translate, greedy)."""
   source = write_lines(tmp_path / 'in.txt', lines)
   outputs = {}
   for engine in ('t2t_jax', 'ctranslate2'):
     output = tmp_path / f'{engine}.txt'
-    result = _run('t2t_jax.translate', f'--workdir={trained_workdir}', f'--input={source}',
+    result = _run('t2t_jax.translate', f'--workdir={workdir}', f'--input={source}',
                   f'--output={output}', '--beam_size=1', f'--engine={engine}')
     assert result.returncode == 0, result.stderr
     assert f'Translated {len(lines)} sentences' in result.stderr
     outputs[engine] = output.read_text()
+  return source, outputs
+
+
+def test_both_engines_write_the_same_greedy_file_and_bleu_lines(trained_workdir, tmp_path):
+  lines = [' '.join(s) for s in _sources()] + ['', '3 1 4']
+  source, outputs = _greedy_files(trained_workdir, lines, tmp_path)
   assert outputs['ctranslate2'] == outputs['t2t_jax']
   translations = outputs['t2t_jax'].split('\n')
   assert len(translations) == len(lines) + 1 and translations[-3] == ''  # Blank lines kept.
@@ -159,14 +165,8 @@ def test_a_decoder_only_model_translates_through_the_generator(tmp_path):
   # than max_extra_len.
   train.train_and_evaluate(config, workdir)
   lines = [' '.join(s) for s in _sources()] + ['', '3 1 4', ' '.join(['5'] * 14)]
-  source = write_lines(tmp_path / 'in.txt', lines)
-  outputs = {}
-  for engine in ('t2t_jax', 'ctranslate2'):
-    output = tmp_path / f'{engine}.txt'
-    result = _run('t2t_jax.translate', f'--workdir={workdir}', f'--input={source}',
-                  f'--output={output}', '--beam_size=1', f'--engine={engine}')
-    assert result.returncode == 0, result.stderr
-    outputs[engine] = output.read_text().split('\n')
+  _, files = _greedy_files(workdir, lines, tmp_path)
+  outputs = {engine: text.split('\n') for engine, text in files.items()}
   assert outputs['ctranslate2'] == outputs['t2t_jax']
   assert len(set(outputs['t2t_jax'])) >= 10
   # The longest source (14 symbols + EOS) leaves 24 - 15 = 9 positions: an output that has
