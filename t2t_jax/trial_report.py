@@ -50,12 +50,12 @@ class Reporter:
 
   def _why(self, step: int, value: float) -> str:
     import optuna  # pylint: disable=g-import-not-at-top
-    others = [t.intermediate_values[step] for t in self.study.get_trials(deepcopy=False)
-              if t.number != self.trial.number and step in t.intermediate_values
-              and t.state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED,
-                              optuna.trial.TrialState.RUNNING)]
-    compared = (f'; the other {len(others)} trials at this step: median {np.median(others):.4g}'
-                f', best {max(others) if self._higher() else min(others):.4g}' if others else '')
+    # The completed trials' values at this step, which the median pruner compares with.
+    done = self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+    others = [t.intermediate_values[step] for t in done if step in t.intermediate_values]
+    best = (max if self._higher() else min)(others) if others else None
+    compared = (f'; the {len(others)} completed trials at this step: median '
+                f'{np.median(others):.4g}, best {best:.4g}' if others else '')
     return (f'trial {self.trial.number} pruned at step {step} by the {self.pruner_name} pruner: '
             f'{self.metric} {value:.4g}{compared}')
 

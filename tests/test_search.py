@@ -222,7 +222,10 @@ def test_pruned_trials_stop_early_with_a_checkpoint_and_are_recorded_as_pruned(t
     others = [t.intermediate_values[stop] for t in trials if t.state.name == 'COMPLETE'
               and t.number < trial.number and stop in t.intermediate_values]
     assert trial.intermediate_values[stop] > np.median(others)
-    assert f'trial {trial.number} pruned at step {stop} by the median pruner' in record['why']
+    assert record['why'].startswith(
+        f'trial {trial.number} pruned at step {stop} by the median pruner: eval_loss '
+        f'{trial.intermediate_values[stop]:.4g}; the {len(others)} completed trials at this '
+        f'step: median {np.median(others):.4g}, best {min(others):.4g}')
     assert record['why'] in (workdir / 'train.log').read_text()
   summary = _search('--summarize', root, '--plot', tmp_path / 'plots')
   assert summary.returncode == 0, summary.stderr
