@@ -179,13 +179,16 @@ def plot(table: list[dict], keys: list[str], metric: str, directory: str, study)
   for r in table:
     if r['curve']:
       steps, values = zip(*r['curve'])
-      style = dict(linestyle='--', alpha=0.6) if r['state'] == 'PRUNED' else {}
+      style = {'PRUNED': dict(linestyle='--', alpha=0.6),
+               'FAIL': dict(linestyle=':', color='grey')}.get(r['state'], {})
       line, = axes.plot(steps, values, **style)
+      axes.annotate(str(r['trial']), (steps[-1], values[-1]), fontsize=7,
+                    xytext=(3, 0), textcoords='offset points')
       if r['state'] == 'PRUNED':
         axes.plot(steps[-1], values[-1], 'x', color=line.get_color(), markersize=9)
   axes.set_xlabel('step')
   axes.set_ylabel(metric)
-  axes.set_title('trials (dashed, x: pruned there)')
+  axes.set_title('trials by number (dashed, x: pruned there; dotted: failed)')
   written.append(_save(figure, directory, 'curves.png'))
   import optuna  # pylint: disable=g-import-not-at-top
   try:
