@@ -97,15 +97,12 @@ def _train_and_evaluate(config, resolved: resolve.Resolved, workdir: str,
   finally:
     log.close()
   step = int(launch.state.step)
-  if preempted:
-    with life.phase(lifecycle.SAVE, step):  # The save of the signalled step finishes.
-      launch.checkpointer.close()
-    launch.writer.close()
-    raise life.stopped(step, launch.checkpointer.directory)
-  if launch.pruned:
+  if preempted or launch.pruned:  # Stopped early: the save of its last step finishes.
     with life.phase(lifecycle.SAVE, step):
       launch.checkpointer.close()
     launch.writer.close()
+    if preempted:
+      raise life.stopped(step, launch.checkpointer.directory)
     if jax.process_index() == 0:
       trial_report.record(workdir, step, launch.pruned)
     raise trial_report.Pruned(step, launch.pruned)
