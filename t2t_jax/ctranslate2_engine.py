@@ -264,11 +264,15 @@ class Translator:
     each at most `batch_tokens` padded source tokens over the beams (one CTranslate2 batch).
 
     CTranslate2 takes one output limit per call. A beam search call holds sentences of one
-    limit (where hypotheses are cut decides which wins); a greedy call any, with the longest
-    limit, its outputs then cut to their own (greedy tokens do not depend on the limit).
+    limit (where hypotheses are cut decides which wins); so does a decoder-only model's call,
+    since its outputs' positions follow the source's and a shorter source's longer limit would
+    run a longer one past the position table. An encoder-decoder model's greedy call holds
+    any, with the longest limit, its outputs then cut to their own (greedy tokens do not depend
+    on the limit).
     """
     limits = {i: self._limit(n) for i, n in enumerate(lengths) if n}
-    group = (lambda i: limits[i]) if self.beam_size > 1 else (lambda i: 0)
+    one_limit = self.beam_size > 1 or self.decoder_only
+    group = (lambda i: limits[i]) if one_limit else (lambda i: 0)
     calls, members = [], []
     for index in sorted(limits, key=lambda i: (group(i), lengths[i])):
       grown = members + [index]
@@ -287,10 +291,7 @@ class Translator:
     model is CTranslate2's): the argument keeps translator.Translator's signature."""
     del params
     start = time.perf_counter()
-    for index, ids in enumerate(inputs):
-      if len(ids) > self.config.max_len:
-        raise ValueError(f"input {index} has {len(ids)} tokens, more than the model's "
-                         f'max_len={self.config.max_len}: truncate it first')
+    translator_lib.check_input_lengths(inputs, self.config)
     lengths = [len(ids) for ids in inputs]
     outputs = [np.zeros((0,), np.int32)] * len(inputs)
     for limit, members in self._calls(lengths):

@@ -108,6 +108,18 @@ def from_config(config, model_config: TransformerConfig, mesh, axis_rules,
       length_penalty=config.eval.length_penalty if length_penalty is None else length_penalty)
 
 
+
+def check_input_lengths(inputs: Sequence[np.ndarray], config: TransformerConfig) -> None:
+  """Refuses an input longer than the model's positions hold; a decoder-only model's source
+  also leaves one position to write an output at. Both engines check this."""
+  decoder_only = config.kind == 'decoder_only'
+  for index, seq in enumerate(inputs):
+    if len(seq) > config.max_len - decoder_only:
+      raise ValueError(f'input {index} has {len(seq)} tokens, more than the model\'s '
+                       f'max_len={config.max_len}' + (
+                           ' less one position to write an output at' if decoder_only
+                           else '') + ': truncate it first')
+
 class Translator:
   """Decodes lists of id sequences in length-sorted batches sharded over the mesh's batch axes.
 
@@ -222,13 +234,7 @@ class Translator:
     alpha = self.alpha if alpha is None else alpha
     if beam_size < 1:
       raise ValueError(f'beam size must be at least 1, got {beam_size}')
-    decoder_only = self.config.kind == 'decoder_only'
-    for index, seq in enumerate(inputs):
-      if len(seq) > self.config.max_len - decoder_only:
-        raise ValueError(f'input {index} has {len(seq)} tokens, more than the model\'s '
-                         f'max_len={self.config.max_len}' + (
-                             ' less one position to write an output at' if decoder_only
-                             else '') + ': truncate it first')
+    check_input_lengths(inputs, self.config)
     lengths = [len(seq) for seq in inputs]
     outputs = [np.zeros((0,), np.int32)] * len(inputs)
     pending = None  # The dispatched batch whose results are not fetched yet.

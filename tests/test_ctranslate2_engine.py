@@ -26,6 +26,7 @@ from t2t_jax import ConfigError
 from t2t_jax import EOS_ID, PAD_ID
 from t2t_jax import ctranslate2_engine
 from t2t_jax import decode
+from t2t_jax import decoder_only
 from t2t_jax import export
 from t2t_jax import saved_params
 from t2t_jax import translate
@@ -324,3 +325,66 @@ def test_a_killed_export_leaves_no_model_directory_and_the_next_run_exports(tmp_
   assert result.returncode == 0, result.stderr
   assert os.listdir(cache) == ['step_5']  # Exported; the dead process's partial one removed.
   assert os.path.isfile(os.path.join(cache, 'step_5', 'source.json'))
+
+
+def _never_ending_decoder_only_run(workdir) -> str:
+  """A causal decoder-only run whose every step's output is one constant distribution: the
+  last layer's output LayerNorm has scale 0 and a bias along the first embedding axis, where
+  only one symbol's (shared) embedding is positive (logit 1), EOS's far below (logit -100) and
+  every other token's 0. Greedy and beam search alike run every output to its position limit
+  on that symbol."""
+  config = _config(dict(kind='decoder_only', prefix_attention='causal'))
+  config.model.max_len = config.data.max_len = 24
+  os.makedirs(workdir, exist_ok=True)
+  with open(os.path.join(workdir, 'config.json'), 'w') as f:
+    f.write(config.to_json_best_effort())
+  model_config = TransformerConfig.from_config(config.model, NUM_SYMBOLS + 2)
+  tokens = jnp.ones((1, 4), jnp.int32)
+  params = jax.tree.map(np.array, nn.meta.unbox(decoder_only.make_model(model_config).init(
+      jax.random.PRNGKey(0), tokens, tokens)['params']))
+  last = params[f'decoder_{model_config.num_decoder_layers - 1}']['ffn_block']['norm']
+  last['scale'][:] = 0.0
+  last['bias'][:] = 0.0
+  last['bias'][0] = 1.0
+  params['embedding']['embedding'][:, 0] = 0.0
+  params['embedding']['embedding'][NEVER_ENDING_ID, 0] = 1.0
+  params['embedding']['embedding'][EOS_ID, 0] = -100.0
+  saved_params.write_params(os.path.join(workdir, 'checkpoints', '5'), params,
+                            config.to_json_best_effort(), {'kind': 'test'})
+  return workdir
+
+
+NEVER_ENDING_ID = 5  # The symbol _never_ending_decoder_only_run's model always picks.
+
+
+@pytest.mark.parametrize('beam_size', [1, BEAM])
+def test_a_decoder_only_model_stops_at_its_position_limit_in_both_engines(tmp_path, beam_size):
+  """Sources of every length up to the model's max_len, in one batch: each output runs to
+  its own limit, max_len - (source + EOS) capped by source + EOS + max_extra_len, in t2t_jax's
+  engine and in CTranslate2's Generator alike (whose calls once took a shorter source's limit
+  for a longer one and ran past the position table)."""
+  workdir = _never_ending_decoder_only_run(str(tmp_path / 'run'))
+  max_len = 24
+  run = translate.load(workdir, beam_size=beam_size, alpha=0.0)
+  ct2 = translate.load_ctranslate2(workdir, beam_size=beam_size, alpha=0.0)
+  assert run.config.eval.max_extra_len + 2 < max_len  # Both caps are reached below.
+  rows = [np.array([2 + (i % NUM_SYMBOLS) for i in range(n)] + [EOS_ID], np.int32)
+          for n in range(max_len)]  # 1 to max_len tokens, EOS included.
+  too_long = rows.pop()  # max_len tokens leave no position for an output: both refuse it.
+  refusals = []
+  for translator, params in ((run.translator, run.params), (ct2.translator, None)):
+    with pytest.raises(ValueError) as refusal:
+      translator.translate(params, rows + [too_long])
+    refusals.append(str(refusal.value))
+  assert refusals[0] == refusals[1] == (
+      f'input {len(rows)} has {max_len} tokens, more than the model\'s max_len={max_len} less '
+      'one position to write an output at: truncate it first')
+  ours = run.translator.translate(run.params, rows)
+  theirs = ct2.translator.translate(None, rows)
+  for row, ids in enumerate(rows):
+    limit = min(len(ids) + run.config.eval.max_extra_len, max_len - len(ids))
+    assert limit == decode.max_decode_length(len(ids), run.config.eval.max_extra_len, max_len,
+                                             decoder_only=True)
+    expected = [NEVER_ENDING_ID] * limit
+    assert list(ours[row]) == expected, row
+    assert list(theirs[row]) == expected, row
