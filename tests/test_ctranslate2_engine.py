@@ -68,17 +68,47 @@ def _run(module, *args, stdin=None):
                         capture_output=True, text=True, timeout=300)
 
 
+def _constant_output_run(workdir, model_overrides: dict, symbol_logit: float, eos_logit: float,
+                         max_len: int = 32) -> str:
+  """A run whose every decoding step's output is one constant distribution: the last decoder
+  layer's output LayerNorm has scale 0 and a bias along the first embedding axis, where only
+  CONSTANT_ID's and EOS's (shared) embeddings are non-zero, so their logits are
+  `symbol_logit` and `eos_logit` and every other token's 0. What a search finds then follows
+  from the length penalty's formula alone."""
+  config = _config(model_overrides)
+  config.model.max_len = config.data.max_len = max_len
+  os.makedirs(workdir, exist_ok=True)
+  with open(os.path.join(workdir, 'config.json'), 'w') as f:
+    f.write(config.to_json_best_effort())
+  model_config = TransformerConfig.from_config(config.model, NUM_SYMBOLS + 2)
+  tokens = jnp.ones((1, 4), jnp.int32)
+  params = jax.tree.map(np.array, nn.meta.unbox(decoder_only.make_model(model_config).init(
+      jax.random.PRNGKey(0), tokens, tokens)['params']))
+  last = params[f'decoder_{model_config.num_decoder_layers - 1}']['ffn_block']['norm']
+  last['scale'][:] = 0.0
+  last['bias'][:] = 0.0
+  last['bias'][0] = 1.0
+  params['embedding']['embedding'][:, 0] = 0.0
+  params['embedding']['embedding'][CONSTANT_ID, 0] = symbol_logit
+  params['embedding']['embedding'][EOS_ID, 0] = eos_logit
+  saved_params.write_params(os.path.join(workdir, 'checkpoints', '5'), params,
+                            config.to_json_best_effort(), {'kind': 'test'})
+  return workdir
+
+
+CONSTANT_ID = 5  # The symbol _constant_output_run's model ranks first at every step.
+
+
 # The length penalty both engines have.
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize('alpha', ['recipe', 0.6])
 def test_length_penalty_beam_search_is_ctranslate2s(trained_workdir, alpha):
-  """eval.length_penalty='length' at configs/multi30k.py's alpha (1.4: most of this model's
-  best hypotheses then run to the length limit) and at 0.6 (most end with EOS): t2t_jax's
-  beam search and CTranslate2's (through the engine's arguments) find the same hypotheses,
-  each scored log p / length^alpha with its own softmax (t2t_jax's counts PAD, CTranslate2's
-  does not)."""
+  """eval.length_penalty='length' at configs/multi30k.py's alpha (1.4) and at 0.6 on a
+  trained model: t2t_jax's beam search and CTranslate2's (through the engine's arguments) find
+  the same hypotheses wherever t2t_jax's best two are apart, each scored log p / length^alpha
+  with its own softmax (t2t_jax's counts PAD, CTranslate2's does not)."""
   from configs import multi30k  # pylint: disable=g-import-not-at-top
   if alpha == 'recipe':
     alpha = multi30k.get_config().eval.alpha
@@ -93,10 +123,10 @@ def test_length_penalty_beam_search_is_ctranslate2s(trained_workdir, alpha):
   options = ctranslate2_engine.Search(BEAM, alpha, 'length').options(MAX_OUTPUT)
   results = _translator(model_dir).translate_batch(sources, **options, return_scores=True)
   best = [[int(i) for i in tokens[row, 0] if i != PAD_ID] for row in range(len(sources))]
-  assert {EOS_ID in b for b in best} == {True, False}  # Both ways of ending are compared.
   # Rows whose best two hypotheses are within 1e-3 may swap on rounding; the rest must agree.
   untied = [row for row in range(len(sources)) if scores[row, 0] - scores[row, 1] > 1e-3]
-  assert len(untied) >= len(sources) // 2
+  assert untied  # Something is compared. Both ways of ending, and the penalty deciding, are
+  # the next test's, on a model built for them.
   for row in untied:
     assert results[row].hypotheses[0] == [run.vocab.piece(i) for i in _until_eos(best[row])], row
   full, without_pad = _teacher_forced(run, np.asarray(inputs), best)
@@ -105,17 +135,74 @@ def test_length_penalty_beam_search_is_ctranslate2s(trained_workdir, alpha):
   ct2_scores = np.array([r.scores[0] for r in results])
   np.testing.assert_allclose(ct2_scores[untied], (without_pad / lengths**alpha)[untied],
                              atol=1e-4)
-  # The penalty decides: GNMT's at the same alpha picks other hypotheses for some sentences.
-  gnmt_tokens, _ = search(run.params, inputs, run.model_config, MAX_OUTPUT, BEAM, alpha,
-                          penalty='gnmt')
-  gnmt_best = [[int(i) for i in row if i != PAD_ID] for row in np.asarray(gnmt_tokens)[:, 0]]
-  assert sum(gnmt_best[row] != best[row] for row in untied) >= 3
+
+
+def _best_of_constant_output(symbol_logit: float, eos_logit: float, vocab_size: int,
+                             alpha: float, penalty: str, limit: int) -> tuple[list[int], float]:
+  """The best hypothesis of _constant_output_run's model and its score, by enumeration: the
+  constant symbol n - 1 times then EOS (n = 1 .. limit), or `limit` times without EOS, each
+  log p over `vocab_size` tokens divided by the penalty's formula, written out here. (With
+  0 < eos_logit < symbol_logit, EOS ranks second at every step, so a beam search scores every
+  one of them; any other hypothesis has a lower log p than the one of its length here.)"""
+  assert 0 < eos_logit < symbol_logit
+  log_z = np.log(np.exp(symbol_logit) + np.exp(eos_logit) + vocab_size - 2)  # Others: 0.
+  symbol, eos = symbol_logit - log_z, eos_logit - log_z
+  formula = {'gnmt': lambda n: ((5.0 + n) / 6.0) ** alpha, 'length': lambda n: n ** alpha}
+  candidates = [([CONSTANT_ID] * (n - 1) + [EOS_ID], (n - 1) * symbol + eos)
+                for n in range(1, limit + 1)] + [([CONSTANT_ID] * limit, limit * symbol)]
+  scored = sorted(((log_p / formula[penalty](len(ids)), ids) for ids, log_p in candidates),
+                  reverse=True)
+  assert scored[0][0] - scored[1][0] > 5e-3  # Far above float32 rounding: one best.
+  return scored[0][1], scored[0][0]
+
+
+@pytest.mark.parametrize('alpha, symbol_logit, eos_logit', [('recipe', 2.0, 0.5),
+                                                             (0.6, 3.0, 2.0)])
+def test_each_length_penalty_finds_the_hypothesis_its_formula_ranks_first(
+    tmp_path, alpha, symbol_logit, eos_logit):
+  """On a model whose every step is one constant distribution, the best hypothesis under each
+  penalty follows from the formulas alone (_best_of_constant_output): t2t_jax's beam search
+  finds it under both, with its score, and CTranslate2's under 'length' (GNMT's it refuses).
+  The logits are chosen so that the two penalties rank different hypotheses first: at
+  configs/multi30k.py's alpha EOS alone and one cut at the limit, at 0.6 two that end with
+  EOS."""
+  from configs import multi30k  # pylint: disable=g-import-not-at-top
+  if alpha == 'recipe':
+    alpha = multi30k.get_config().eval.alpha
+    assert alpha == 1.4
+  workdir = _constant_output_run(str(tmp_path / 'run'), {}, symbol_logit, eos_logit)
+  run = translate.load(workdir)
+  sources = _sources(6)
+  inputs = jnp.asarray(_inputs(run.vocab, sources))
+  search = jax.jit(decode.beam_search, static_argnums=(2, 3, 4, 5), static_argnames='penalty')
+  vocab_size = NUM_SYMBOLS + 2  # t2t_jax's softmax counts PAD; CTranslate2's leaves it out.
+  expected = {}
+  for penalty in decode.LENGTH_PENALTIES:
+    best, score = _best_of_constant_output(symbol_logit, eos_logit, vocab_size, alpha, penalty,
+                                           MAX_OUTPUT)
+    expected[penalty] = best
+    tokens, scores = search(run.params, inputs, run.model_config, MAX_OUTPUT, BEAM, alpha,
+                            penalty=penalty)
+    for row in range(len(sources)):
+      assert [int(i) for i in np.asarray(tokens)[row, 0] if i != PAD_ID] == best, (penalty, row)
+    np.testing.assert_allclose(np.asarray(scores)[:, 0], score, atol=1e-4)
+  assert expected['gnmt'] != expected['length']  # The penalty decides.
+  model_dir, _ = ctranslate2_engine.exported_model(run.config, run.vocab, workdir)
+  best, score = _best_of_constant_output(symbol_logit, eos_logit, vocab_size - 1, alpha,
+                                         'length', MAX_OUTPUT)
+  assert best == expected['length']
+  options = ctranslate2_engine.Search(BEAM, alpha, 'length').options(MAX_OUTPUT)
+  results = _translator(model_dir).translate_batch(sources, **options, return_scores=True)
+  for result in results:
+    assert result.hypotheses[0] == [run.vocab.piece(i) for i in _until_eos(best)]
+    assert result.scores[0] == pytest.approx(score, abs=1e-4)
+  with pytest.raises(ConfigError, match="GNMT's length penalty"):
+    ctranslate2_engine.Search(BEAM, alpha, 'gnmt').check()
 
 
 # The command line: both engines, same files, same labels.
 
 
-@pytest.mark.slow
 def _greedy_files(workdir, lines, tmp_path) -> tuple[str, dict[str, str]]:
   """The input file of `lines`, and each engine's output file of it (translate, greedy)."""
   source = write_lines(tmp_path / 'in.txt', lines)
@@ -130,6 +217,7 @@ def _greedy_files(workdir, lines, tmp_path) -> tuple[str, dict[str, str]]:
   return source, outputs
 
 
+@pytest.mark.slow
 def test_both_engines_write_the_same_greedy_file_and_bleu_lines(trained_workdir, tmp_path):
   lines = [' '.join(s) for s in _sources()] + ['', '3 1 4']
   source, outputs = _greedy_files(trained_workdir, lines, tmp_path)
@@ -327,34 +415,6 @@ def test_a_killed_export_leaves_no_model_directory_and_the_next_run_exports(tmp_
   assert os.path.isfile(os.path.join(cache, 'step_5', 'source.json'))
 
 
-def _never_ending_decoder_only_run(workdir) -> str:
-  """A causal decoder-only run whose every step's output is one constant distribution: the
-  last layer's output LayerNorm has scale 0 and a bias along the first embedding axis, where
-  only one symbol's (shared) embedding is positive (logit 1), EOS's far below (logit -100) and
-  every other token's 0. Greedy and beam search alike run every output to its position limit
-  on that symbol."""
-  config = _config(dict(kind='decoder_only', prefix_attention='causal'))
-  config.model.max_len = config.data.max_len = 24
-  os.makedirs(workdir, exist_ok=True)
-  with open(os.path.join(workdir, 'config.json'), 'w') as f:
-    f.write(config.to_json_best_effort())
-  model_config = TransformerConfig.from_config(config.model, NUM_SYMBOLS + 2)
-  tokens = jnp.ones((1, 4), jnp.int32)
-  params = jax.tree.map(np.array, nn.meta.unbox(decoder_only.make_model(model_config).init(
-      jax.random.PRNGKey(0), tokens, tokens)['params']))
-  last = params[f'decoder_{model_config.num_decoder_layers - 1}']['ffn_block']['norm']
-  last['scale'][:] = 0.0
-  last['bias'][:] = 0.0
-  last['bias'][0] = 1.0
-  params['embedding']['embedding'][:, 0] = 0.0
-  params['embedding']['embedding'][NEVER_ENDING_ID, 0] = 1.0
-  params['embedding']['embedding'][EOS_ID, 0] = -100.0
-  saved_params.write_params(os.path.join(workdir, 'checkpoints', '5'), params,
-                            config.to_json_best_effort(), {'kind': 'test'})
-  return workdir
-
-
-NEVER_ENDING_ID = 5  # The symbol _never_ending_decoder_only_run's model always picks.
 
 
 @pytest.mark.parametrize('beam_size', [1, BEAM])
@@ -363,7 +423,9 @@ def test_a_decoder_only_model_stops_at_its_position_limit_in_both_engines(tmp_pa
   its own limit, max_len - (source + EOS) capped by source + EOS + max_extra_len, in t2t_jax's
   engine and in CTranslate2's Generator alike (whose calls once took a shorter source's limit
   for a longer one and ran past the position table)."""
-  workdir = _never_ending_decoder_only_run(str(tmp_path / 'run'))
+  workdir = _constant_output_run(  # EOS never wins: no output ends by itself.
+      str(tmp_path / 'run'), dict(kind='decoder_only', prefix_attention='causal'),
+      symbol_logit=1.0, eos_logit=-100.0, max_len=24)
   max_len = 24
   run = translate.load(workdir, beam_size=beam_size, alpha=0.0)
   ct2 = translate.load_ctranslate2(workdir, beam_size=beam_size, alpha=0.0)
@@ -385,6 +447,6 @@ def test_a_decoder_only_model_stops_at_its_position_limit_in_both_engines(tmp_pa
     limit = min(len(ids) + run.config.eval.max_extra_len, max_len - len(ids))
     assert limit == decode.max_decode_length(len(ids), run.config.eval.max_extra_len, max_len,
                                              decoder_only=True)
-    expected = [NEVER_ENDING_ID] * limit
+    expected = [CONSTANT_ID] * limit
     assert list(ours[row]) == expected, row
     assert list(theirs[row]) == expected, row
