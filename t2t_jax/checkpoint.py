@@ -142,12 +142,16 @@ class Checkpointer:
     full = ((isinstance(error, OSError) and error.errno == errno.ENOSPC) or
             'No space left on device' in text)
     cause = 'the disk is full (No space left on device)' if full else saved_params.describe_error(error)
+    latest = self.manager.latest_step()
+    if latest is None:
+      kept, rerun = 'there is no intact checkpoint yet', 'start again'
+    else:
+      kept, rerun = f'the newest intact one is step {latest}', 'resume from it'
     raise CheckpointError(
         f'saving checkpoint {step} in {self.directory} failed: {cause}. Training stopped; the '
-        f'unfinished checkpoint was removed and the newest intact one is step '
-        f'{self.manager.latest_step()}. {"Free space" if full else "Fix the cause"} (or use a '
-        '--workdir on another disk, copying the checkpoints) and rerun the same command to '
-        'resume from it.') from error
+        f'unfinished checkpoint was removed and {kept}. '
+        f'{"Free space" if full else "Fix the cause"} (or use a --workdir on another disk, '
+        f'copying the checkpoints) and rerun the same command to {rerun}.') from error
 
   def remove_unfinished(self, step: int | None = None) -> None:
     """Removes orbax's temporary folders of unfinished saves, and step `step` if a failed

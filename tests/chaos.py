@@ -5,11 +5,12 @@ saves (SIGKILL), plus one SIGTERM, one Ctrl-C (SIGINT) and, where a tmpfs can be
 one full disk during training (the launch must stop with one error line; the disk is then
 freed); the moments come from a seeded RNG. The later of the SIGTERM and Ctrl-C launches runs
 on another shape (MOVED: fewer devices, another mesh) and must say so in one line, as must the
-next launch, back home. At every checkpoint of the completed run the data-iterator state
+next launch, back home. Each launch must train on from the newest checkpoint the ones before
+it finished writing (a save in flight at a kill is absent). At every checkpoint of the completed run the data-iterator state
 and the dropout key must equal an uninterrupted run's bit for bit; the parameters and optimiser
 state too up to the move, and after it (sums in another order) within the bound of
 conftest.assert_adam_runs_agree; the training losses likewise. No scratch file may remain.
-tests/test_checkpoint.py runs a few kills in CI; `python tests/chaos.py --kills=20 --seed=N`
+tests/test_checkpoint.py runs a few kills in CI (its kill -9 test); `python tests/chaos.py --kills=20 --seed=N`
 runs many and prints one JSON line.
 """
 
@@ -235,6 +236,11 @@ def run(kills: int, seed: int, root: str, pairs: int = 20_000) -> dict:
                         f'signalled at {outcome["moment"]}: {outcome["log"][-2000:]}')
       if kind in ('sigint', 'diskfull') and launches[-1]['left_behind']:
         problems.append(f'launch {number} ({kind}) left {launches[-1]["left_behind"]}')
+      # It trained on from the newest checkpoint the launches before it finished writing.
+      started = re.search(r'Training from step (\d+) to', outcome['log'])
+      if started and int(started.group(1)) != (resumed or 0):
+        problems.append(f'launch {number} ({kind}) trained from step {started.group(1)}, not '
+                        f'from the newest finished checkpoint ({resumed})')
       # It says it moved where that checkpoint was saved on another shape.
       if launches[-1]['said_moved'] != (resumed is not None and saved_on[resumed] != shape):
         problems.append(

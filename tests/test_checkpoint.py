@@ -237,6 +237,22 @@ def test_dropout_prng_with_another_key_size_is_refused_not_called_damaged(traine
   assert not os.path.exists(os.path.join(workdir, 'damaged_checkpoints'))
 
 
+@pytest.mark.slow
+def test_a_run_with_a_four_word_dropout_key_resumes_to_the_uninterrupted_result(tmp_path):
+  """dropout_prng='rbg' (a uint32[4] key; the default hash32's is [2]): a run stopped at a
+  checkpoint and resumed ends bitwise equal to one never stopped, dropout on."""
+  config = _config()
+  config.model.dropout_prng, config.train.num_steps = 'rbg', 10
+  assert config.model.dropout > 0
+  train.train_and_evaluate(config, str(tmp_path / 'straight'))
+  config.train.num_steps = 5
+  train.train_and_evaluate(config, str(tmp_path / 'resumed'))
+  config.train.num_steps = 10
+  train.train_and_evaluate(config, str(tmp_path / 'resumed'))
+  assert leaves_equal(saved_state_field(f'{tmp_path}/straight/checkpoints/10'),
+                       saved_state_field(f'{tmp_path}/resumed/checkpoints/10'))
+
+
 def _disk_full_in_background(monkeypatch):
   """Makes orbax's background writer of JSON items fail as a full disk does."""
   async def disk_full(self, x, directory):
@@ -354,9 +370,13 @@ def test_failed_final_save_raises_at_close(tmp_path, monkeypatch):
   checkpointer = checkpoint.Checkpointer(str(tmp_path), _config().ckpt)
   _disk_full_in_background(monkeypatch)
   checkpointer.save(7, {'w': jnp.arange(4.0)}, jax.random.PRNGKey(0), {'next_index': 7}, '{}')
-  with pytest.raises(checkpoint.CheckpointError, match=r'saving checkpoint 7 .* newest intact '
-                     r'one is step None'):
+  with pytest.raises(checkpoint.CheckpointError) as raised:
     checkpointer.close()
+  message = str(raised.value)
+  assert 'saving checkpoint 7 ' in message and 'None' not in message, message
+  assert message.endswith('the unfinished checkpoint was removed and there is no intact '
+                          'checkpoint yet. Free space (or use a --workdir on another disk, '
+                          'copying the checkpoints) and rerun the same command to start again.')
   assert os.listdir(tmp_path / 'checkpoints') == []
 
 
@@ -518,54 +538,44 @@ def _run_until(command, kill_at_step: int, sig=signal.SIGKILL,
       process.send_signal(sig)
       if sig == signal.SIGKILL:
         break
-  process.wait(timeout=120)
+  process.wait(timeout=600)
   return process.returncode, ''.join(lines), signalled_at
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize('dropout_prng', ['hash32', 'rbg'])  # The default; a 4-word key.
-def test_kill9_twice_then_resume_equals_an_uninterrupted_run(tmp_path, dropout_prng):
-  steps = ['--config.train.num_steps=24', '--config.ckpt.every=3',
-           f'--config.model.dropout_prng={dropout_prng}']
-  env = dict(os.environ, PYTHONPATH=ROOT)
-  subprocess.run(_command(tmp_path / 'straight', *steps), cwd=ROOT, env=env, check=True,
-                 capture_output=True, timeout=300)
-  first, second = random.randint(4, 10), random.randint(14, 20)
-  interrupted = tmp_path / 'interrupted'
-  starts = []
-  for kill_at in (first, second, None):
-    rc, log, _ = _run_until(_command(interrupted, *steps), kill_at or 10**9)
-    assert rc == (0 if kill_at is None else -signal.SIGKILL), log[-3000:]
-    starts.append(int(re.search(r'Training from step (\d+) to 24', log).group(1)))
-  # Each launch resumed from the newest checkpoint the previous one finished writing (saves
-  # are asynchronous, so one in flight at the kill is absent), and the last one did resume.
-  assert starts[0] == 0 and starts[1] <= first and 0 < starts[2] <= second, (
-      first, second, starts)
-  assert starts[1] <= starts[2], (first, second, starts)
+STRAIGHT = ['--config.train.num_steps=24', '--config.ckpt.every=3']
 
-  for step in (24,) + tuple(s for s in range(3, 24, 3) if s > second):
-    a, b = (checkpoint.Checkpointer(str(w), _config().ckpt).manager for w in
-            (tmp_path / 'straight', interrupted))
-    assert leaves_equal(saved_state_field(f'{tmp_path}/straight/checkpoints/{step}'),
-                         saved_state_field(f'{interrupted}/checkpoints/{step}')), (first, second)
-    data_items = [m.restore(step, args=ocp.args.Composite(data=ocp.args.JsonRestore()))['data']
-                  for m in (a, b)]
-    assert data_items[0] == data_items[1]
-    assert (data_items[0]['epoch'], data_items[0]['batch']) == (0, step)
+
+@pytest.fixture(scope='module')
+def straight(tmp_path_factory):
+  """The tiny config trained through the CLI to step 24, saving every 3 steps: what the
+  interrupted runs below must end equal to (how often a run saves does not change what it
+  computes)."""
+  workdir = tmp_path_factory.mktemp('straight')
+  subprocess.run(_command(workdir, *STRAIGHT), cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
+                 check=True, capture_output=True, timeout=900)
+  return workdir
+
+
+def _saved_after_signal(log: str, what: str) -> int:
+  """The step a signalled run saved, checked against the step its own log says the signal
+  arrived in: that step, or the next where the signal came after the step's save decision."""
+  arrived = int(re.search(r'received during (?:the [\w ]+ of )?step (\d+)', log).group(1))
+  saved = int(re.search(rf'{what}: saved a checkpoint at step (\d+)', log).group(1))
+  assert arrived <= saved <= arrived + 1, (arrived, saved)
+  return saved
 
 
 @pytest.mark.slow
 def test_sigterm_saves_at_the_signalled_step_and_exits_in_time(tmp_path):
   command = _command(tmp_path, '--config.train.num_steps=100000', '--config.ckpt.every=0',
-                     '--config.ckpt.preemption_grace_seconds=60')
-  start = time.perf_counter()
+                     '--config.ckpt.preemption_grace_seconds=600')
   rc, log, signalled_at = _run_until(command, 5, signal.SIGTERM)
   assert rc == 128 + signal.SIGTERM, log[-3000:]
-  saved = int(re.search(r'saved a checkpoint at step (\d+)', log).group(1))
-  # The signal lands while step `signalled_at` + 1 or + 2 is already dispatched.
-  assert signalled_at <= saved <= signalled_at + 3
+  saved = _saved_after_signal(log, r'preempted \(SIGTERM\)')
+  assert saved >= signalled_at
   assert os.listdir(tmp_path / 'checkpoints') == [str(saved)]
-  assert time.perf_counter() - start < 120
+  assert 'grace period' not in log and 'Traceback' not in log, log[-3000:]  # Saved in time.
+  assert _unfinished(tmp_path) == []  # The run.lock too.
 
   # Too short a grace period: the watchdog exits, the previous checkpoint stays intact.
   command[-1] = '--config.ckpt.preemption_grace_seconds=0.001'
@@ -576,19 +586,6 @@ def test_sigterm_saves_at_the_signalled_step_and_exits_in_time(tmp_path):
   assert saved in restored
 
 
-@pytest.mark.slow
-def test_a_signal_during_an_evaluation_abandons_it_and_saves_that_step(tmp_path):
-  command = _command(tmp_path, '--config.train.num_steps=100000', '--config.ckpt.every=0',
-                     '--config.train.eval_every=6', '--config.eval.bleu_sentences=-1',
-                     '--config.ckpt.preemption_grace_seconds=60')
-  rc, log, signalled_at = _run_until(command, 6, signal.SIGTERM, r'\] step (\d+): evaluating')
-  assert rc == 128 + signal.SIGTERM and signalled_at == 6, log[-3000:]
-  assert 'SIGTERM during the evaluation of step 6: evaluation abandoned, saving step 6' in log
-  assert 'step 6 eval:' not in log  # Abandoned: no figures.
-  assert 'saved a checkpoint at step 6' in log
-  assert os.listdir(tmp_path / 'checkpoints') == ['6']
-
-
 def _unfinished(workdir) -> list[str]:
   """What only an unfinished save or a live run leaves: orbax temporaries and the lock."""
   return sorted(glob.glob(f'{workdir}/checkpoints/*{checkpoint.TMP_MARK}*') +
@@ -596,42 +593,49 @@ def _unfinished(workdir) -> list[str]:
 
 
 @pytest.mark.slow
-def test_ctrl_c_saves_the_step_and_the_resumed_run_equals_a_straight_one(tmp_path):
+def test_ctrl_c_saves_the_step_and_the_resumed_run_equals_a_straight_one(straight, tmp_path):
   steps = ['--config.train.num_steps=24', '--config.ckpt.every=0']
-  env = dict(os.environ, PYTHONPATH=ROOT)
-  subprocess.run(_command(tmp_path / 'straight', *steps), cwd=ROOT, env=env, check=True,
-                 capture_output=True, timeout=300)
   interrupted = tmp_path / 'interrupted'
   rc, log, signalled_at = _run_until(_command(interrupted, *steps), 6, signal.SIGINT)
   assert rc == 128 + signal.SIGINT, log[-3000:]
   assert 'KeyboardInterrupt' not in log and 'Traceback' not in log, log[-3000:]
-  saved = int(re.search(r'interrupted \(Ctrl-C\): saved a checkpoint at step (\d+)',
-                        log).group(1))
-  assert signalled_at <= saved <= signalled_at + 3
+  saved = _saved_after_signal(log, r'interrupted \(Ctrl-C\)')
+  assert saved >= signalled_at
   assert os.listdir(interrupted / 'checkpoints') == [str(saved)]
   assert _unfinished(interrupted) == []
   rc, log, _ = _run_until(_command(interrupted, *steps), 10**9)
   assert rc == 0 and f'Training from step {saved} to 24' in log, log[-3000:]
-  assert leaves_equal(saved_state_field(f'{tmp_path}/straight/checkpoints/24'),
+  assert leaves_equal(saved_state_field(f'{straight}/checkpoints/24'),
                        saved_state_field(f'{interrupted}/checkpoints/24'))
 
 
 @pytest.mark.slow
 def test_a_second_ctrl_c_exits_at_once_leaving_only_whole_checkpoints(tmp_path):
+  """The second Ctrl-C is sent once the run has logged that it took the first (two sent
+  together can reach Python's handler as one); a launch that finished saving and exited
+  before the second could be sent proves nothing and is tried again."""
   command = _command(tmp_path, '--config.train.num_steps=100000', '--config.ckpt.every=2')
-  process = subprocess.Popen(command, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
-                             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
-  lines = []
-  for line in process.stderr:
-    lines.append(line)
-    if re.search(r'\] step 7: loss', line):  # Saves of steps 2, 4, 6 started; 8 is next.
-      process.send_signal(signal.SIGINT)
-      time.sleep(0.05)
-      process.send_signal(signal.SIGINT)
+  for _ in range(3):
+    shutil.rmtree(tmp_path / 'checkpoints', ignore_errors=True)
+    process = subprocess.Popen(command, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
+                               stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    lines, second_sent = [], False
+    for line in process.stderr:
+      lines.append(line)
+      if re.search(r'\] step 7: loss', line):  # Saves of steps 2, 4, 6 started; 8 is next.
+        process.send_signal(signal.SIGINT)
+      elif 'Ctrl-C (SIGINT) received during' in line:
+        if process.poll() is None:
+          process.send_signal(signal.SIGINT)
+          second_sent = True
+        break
+    lines += process.stderr.readlines()
+    log = ''.join(lines)
+    rc = process.wait(timeout=600)
+    if second_sent:
       break
-  lines += process.stderr.readlines()
-  log = ''.join(lines)
-  assert process.wait(timeout=60) == 128 + signal.SIGINT, log[-3000:]
+  assert second_sent, log[-3000:]
+  assert rc == 128 + signal.SIGINT, log[-3000:]
   assert re.search(r'Second Ctrl-C during [^:]+: exiting without saving', log), log[-3000:]
   assert 'Traceback' not in log, log[-3000:]
   assert _unfinished(tmp_path) == []
@@ -643,51 +647,50 @@ def test_a_second_ctrl_c_exits_at_once_leaving_only_whole_checkpoints(tmp_path):
   assert rc == 0 and f'Training from step {latest} to {latest + 2}' in log, log[-3000:]
 
 
-def _mount_tmpfs(directory, size_bytes: int) -> bool:
-  """Mounts a tmpfs of `size_bytes` on `directory`; False where mounting is not allowed."""
-  os.makedirs(directory, exist_ok=True)
-  return subprocess.run(['mount', '-t', 'tmpfs', '-o', f'size={size_bytes}', 'tmpfs',
-                         str(directory)], capture_output=True).returncode == 0
-
-
 @pytest.mark.slow
-def test_a_full_disk_stops_the_run_and_a_disk_with_room_resumes_it(tmp_path):
-  """A real full disk: a tmpfs with room for the first checkpoint but not the second."""
-  steps = ['--config.train.num_steps=40', '--config.ckpt.every=4', '--config.ckpt.keep=10']
-  env = dict(os.environ, PYTHONPATH=ROOT)
-  straight = tmp_path / 'straight'
-  subprocess.run(_command(straight, *steps), cwd=ROOT, env=env, check=True,
-                 capture_output=True, timeout=300)
-  checkpoint_bytes = sum(os.stat(path).st_blocks * 512 for path in  # Whole blocks, as tmpfs.
-                         glob.glob(f'{straight}/checkpoints/4/**', recursive=True))
+def test_a_full_disk_stops_the_run_and_a_disk_with_room_resumes_it(straight, tmp_path):
+  """A real full disk: a roomy tmpfs, filled to the last byte once the first checkpoint is
+  whole. The run is paused (SIGSTOP) at each step it logs until then, so it cannot run past
+  the next save before the disk is full; what orbax writes on the way does not matter."""
   disk = tmp_path / 'disk'
-  # Room for the events, the config and one checkpoint, not two.
-  # (Orbax needs more than the finished size while it writes.)
-  if not _mount_tmpfs(disk, int(2.5 * checkpoint_bytes) + 256 * 1024):
+  if not chaos.mount_tmpfs(str(disk), '256m'):
     pytest.skip('mounting a tmpfs is not allowed here (not root?)')
   try:
     workdir = disk / 'run'
-    rc, log, _ = _run_until(_command(workdir, *steps), 10**9)
+    process = subprocess.Popen(_command(workdir, *STRAIGHT), cwd=ROOT,
+                               env=dict(os.environ, PYTHONPATH=ROOT), stderr=subprocess.PIPE,
+                               stdout=subprocess.DEVNULL, text=True)
+    lines, filled = [], False
+    for line in process.stderr:
+      lines.append(line)
+      if not filled and re.search(r'\] step \d+: loss', line):
+        process.send_signal(signal.SIGSTOP)
+        if os.path.isdir(workdir / 'checkpoints' / '3'):  # Orbax renames a save when whole.
+          chaos.fill_disk(str(disk))
+          filled = True
+        process.send_signal(signal.SIGCONT)
+    rc, log = process.wait(timeout=600), ''.join(lines)
+    assert filled, log[-3000:]
     errors = [line for line in log.splitlines() if line.startswith('error: ')]
     assert rc == 1 and len(errors) == 1, log[-3000:]
     assert 'Traceback' not in log and 'Event loop is closed' not in log, log[-3000:]
     failed = int(re.search(r'saving checkpoint (\d+) in ', errors[0]).group(1))
-    assert failed >= 8, errors[0]  # The first checkpoint fitted.
+    assert failed >= 6, errors[0]  # The first checkpoint was whole before the disk filled.
     assert f'in {workdir}/checkpoints failed: the disk is full' in errors[0], errors[0]
-    assert f'newest intact one is step {failed - 4}' in errors[0], errors[0]
+    assert f'newest intact one is step {failed - 3}' in errors[0], errors[0]
     last_step = max(int(step) for step in re.findall(r'\] step (\d+): loss', log))
     # Found by the per-step check once the background write failed, at the latest by the next
     # save, which waits for it: never trained on to the end.
-    assert last_step <= failed + 4 < 40, (failed, last_step)
-    # Every save before the failed one is intact (keep=10 keeps them all); nothing else is left.
+    assert last_step <= failed + 3 < 24, (failed, last_step)
+    # Every save before the failed one is intact (keep=20 keeps them all); nothing else is left.
     assert sorted(os.listdir(workdir / 'checkpoints'), key=int) == [
-        str(step) for step in range(4, failed, 4)]
+        str(step) for step in range(3, failed, 3)]
     assert _unfinished(workdir) == []
-    subprocess.run(['mount', '-o', 'remount,size=64m', str(disk)], check=True)
-    rc, log, _ = _run_until(_command(workdir, *steps), 10**9)
-    assert rc == 0 and f'Training from step {failed - 4} to 40' in log, log[-3000:]
-    assert leaves_equal(saved_state_field(f'{straight}/checkpoints/40'),
-                         saved_state_field(f'{workdir}/checkpoints/40'))
+    os.remove(disk / chaos.FILLER)
+    rc, log, _ = _run_until(_command(workdir, *STRAIGHT), 10**9)
+    assert rc == 0 and f'Training from step {failed - 3} to 24' in log, log[-3000:]
+    assert leaves_equal(saved_state_field(f'{straight}/checkpoints/24'),
+                         saved_state_field(f'{workdir}/checkpoints/24'))
   finally:
     subprocess.run(['umount', str(disk)], check=False)
 

@@ -65,6 +65,10 @@ def _one_line_error(stderr: str, *parts: str) -> str:
     ('translate', ['--workdir=W', '--beam_size=0'], ['--beam_size=0', 'not a positive integer']),
     ('translate', ['--workdir=W', '--output=/missing/dir/out.txt'],
      ['--output=/missing/dir/out.txt', 'the directory /missing/dir does not exist']),
+    ('main', ['--config=configs/tiny.py', '--workdir=W', '--dry_run_target=tpu:v5e-8'],
+     ['--dry_run_target only applies with --dry_run']),
+    ('main', ['--config=configs/tiny.py', '--workdir=W', '--dry_run', '--search_mesh'],
+     ['--search_mesh needs --dry_run_target']),
 ])
 def test_usage_mistakes_are_one_line_and_a_usage_line(tmp_path, module, args, parts):
   args = [arg.replace('=W', f'={tmp_path}') for arg in args]
@@ -135,6 +139,7 @@ def test_config_errors_are_one_line_before_any_work(tmp_path, flag, parts):
   assert os.listdir(tmp_path) == []  # Refused before anything was written.
 
 
+@pytest.mark.slow
 def test_a_workdir_that_is_a_file_is_one_line(tmp_path):
   path = tmp_path / 'a_file'
   path.write_text('not a directory')
@@ -144,6 +149,7 @@ def test_a_workdir_that_is_a_file_is_one_line(tmp_path):
   assert path.read_text() == 'not a directory'
 
 
+@pytest.mark.slow
 def test_a_batch_smaller_than_the_mesh_is_one_line_before_any_work(tmp_path):
   # conftest gives 8 devices: 64 tokens are 4 rows of the 16-token shortest bucket.
   returncode, stderr = _cli('main', '--config=configs/tiny.py', f'--workdir={tmp_path}',

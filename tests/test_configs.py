@@ -3,6 +3,7 @@ config_check passes, the model builds for the configured mesh, and the variant d
 it names (an unknown variant is refused)."""
 
 import importlib
+import math
 import os
 import sys
 
@@ -101,6 +102,9 @@ def test_each_shipped_config_and_variant_is_valid_and_builds(name, variant):
   # The variant is what its name says: checked on the built model, not on the config keys.
   if name == 'wmt14_ende':
     assert (model.d_model, model.num_heads) == ((1024, 16) if variant == 'big' else (512, 8))
+  if (name, variant) == ('wmt14_ende', 'big'):  # The abstract state (jax.eval_shape): no compile.
+    params = sum(math.prod(p.shape) for p in jax.tree.leaves(setup.abstract_state.params))
+    assert 200e6 < params < 220e6  # Transformer big with its 37000-token shared vocabulary.
   if name == 'tiny':
     assert model.moe_experts == (4 if variant == 'moe' else 0)
   if name == 'lm':

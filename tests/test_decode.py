@@ -213,24 +213,26 @@ def test_translator_keeps_input_order_through_length_sorting(beam_size):
   assert translator.translate(params, []) == []
 
 
-def test_bfloat16_beam_search_finds_what_float32_finds_and_caches_in_bfloat16():
+def test_bfloat16_beam_search_scores_within_the_rounding_bound_and_caches_in_bfloat16():
   config = dataclasses.replace(CONFIG, dtype=jnp.bfloat16)
   params, inputs = _random_params(seed=2, std=0.5), _sources()  # 7 distinct float32 outputs.
   tokens, scores = beam_search(params, inputs, config=config, max_len=8, beam_size=2, alpha=0.6)
   expected_tokens, expected_scores = beam_search(params, inputs, config=CONFIG, max_len=8,
                                                  beam_size=2, alpha=0.6)
   assert tokens.shape == (8, 2, 8) and np.all(np.diff(np.asarray(scores), axis=1) <= 0)
-  # A near-tie may flip under bfloat16 rounding; most best hypotheses stay (measured: 7 of 8).
-  same = np.all(np.asarray(tokens) == np.asarray(expected_tokens), axis=-1)
-  assert same[:, 0].sum() >= 6, same
   # A score sums at most 8 steps' log-probabilities. The logits are below 2 in magnitude here,
   # and bfloat16 rounds to 2^-8 of a value: allowing each step three roundings of a logit,
   # a score is within 8 x 3 x 2 x 2^-8 = 0.19 of float32's (measured 0.021).
+  bound = 8 * 3 * 2 * 2**-8
   logits = model_lib.Transformer(CONFIG).apply({'params': params}, inputs,
                                                expected_tokens[:, 0])
   assert float(jnp.max(jnp.abs(logits))) < 2
+  # A near-tie may flip under bfloat16 rounding (which hypotheses must stay is the next
+  # test's, against the logits' measured deviation); the hypotheses both find score alike.
+  same = np.all(np.asarray(tokens) == np.asarray(expected_tokens), axis=-1)
+  assert same.any()
   np.testing.assert_allclose(np.asarray(scores)[same], np.asarray(expected_scores)[same],
-                             atol=8 * 3 * 2 * 2**-8)
+                             atol=bound)
   cache = decode.init_cache(config, 2, 8)
   assert cache['decoder_0']['self_attention']['key'].dtype == jnp.bfloat16
 

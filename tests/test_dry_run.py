@@ -1,5 +1,7 @@
-"""Dry runs for named accelerator targets: the real train step, eval step and search compiled
-by the TPU compiler (libtpu) and XLA's GPU compiler on this CPU, with no TPU or GPU here.
+"""Dry runs, the one place for them: the train step compiled for this machine's (simulated)
+CPU devices, from the command line and in-process; and for named accelerator targets, the
+real train step, eval step and search compiled by the TPU compiler (libtpu) and XLA's GPU
+compiler on this CPU, with no TPU or GPU here.
 
 Expectations are independent of the compiler: the state a device must hold (parameters and
 Adam's two moments, float32), the gradient bytes data parallelism must reduce, the FLOPs
@@ -7,17 +9,22 @@ counted from the shapes (flops.py), and what fits a device's published memory.
 """
 
 import json
+import math
 import os
 import subprocess
 import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from t2t_jax import ConfigError
+from t2t_jax import data
 from t2t_jax import dry_run as dry_run_lib
+from t2t_jax import flops
 from t2t_jax import hlo_cost
+from t2t_jax import model as model_lib
 from t2t_jax import mesh_search
 from t2t_jax import setup as setup_lib
 from t2t_jax import sharding
@@ -56,6 +63,84 @@ def _check_state_and_step(result, params):
   assert 0 < prediction['mfu'] < 1 and prediction['unknown_trip_counts'] == 0
 
 
+@pytest.mark.slow
+def test_dry_run_cli_prints_size_and_cost_on_a_simulated_4_2_1_mesh(tiny_config):
+  """`--dry_run --dry_run_devices=8` (this process's 8 simulated devices not inherited): the
+  JSON line's size and cost of the train step on a data x FSDP mesh."""
+  command = [sys.executable, '-m', 't2t_jax.main', '--config=configs/tiny.py', '--dry_run',
+             '--dry_run_devices=8', '--config.mesh.shape=(4,2,1)']
+  run = subprocess.run(command, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS=''),
+                       capture_output=True, text=True, timeout=300)
+  assert run.returncode == 0, run.stderr[-3000:]
+  result = json.loads(run.stdout.strip().splitlines()[-1])
+  config = tiny_config
+  config.mesh.shape = (4, 2, 1)
+  model_config = model_lib.TransformerConfig.from_config(config.model, data.vocab_size(config),
+                                                         'cpu')
+  tokens = jax.ShapeDtypeStruct((1, 4), np.int32)
+  shapes = jax.eval_shape(model_lib.Transformer(model_config).init, jax.random.PRNGKey(0),
+                          tokens, tokens)
+  params = sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(shapes['params']))
+  rows, length = result['batch_shape']
+  assert result['config'] == 'tiny' and result['params'] == params
+  assert result['mesh'] == {'data': 4, 'fsdp': 2, 'tensor': 1, 'expert': 1}
+  assert result['device_count'] == 8
+  analytic = flops.train_step_flops(model_config, rows, length, length)
+  assert result['analytic_flops_per_step'] == analytic
+  # The compiled kernels' matmuls: each device its share of the rows.
+  assert result['compiled_flops_per_device'] * 8 == analytic
+  assert analytic < result['flops_per_step'] < 1.3 * analytic  # XLA adds elementwise work.
+  # Each device's arguments: its shard of the float32 params and two Adam moments (split two
+  # ways over fsdp, as the abstract state's shardings say: no compile), its rows of the
+  # batch's two int32 arrays, and a few scalars (step, counts, the key).
+  abstract = setup_lib.build(config, data.vocab_size(config)).abstract_state.params
+  state = 3 * 4 * sum(math.prod(p.sharding.shard_shape(p.shape)) for p in jax.tree.leaves(abstract))
+  assert state == pytest.approx(3 * 4 * params / 2, rel=0.01)  # The replicated biases aside.
+  memory = result['memory_per_device_bytes']
+  assert 0 <= memory['argument'] - (state + 2 * 4 * rows * length // 8) <= 64
+  assert memory['temp'] > 0 and memory['output'] > 0
+
+
+@pytest.mark.slow
+def test_dry_run_counts_params_and_flops_of_every_layer_scanned_or_not_on_any_mesh(
+    tiny_config):
+  config = tiny_config
+  layers = config.model.num_encoder_layers = config.model.num_decoder_layers = 3
+  config.mesh.shape = (2, 2, 2)
+  config.data.batch_tokens = 512  # 16 rows of 32: whole micro-batches on both meshes below.
+  result = dry_run_lib.dry_run(config)
+  assert (result['scan_layers'], result['remat']) == (False, 'none')
+  d, f, v = config.model.d_model, config.model.d_ff, data.vocab_size(config)
+  layer = 4 * d * d + 2 * d * f + f + d + 4 * d  # Attention, FFN, biases, two LayerNorms.
+  decoder_layer = 8 * d * d + 2 * d * f + f + d + 6 * d
+  assert result['params'] == v * d + layers * (layer + decoder_layer)
+  assert result['device_count'] == 8 and result['mesh'] == {'data': 2, 'fsdp': 2, 'tensor': 2,
+                                                               'expert': 1}
+  # Forward and backward cost at least 6 FLOPs per weight of every matmul per token.
+  rows, length = result['batch_shape']
+  matmul_weights = layers * (2 * (4 * d * d + 2 * d * f) + 4 * d * d) + v * d
+  assert result['flops_per_step'] > 6 * matmul_weights * rows * length
+  assert result['flops_per_step'] < 3 * 6 * matmul_weights * rows * length
+  assert result['flops_per_step_per_device'] == result['flops_per_step'] / 8
+  memory = result['memory_per_device_bytes']
+  assert memory['argument'] > 0 and memory['temp'] > 0
+  assert math.isclose(memory['total'], memory['argument'] + memory['output'] + memory['temp']
+                      - memory['alias'])
+  config.model.scan_layers = True
+  scanned = dry_run_lib.dry_run(config)
+  assert (scanned['scan_layers'], scanned['remat']) == (True, 'none')
+  assert scanned['params'] == result['params']
+  # A scan's body is analysed once; the figure must still cover all three layers.
+  assert scanned['flops_per_step'] == pytest.approx(result['flops_per_step'], rel=1e-3)
+  assert scanned['compile_seconds'] > 0 and scanned['memory_per_device_bytes']['temp'] > 0
+  config.model.scan_layers = False
+  config.mesh.shape = (8, 1, 1)
+  config.opt.grad_accum_steps = 2  # The same arithmetic in two halves, on another mesh.
+  assert dry_run_lib.dry_run(config)['flops_per_step'] == pytest.approx(result['flops_per_step'],
+                                                                        rel=1e-3)
+
+
+@pytest.mark.slow
 def test_tiny_compiles_for_a_tpu_slice(libtpu, tiny_config):
   del libtpu
   result = dry_run_lib.dry_run(tiny_config, 'tpu:v5e-8')
@@ -73,6 +158,7 @@ def test_tiny_compiles_for_a_tpu_slice(libtpu, tiny_config):
   assert 'tpu:v5e-8' in table and 'train_step' in table and 'predicted' in table
 
 
+@pytest.mark.slow
 def test_auto_dtype_is_the_targets_and_its_gradients_are_summed_in_bfloat16(libtpu,
                                                                               tiny_config):
   """'auto' resolves for the TPU compiled for, not for this CPU; in bfloat16 the weight
@@ -86,6 +172,7 @@ def test_auto_dtype_is_the_targets_and_its_gradients_are_summed_in_bfloat16(libt
   assert 2 * result['params'] <= reduced < 2.2 * result['params']
 
 
+@pytest.mark.slow
 def test_tiny_compiles_for_eight_h100s(cuda_compiler, tiny_config):
   del cuda_compiler
   tiny_config.mesh.shape = (2, 4, 1)
@@ -103,6 +190,7 @@ def test_tiny_compiles_for_eight_h100s(cuda_compiler, tiny_config):
       result['analytic_flops_per_step'], rel=1e-6)
 
 
+@pytest.mark.slow
 def test_cudnn_attention_lowers_for_an_h100(cudnn_compiler, tiny_config, no_persistent_cache):
   """cuDNN's fused attention, with the sequence-length path of padded rows, in the train step."""
   del cudnn_compiler, no_persistent_cache
@@ -126,6 +214,7 @@ def test_cudnn_attention_lowers_for_an_h100(cudnn_compiler, tiny_config, no_pers
   assert fused == 3 * 2 * (2 + 5) * rows * length * length * config.model.d_model
 
 
+@pytest.mark.slow
 def test_two_slices_reduce_over_the_data_centre_network(libtpu, tiny_config):
   del libtpu
   tiny_config.mesh.shape = (2, 8, 1)  # config.mesh.dcn_data left at 1: the target sets it.
@@ -159,21 +248,6 @@ def test_a_step_that_does_not_fit_is_one_error_line():
   assert result['fits'] is False
   assert 'compiler_error' in result['programs']['train_step']
   assert 'refused by the compiler' in run.stdout
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize('flags, message', [
-    (['--dry_run_target=tpu:v5e-8'], '--dry_run_target only applies with --dry_run'),
-    (['--dry_run', '--search_mesh'], '--search_mesh needs --dry_run_target'),
-    (['--dry_run', '--dry_run_target=tpu:v7-8'], "error: --dry_run_target='tpu:v7-8' is not a "
-                                                 'target t2t_jax knows'),
-])
-def test_target_flags_refuse_bad_use_in_one_line(flags, message):
-  run = subprocess.run([sys.executable, '-m', 't2t_jax.main', '--config=configs/tiny.py',
-                        '--workdir=/tmp/unused'] + flags, cwd=ROOT,
-                       env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True,
-                       timeout=300)
-  assert run.returncode != 0 and message in run.stderr and 'Traceback' not in run.stderr
 
 
 @pytest.mark.slow
@@ -212,6 +286,7 @@ def test_family_members_compile_for_a_tpu_slice(libtpu, tiny_config, changes):
   assert result['prediction']['unknown_trip_counts'] == 0
 
 
+@pytest.mark.slow
 def test_splash_attention_compiles_for_a_tpu_inside_the_train_step(libtpu, tiny_config,
                                                                     no_persistent_cache):
   """The Pallas kernel, compiled by the TPU compiler (not interpreted): forward, dq and dkv
@@ -256,6 +331,7 @@ def test_a_refused_program_counts_what_the_compiler_says_it_needs():
   assert not fitting.report(160, 50)['fits']
 
 
+@pytest.mark.slow
 def test_fsdp_embedding_gradient_needs_no_full_rematerialisation(cuda_compiler, tiny_config,
                                                                  capfd):
   """The embedding lookup's gradient under FSDP: XLA's partitioner logged "Involuntary full

@@ -1,9 +1,11 @@
-"""A run resumed on other devices, mesh splits and micro-batches trains on with the same global
-batches as one that stayed, within float32 sum-order noise; a mesh that cannot split the saved
-plan, or a change of what the run trains, stops the resume in one line before any work.
+"""A run resumed on other devices, mesh splits, micro-batches and process counts trains on with
+the same global batches as one that stayed, within float32 sum-order noise; a mesh that cannot
+split the saved plan, or a change of what the run trains, stops the resume in one line before
+any work.
 
-Every run goes through the command line in subprocesses, each with its own count of simulated
-CPU devices, and saves every step, so each step's data position and weights can be compared.
+Every moved run goes through the command line in subprocesses, each with its own count of
+simulated CPU devices (and of processes, through launch/local.py), and saves every step, so
+each step's data position and weights can be compared.
 """
 
 import hashlib
@@ -23,6 +25,7 @@ import pytest
 from conftest import ROOT, assert_moved_run_agrees, saved_state_field, scalar_events
 from t2t_jax import exit_codes
 from t2t_jax import optim
+from t2t_jax import train
 
 ENGLISH = ['one', 'two', 'three', 'four', 'five', 'six', 'seven', 'eight', 'nine']
 GERMAN = ['eins', 'zwei', 'drei', 'vier', 'fuenf', 'sechs', 'sieben', 'acht', 'neun']
@@ -179,6 +182,79 @@ def test_packed_multi30k_shaped_run_moved_with_other_accumulation_follows_the_st
                'model.dropout': 0.0, 'model.attention_dropout': 0.0, 'model.relu_dropout': 0.0}
   legs = [(8, (4, 2, 1), 1, 4), (2, (1, 2, 1), 2, 8), (8, (2, 2, 2), 1, 12)]
   _move_and_compare('configs/multi30k.py:raw_rotary', overrides, legs, (4, 2, 1), tmp_path)
+
+
+# A run that moves between processes, each launch through launch/local.py (several processes
+# joined by jax.distributed, each its own slice) or one process alone: (processes, CPU devices
+# in each, the step its launch trains to). Each move changes the mesh (8 -> 4 -> 4 devices) and
+# the process count (2 -> 1 -> 2).
+MOVES = ((2, 4, 4), (1, 4, 8), (2, 2, 12))
+MOVED_STEPS = MOVES[-1][2]
+# Every step saved and kept: assert_moved_run_agrees reads the reference's steps 1..MOVED_STEPS.
+EVERY_STEP = {'train.log_every': 1, 'train.eval_every': MOVED_STEPS, 'ckpt.every': 1,
+              'ckpt.keep': MOVED_STEPS, 'eval.bleu_sentences': 0}
+
+
+def _launch_moved(workdir, processes: int, devices: int, steps: int) -> str:
+  """One launch of the tiny config on `workdir` (each process its own slice); its output."""
+  command = [sys.executable, '-m', 't2t_jax.main', '--config=configs/tiny.py',
+             f'--workdir={workdir}', f'--config.mesh.dcn_data={processes}',
+             f'--config.train.num_steps={steps}'] + [f'--config.{k}={v}'
+                                                      for k, v in EVERY_STEP.items()]
+  # launch/local.py sets each process's device count.
+  env = dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS='')
+  if processes == 1:  # As the run would be relaunched on one host: no coordinator.
+    env['XLA_FLAGS'] = f'--xla_force_host_platform_device_count={devices}'
+  else:
+    command = [sys.executable, 'launch/local.py', f'--num_processes={processes}',
+               f'--devices_per_process={devices}', '--', *command]
+  run = subprocess.run(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT, text=True, timeout=300)
+  assert run.returncode == 0, run.stdout[-3000:]
+  return run.stdout
+
+
+def _process_shape(devices: int, processes: int) -> str:
+  """How the resume line describes a launch of the tiny config: all devices on the data axis."""
+  return (f'{devices} cpu devices in {processes} process{"es" if processes > 1 else ""}, '
+          f'mesh data={devices} fsdp=1 tensor=1 expert=1, 1 micro-batch')
+
+
+@pytest.mark.slow
+@pytest.mark.multihost
+def test_a_run_moved_from_two_processes_to_one_and_back_agrees_with_one_that_stayed(
+    tiny_config, tmp_path):
+  moved = str(tmp_path / 'moved')
+  outputs = [_launch_moved(moved, *move) for move in MOVES]
+  assert 'on another shape' not in outputs[0]
+  for (before, before_devices, saved), (processes, devices, _), output in zip(
+      MOVES, MOVES[1:], outputs[1:]):
+    line = (f'Resuming {moved}/checkpoints/{saved} on another shape: '
+            f'{_process_shape(before * before_devices, before)} -> '
+            f'{_process_shape(processes * devices, processes)}'
+            '. The same global batches (rows in multiples of 8) and dropout masks follow')
+    # Every process says it (launch/local.py prefixes the lines of each with its index).
+    assert output.count(line) == processes, output[-3000:]
+  with open(os.path.join(moved, 'config.json')) as f:  # The 2 x 4 start's plan, kept.
+    assert json.load(f)['resolved']['data.row_multiple'] == 8
+
+  # The reference stays in this process on its 8 devices: a shape the moved run never had
+  # after its first launch, whose batch shards (8) give the same plan as that launch's.
+  for key, value in {**EVERY_STEP, 'train.num_steps': MOVED_STEPS}.items():
+    section, name = key.split('.')
+    tiny_config[section][name] = value
+  reference = str(tmp_path / 'reference')
+  assert train.train_and_evaluate(tiny_config, reference)['step'] == MOVED_STEPS
+
+  steps = range(1, MOVED_STEPS + 1)
+  expected_data = [_data_position(reference, step) for step in steps]
+  assert [(state['epoch'], state['batch']) for state in expected_data] == [(0, s) for s in steps]
+  assert [_data_position(moved, step) for step in steps] == expected_data
+  losses, expected_losses = (scalar_events(w)['train/loss'] for w in (moved, reference))
+  assert sorted(losses) == sorted(expected_losses) == list(steps)
+  np.testing.assert_allclose([losses[s] for s in steps], [expected_losses[s] for s in steps],
+                             rtol=1e-5)
+  assert_moved_run_agrees(moved, reference, MOVED_STEPS, tiny_config)
 
 
 def _files(directory) -> dict[str, tuple[str, int]]:

@@ -1,5 +1,6 @@
-"""Two processes x 4 CPU devices train like one process x 8, their checkpoints restore, and a run
-that moves between process and device counts goes on as if it had stayed."""
+"""Two processes x 4 CPU devices train like one process x 8 and their checkpoints restore; a
+peer that never joins, a refused lock and Ctrl-C on one process stop every process cleanly. A
+run that moves between process and device counts: tests/test_moving.py."""
 
 import json
 import os
@@ -10,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import ROOT, assert_moved_run_agrees, scalar_events
+from conftest import ROOT, scalar_events
 from t2t_jax import train
 
 STEPS = 4
@@ -101,6 +102,7 @@ def test_a_peer_that_never_joins_gives_a_clear_error(tmp_path):
           'the same --coordinator_address') in run.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.multihost
 def test_a_refused_lock_on_process_0_stops_every_process_with_its_message(tmp_path):
   """Launched as separate hosts would be (no launcher stopping the others for them)."""
@@ -151,79 +153,3 @@ def test_ctrl_c_on_one_process_makes_every_process_save_one_step_and_exit_130(ti
   # The run resumes from that step (here in one process of 8 devices, as above).
   tiny_config.train.num_steps, tiny_config.eval.bleu_sentences = saved[0] + 1, 0
   assert train.train_and_evaluate(tiny_config, str(workdir))['step'] == saved[0] + 1
-
-
-# A run that moves: (processes, CPU devices in each, the step its launch trains to). Each move
-# changes the mesh (8 -> 4 -> 4 devices) and the process count (2 -> 1 -> 2).
-MOVES = ((2, 4, 4), (1, 4, 8), (2, 2, 12))
-MOVED_STEPS = MOVES[-1][2]
-# Every step saved and kept: assert_moved_run_agrees reads the reference's steps 1..MOVED_STEPS.
-EVERY_STEP = {'train.log_every': 1, 'train.eval_every': MOVED_STEPS, 'ckpt.every': 1,
-              'ckpt.keep': MOVED_STEPS, 'eval.bleu_sentences': 0}
-
-
-def _launch_moved(workdir, processes: int, devices: int, steps: int) -> str:
-  """One launch of the tiny config on `workdir` (each process its own slice); its output."""
-  command = [sys.executable, '-m', 't2t_jax.main', '--config=configs/tiny.py',
-             f'--workdir={workdir}', f'--config.mesh.dcn_data={processes}',
-             f'--config.train.num_steps={steps}'] + [f'--config.{k}={v}'
-                                                      for k, v in EVERY_STEP.items()]
-  env = _env()
-  if processes == 1:  # As the run would be relaunched on one host: no coordinator.
-    env['XLA_FLAGS'] = f'--xla_force_host_platform_device_count={devices}'
-  else:
-    command = [sys.executable, 'launch/local.py', f'--num_processes={processes}',
-               f'--devices_per_process={devices}', '--', *command]
-  run = subprocess.run(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                       stderr=subprocess.STDOUT, text=True, timeout=300)
-  assert run.returncode == 0, run.stdout[-3000:]
-  return run.stdout
-
-
-def _shape(devices: int, processes: int) -> str:
-  """How the resume line describes a launch of the tiny config: all devices on the data axis."""
-  return (f'{devices} cpu devices in {processes} process{"es" if processes > 1 else ""}, '
-          f'mesh data={devices} fsdp=1 tensor=1 expert=1, 1 micro-batch')
-
-
-def _data_state(workdir, step: int) -> dict:
-  """The train iterator's state saved at `step`, read with plain orbax."""
-  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
-  return ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(
-      os.path.join(workdir, 'checkpoints', str(step), 'data'))
-
-
-@pytest.mark.slow
-@pytest.mark.multihost
-def test_a_run_moved_from_two_processes_to_one_and_back_agrees_with_one_that_stayed(
-    tiny_config, tmp_path):
-  moved = str(tmp_path / 'moved')
-  outputs = [_launch_moved(moved, *move) for move in MOVES]
-  assert 'on another shape' not in outputs[0]
-  for (before, before_devices, saved), (processes, devices, _), output in zip(
-      MOVES, MOVES[1:], outputs[1:]):
-    line = (f'Resuming {moved}/checkpoints/{saved} on another shape: '
-            f'{_shape(before * before_devices, before)} -> {_shape(processes * devices, processes)}'
-            '. The same global batches (rows in multiples of 8) and dropout masks follow')
-    # Every process says it (launch/local.py prefixes the lines of each with its index).
-    assert output.count(line) == processes, output[-3000:]
-  with open(os.path.join(moved, 'config.json')) as f:  # The 2 x 4 start's plan, kept.
-    assert json.load(f)['resolved']['data.row_multiple'] == 8
-
-  # The reference stays in this process on its 8 devices: a shape the moved run never had
-  # after its first launch, whose batch shards (8) give the same plan as that launch's.
-  for key, value in {**EVERY_STEP, 'train.num_steps': MOVED_STEPS}.items():
-    section, name = key.split('.')
-    tiny_config[section][name] = value
-  reference = str(tmp_path / 'reference')
-  assert train.train_and_evaluate(tiny_config, reference)['step'] == MOVED_STEPS
-
-  steps = range(1, MOVED_STEPS + 1)
-  expected_data = [_data_state(reference, step) for step in steps]
-  assert [(state['epoch'], state['batch']) for state in expected_data] == [(0, s) for s in steps]
-  assert [_data_state(moved, step) for step in steps] == expected_data
-  losses, expected_losses = (scalar_events(w)['train/loss'] for w in (moved, reference))
-  assert sorted(losses) == sorted(expected_losses) == list(steps)
-  np.testing.assert_allclose([losses[s] for s in steps], [expected_losses[s] for s in steps],
-                             rtol=1e-5)
-  assert_moved_run_agrees(moved, reference, MOVED_STEPS, tiny_config)

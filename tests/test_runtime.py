@@ -1,6 +1,7 @@
 """t2t_jax/runtime.py: the huge-page re-exec only on CPU runs, logged once; GPU XLA flags only where
 a CUDA backend may start, never over the user's own; the compilation cache; the search's compiler
-options applied by the one function every search compiles through."""
+options applied by the one function every search compiles through. That every command starts
+through cli.run is checked in tests/test_architecture.py."""
 
 import logging
 import os
@@ -127,6 +128,7 @@ def test_xla_flags_are_set_only_where_cuda_may_start(monkeypatch):
   assert runtime.apply_xla_flags(environ) == () and environ == {}
 
 
+@pytest.mark.slow
 def test_every_flag_the_ab_measures_is_known_to_xla():
   """XLA aborts on an unknown flag in XLA_FLAGS; GPU flags parse in the CPU build too."""
   flags = sorted({flag for flag_set in runtime.AB_FLAG_SETS.values() for flag in flag_set})
@@ -193,14 +195,3 @@ def test_a_search_traced_without_jit_search_warns_once_on_cpu(caplog):
   assert decode.beam_search.__module__ == 't2t_jax.decode'
   runtime._warn_search_options.cache_clear()  # pylint: disable=protected-access
 
-
-def test_every_command_and_benchmark_starts_through_cli_run():
-  """absl's app.run would skip the huge pages, the flags and the cache the commands get."""
-  scripts = sorted((ROOT / 'bench').glob('*.py')) + sorted((ROOT / 't2t_jax').glob('*.py'))
-  entries = [path for path in scripts if "__name__ == '__main__'" in path.read_text()]
-  # The t2t_jax commands' run() calls cli.run (their modules are checked below).
-  assert len(entries) >= 10
-  for path in entries:
-    text = path.read_text()
-    assert 'app.run(' not in text, f'{path.name} starts with absl app.run, not cli.run'
-    assert 'cli.run(' in text or 'runtime.start(' in text, path.name

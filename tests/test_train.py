@@ -1,4 +1,5 @@
-"""The training loop end to end on the tiny config, resume, NaN handling and the dry run."""
+"""The training loop end to end on the tiny config, resume and NaN handling (dry runs:
+test_dry_run.py)."""
 
 import collections
 import gc
@@ -7,8 +8,6 @@ import json
 import math
 import os
 import shutil
-import subprocess
-import sys
 import types
 
 import jax
@@ -16,14 +15,12 @@ import numpy as np
 import optax
 import pytest
 
-from conftest import ROOT, adam_moments, assert_adam_runs_agree, scalar_events, text_config
+from conftest import adam_moments, assert_adam_runs_agree, scalar_events, text_config
 from t2t_jax import data
-from t2t_jax import flops
 from t2t_jax import model as model_lib
 from t2t_jax import plot
 from t2t_jax import sharding
 from t2t_jax import train
-from t2t_jax import dry_run as dry_run_lib
 from t2t_jax import metric_log
 from t2t_jax import step as step_lib
 
@@ -209,36 +206,6 @@ def test_bad_mesh_is_refused(tiny_config, tmp_path):
 
 
 @pytest.mark.slow
-def test_dry_run_cli_prints_size_and_cost():
-  env = dict(os.environ, PYTHONPATH=ROOT)
-  output = subprocess.run(
-      [sys.executable, '-m', 't2t_jax.main', '--config=configs/tiny.py', '--dry_run'],
-      cwd=ROOT, env=env, capture_output=True, text=True, check=True, timeout=300).stdout
-  result = json.loads(output.strip().splitlines()[-1])
-  from configs import tiny  # pylint: disable=g-import-not-at-top
-  config = tiny.get_config()
-  model_config = model_lib.TransformerConfig.from_config(config.model, data.vocab_size(config),
-                                                         'cpu')
-  tokens = jax.ShapeDtypeStruct((1, 4), np.int32)
-  shapes = jax.eval_shape(model_lib.Transformer(model_config).init, jax.random.PRNGKey(0),
-                          tokens, tokens)
-  params = sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(shapes['params']))
-  rows, length = result['batch_shape']
-  assert result['config'] == 'tiny' and result['params'] == params
-  analytic = flops.train_step_flops(model_config, rows, length, length)
-  assert result['analytic_flops_per_step'] == analytic
-  devices = result['device_count']
-  assert result['mesh'] == {'data': devices, 'fsdp': 1, 'tensor': 1, 'expert': 1}
-  # The compiled kernels' matmuls: each device its share of the rows.
-  assert result['compiled_flops_per_device'] * devices == analytic
-  assert analytic < result['flops_per_step'] < 1.3 * analytic  # XLA adds elementwise work.
-  # Each device's arguments: float32 params and two Adam moments (replicated over 'data'), its
-  # rows of the batch's two int32 arrays, and a few scalars (step, counts, the key).
-  arguments = result['memory_per_device_bytes']['argument']
-  assert 0 <= arguments - (12 * params + 2 * 4 * rows * length // devices) <= 64
-
-
-@pytest.mark.slow
 @pytest.mark.parametrize('remat', ['none', 'dots'])
 def test_scanned_rematerialised_steps_match_unrolled_steps(tiny_config, remat):
   config = tiny_config
@@ -277,17 +244,3 @@ def test_scanned_rematerialised_steps_match_unrolled_steps(tiny_config, remat):
                             optax.ScaleByAdamState(count=None, mu=unstack(mu), nu=unstack(nu))))
   # Same arithmetic, another program: within what rounding can do to Adam (conftest.py).
   assert_adam_runs_agree(scanned_history, history, [float(unrolled.schedule(t)) for t in (0, 1)])
-
-
-@pytest.mark.slow
-def test_dry_run_reports_scan_and_remat_and_counts_every_layer(tiny_config):
-  tiny_config.model.num_encoder_layers = tiny_config.model.num_decoder_layers = 3
-  unrolled = dry_run_lib.dry_run(tiny_config)
-  tiny_config.model.scan_layers = True
-  scanned = dry_run_lib.dry_run(tiny_config)
-  assert (unrolled['scan_layers'], unrolled['remat']) == (False, 'none')
-  assert (scanned['scan_layers'], scanned['remat']) == (True, 'none')
-  assert scanned['params'] == unrolled['params']
-  # A scan's body is analysed once; the figure must still cover all three layers.
-  assert scanned['flops_per_step'] == pytest.approx(unrolled['flops_per_step'], rel=1e-3)
-  assert scanned['compile_seconds'] > 0 and scanned['memory_per_device_bytes']['temp'] > 0
