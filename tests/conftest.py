@@ -289,3 +289,16 @@ def cudnn_compiler(cuda_compiler):
   del cuda_compiler
   _compiler_or_skip('nvidia.cudnn', 'cuDNN (nvidia-cudnn-cu12)', 'gpu-compile',
                     required_in_ci=False)
+
+
+def assert_drawn(path) -> None:
+  """`path` is a PNG with something drawn on it: read back as pixels (not by its size in
+  bytes, which moves with the matplotlib and zlib builds), at least 200 x 200, with at least
+  1% of its pixels off the background (the colour of its corner)."""
+  from matplotlib import image  # pylint: disable=g-import-not-at-top
+  with open(path, 'rb') as f:
+    assert f.read(8) == b'\x89PNG\r\n\x1a\n', path
+  pixels = image.imread(str(path))
+  assert pixels.ndim == 3 and min(pixels.shape[:2]) >= 200, (path, pixels.shape)
+  drawn = np.any(np.abs(pixels - pixels[0, 0]) > 0.05, axis=-1)
+  assert drawn.mean() > 0.01, (path, drawn.mean())

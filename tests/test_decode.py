@@ -1,6 +1,7 @@
 """Greedy and beam search: beam 1 = greedy, exactness against enumeration, EOS, batching."""
 
 import dataclasses
+import functools
 import itertools
 import re
 
@@ -341,16 +342,21 @@ def test_beam_search_equals_a_plain_beam_search_over_many_seeds(penalty, alpha):
 
 def test_two_stage_top_k_is_lax_top_k_ties_included():
   rng = np.random.default_rng(0)
-  for trial in range(60):
-    vocab, count = int(rng.integers(40, 700)), int(rng.integers(1, 9))
-    block = int(rng.choice([1, 2, 5, 8]))
-    # Few distinct values: many ties, across blocks and inside them; -inf entries too.
-    x = rng.integers(0, int(rng.choice([2, 4, 50, 10**6])), (2, 3, vocab)).astype(np.float32)
-    x[0, 0, rng.integers(0, vocab, 5)] = -np.inf
-    got_values, got_indices = decode.top_k(jnp.asarray(x), count, block)
-    values, indices = jax.lax.top_k(x, count)
-    np.testing.assert_array_equal(got_values, values, err_msg=str(trial))
-    np.testing.assert_array_equal(got_indices, indices, err_msg=str(trial))
+  # (vocabulary, count, block): two stages with one-entry, odd, even and partial last blocks;
+  # and one stage (fewer than 4 x count blocks). Each shape compiles once for its ten arrays.
+  shapes = [(40, 1, 1), (123, 8, 2), (700, 3, 5), (511, 8, 8), (64, 4, 8), (700, 8, 1)]
+  for vocab, count, block in shapes:
+    top_k = jax.jit(functools.partial(decode.top_k, count=count, block=block))
+    reference = jax.jit(functools.partial(jax.lax.top_k, k=count))
+    for trial in range(10):
+      # Few distinct values: many ties, across blocks and inside them; -inf entries too.
+      x = rng.integers(0, [2, 4, 50, 10**6][trial % 4], (2, 3, vocab)).astype(np.float32)
+      x[0, 0, rng.integers(0, vocab, 5)] = -np.inf
+      got_values, got_indices = top_k(jnp.asarray(x))
+      values, indices = reference(x)
+      where = f'vocab {vocab}, count {count}, block {block}, trial {trial}'
+      np.testing.assert_array_equal(got_values, values, err_msg=where)
+      np.testing.assert_array_equal(got_indices, indices, err_msg=where)
   assert decode.TOP_K_BLOCK * 4 * 8 <= 8000  # Beam 4 over an 8k vocabulary takes two stages.
 
 
