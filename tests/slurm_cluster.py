@@ -128,7 +128,7 @@ class SlurmCluster:
     """A SLURM client command against this cluster."""
     kwargs.setdefault('env', self.env())
     return subprocess.run(list(command), capture_output=True, text=True, check=check,
-                          timeout=60, **kwargs)
+                          timeout=180, **kwargs)
 
   def logs(self) -> str:
     """The tails of both daemons' logs, for failure messages."""
