@@ -6,12 +6,13 @@ one full disk during training (the launch must stop with one error line; the dis
 freed); the moments come from a seeded RNG. The later of the SIGTERM and Ctrl-C launches runs
 on another shape (MOVED: fewer devices, another mesh) and must say so in one line, as must the
 next launch, back home. Each launch must train on from the newest checkpoint the ones before
-it finished writing (a save in flight at a kill is absent). At every checkpoint of the completed run the data-iterator state
-and the dropout key must equal an uninterrupted run's bit for bit; the parameters and optimiser
-state too up to the move, and after it (sums in another order) within the bound of
-conftest.assert_adam_runs_agree; the training losses likewise. No scratch file may remain.
-tests/test_checkpoint.py runs a few kills in CI (its kill -9 test); `python tests/chaos.py --kills=20 --seed=N`
-runs many and prints one JSON line.
+it finished writing (a save in flight at a kill is absent). At every checkpoint of the
+completed run the data-iterator state and the dropout key must equal an uninterrupted run's
+bit for bit; the parameters and optimiser state too up to the move, and after it (sums in
+another order) within the bound of conftest.assert_adam_runs_agree; the training losses
+likewise. No scratch file may remain. tests/test_checkpoint.py runs a few kills in CI (the
+suite's kill -9 test, with the other signals and a full disk); `python tests/chaos.py
+--kills=20 --seed=N` runs many and prints one JSON line.
 """
 
 import argparse

@@ -1,9 +1,10 @@
 """The run's lifecycle: one test per cell of docs/training.md's table (what SIGTERM, Ctrl-C, a
 second Ctrl-C, a hang, a full disk and a NaN loss do in each phase), in process, the step
 phase's cells in the fast tier and the rest marked slow (Ctrl-C's first signal takes
-SIGTERM's path, so one cell checks it); then the Lifecycle's parts on their own. The process-ending paths also run as real processes, marked
-slow: tests/test_checkpoint.py (SIGTERM, Ctrl-C, a second Ctrl-C, a full disk, the grace
-period), tests/test_launch.py (a hang), tests/test_multihost.py (Ctrl-C across processes).
+SIGTERM's path, so one cell checks it); then the Lifecycle's parts on their own. Each way a
+process ends also runs once as a real process, marked slow: tests/test_checkpoint.py
+(SIGTERM and its grace period, Ctrl-C, a second Ctrl-C, a full disk, kill -9 in its chaos
+test), tests/test_launch.py (a hang), tests/test_multihost.py (Ctrl-C across processes).
 
 Each cell test trains configs/tiny.py for 6 steps (saves at 2, 4 and 6, evaluations at 3 and
 6) and makes its event happen on entering the phase, through lifecycle._entered. An exit
