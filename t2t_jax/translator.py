@@ -108,7 +108,6 @@ def from_config(config, model_config: TransformerConfig, mesh, axis_rules,
       length_penalty=config.eval.length_penalty if length_penalty is None else length_penalty)
 
 
-
 def check_input_lengths(inputs: Sequence[np.ndarray], config: TransformerConfig) -> None:
   """Refuses an input longer than the model's positions hold; a decoder-only model's source
   also leaves one position to write an output at. Both engines check this."""
@@ -119,6 +118,7 @@ def check_input_lengths(inputs: Sequence[np.ndarray], config: TransformerConfig)
                        f'max_len={config.max_len}' + (
                            ' less one position to write an output at' if decoder_only
                            else '') + ': truncate it first')
+
 
 class Translator:
   """Decodes lists of id sequences in length-sorted batches sharded over the mesh's batch axes.

@@ -30,7 +30,6 @@ from t2t_jax import decoder_only
 from t2t_jax import export
 from t2t_jax import saved_params
 from t2t_jax import translate
-from t2t_jax.model import Transformer
 from t2t_jax.model_config import TransformerConfig
 
 
@@ -43,21 +42,25 @@ def trained_workdir(tmp_path_factory):
   return workdir
 
 
-def _random_run(workdir, overrides: dict | None = None, step: int = 5, seed: int = 0) -> str:
-  """A run directory with config.json and, at checkpoints/<step>, random params-only weights."""
-  config = _config(overrides or {})
+def _random_run(workdir, overrides: dict | None = None, step: int = 5, seed: int = 0,
+                config=None, adjust=None) -> str:
+  """A run directory with config.json (of `config`, or _config(`overrides`)) and, at
+  checkpoints/<step>, random params-only weights, changed in place by `adjust(params)`."""
+  config = config or _config(overrides or {})
   os.makedirs(workdir, exist_ok=True)
   with open(os.path.join(workdir, 'config.json'), 'w') as f:
     f.write(config.to_json_best_effort())
-  _write_random_params(workdir, config, step, seed)
+  _write_random_params(workdir, config, step, seed, adjust)
   return str(workdir)
 
 
-def _write_random_params(workdir, config, step: int, seed: int) -> str:
+def _write_random_params(workdir, config, step: int, seed: int, adjust=None) -> str:
   model_config = TransformerConfig.from_config(config.model, NUM_SYMBOLS + 2)
   tokens = jnp.ones((1, 4), jnp.int32)
-  params = nn.meta.unbox(Transformer(model_config).init(jax.random.PRNGKey(seed), tokens,
-                                                        tokens)['params'])
+  params = jax.tree.map(np.array, nn.meta.unbox(decoder_only.make_model(model_config).init(
+      jax.random.PRNGKey(seed), tokens, tokens)['params']))
+  if adjust:
+    adjust(params)
   return saved_params.write_params(os.path.join(workdir, 'checkpoints', str(step)), params,
                                    config.to_json_best_effort(), {'kind': 'test'})
 
@@ -77,23 +80,16 @@ def _constant_output_run(workdir, model_overrides: dict, symbol_logit: float, eo
   from the length penalty's formula alone."""
   config = _config(model_overrides)
   config.model.max_len = config.data.max_len = max_len
-  os.makedirs(workdir, exist_ok=True)
-  with open(os.path.join(workdir, 'config.json'), 'w') as f:
-    f.write(config.to_json_best_effort())
-  model_config = TransformerConfig.from_config(config.model, NUM_SYMBOLS + 2)
-  tokens = jnp.ones((1, 4), jnp.int32)
-  params = jax.tree.map(np.array, nn.meta.unbox(decoder_only.make_model(model_config).init(
-      jax.random.PRNGKey(0), tokens, tokens)['params']))
-  last = params[f'decoder_{model_config.num_decoder_layers - 1}']['ffn_block']['norm']
-  last['scale'][:] = 0.0
-  last['bias'][:] = 0.0
-  last['bias'][0] = 1.0
-  params['embedding']['embedding'][:, 0] = 0.0
-  params['embedding']['embedding'][CONSTANT_ID, 0] = symbol_logit
-  params['embedding']['embedding'][EOS_ID, 0] = eos_logit
-  saved_params.write_params(os.path.join(workdir, 'checkpoints', '5'), params,
-                            config.to_json_best_effort(), {'kind': 'test'})
-  return workdir
+
+  def constant(params):
+    last = params[f'decoder_{config.model.num_decoder_layers - 1}']['ffn_block']['norm']
+    last['scale'][:] = 0.0
+    last['bias'][:] = 0.0
+    last['bias'][0] = 1.0
+    params['embedding']['embedding'][:, 0] = 0.0
+    params['embedding']['embedding'][CONSTANT_ID, 0] = symbol_logit
+    params['embedding']['embedding'][EOS_ID, 0] = eos_logit
+  return _random_run(workdir, config=config, adjust=constant)
 
 
 CONSTANT_ID = 5  # The symbol _constant_output_run's model ranks first at every step.
