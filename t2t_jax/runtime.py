@@ -158,11 +158,23 @@ def apply_xla_flags(environ=os.environ, flags: tuple[str, ...] = GPU_XLA_FLAGS
   return tuple(merged.split()[len(existing.split()):])
 
 
-def compilation_cache(directory: str, min_compile_seconds: float = 1.0) -> None:
-  """Keeps compiled programs in `directory` (across processes); an empty one turns it off."""
+# JAX's own variable for the shortest compile worth keeping: where it is set, it wins over
+# t2t_jax's default (the test suite sets 0, so each of its processes reads the small programs
+# the others compiled).
+MIN_COMPILE_SECONDS_VARIABLE = 'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'
+
+
+def compilation_cache(directory: str, min_compile_seconds: float | None = None) -> None:
+  """Keeps compiled programs in `directory` (across processes); an empty one turns it off.
+
+  `min_compile_seconds`: programs that compile faster are not kept; None is
+  $JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS where set, else 1 second.
+  """
   if not directory:
     jax.config.update('jax_enable_compilation_cache', False)
     return
+  if min_compile_seconds is None:
+    min_compile_seconds = float(os.environ.get(MIN_COMPILE_SECONDS_VARIABLE) or 1.0)
   jax.config.update('jax_compilation_cache_dir', os.path.expanduser(directory))
   jax.config.update('jax_persistent_cache_min_compile_time_secs', min_compile_seconds)
 

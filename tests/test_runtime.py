@@ -164,9 +164,14 @@ def test_compilation_cache_goes_where_asked_and_off_when_empty(tmp_path):
            'jax_persistent_cache_min_compile_time_secs')
   before = {name: getattr(jax.config, name) for name in names}
   try:
-    runtime.compilation_cache(str(tmp_path / 'xla'))
-    assert jax.config.jax_compilation_cache_dir == str(tmp_path / 'xla')
-    assert jax.config.jax_persistent_cache_min_compile_time_secs == 1.0
+    with pytest.MonkeyPatch.context() as patch:
+      patch.delenv(runtime.MIN_COMPILE_SECONDS_VARIABLE, raising=False)
+      runtime.compilation_cache(str(tmp_path / 'xla'))
+      assert jax.config.jax_compilation_cache_dir == str(tmp_path / 'xla')
+      assert jax.config.jax_persistent_cache_min_compile_time_secs == 1.0
+      patch.setenv(runtime.MIN_COMPILE_SECONDS_VARIABLE, '0.25')  # JAX's variable wins.
+      runtime.compilation_cache(str(tmp_path / 'xla'))
+      assert jax.config.jax_persistent_cache_min_compile_time_secs == 0.25
     runtime.compilation_cache('')
     assert jax.config.jax_enable_compilation_cache is False
   finally:
