@@ -1,7 +1,8 @@
 """The CTranslate2 export: CTranslate2 computes t2t_jax's log-probabilities, greedy and beam
-outputs on tiny trained models (post-/pre-LN, shared/separate embeddings); every member of the
-model family, enumerated from the configs and the keys' values, is exported with equal greedy
-outputs and scores or refused with one line naming the setting and why.
+outputs on tiny trained models (post-LN with shared embeddings, pre-LN with separate ones);
+every member of the model family, enumerated from the configs and the keys' values, is
+exported with equal greedy outputs and scores or refused with one line naming the setting and
+why.
 
 PAD: t2t_jax never generates it but keeps its probability in the softmax's normaliser.
 CTranslate2 can only disable a token before its log-softmax, so the export keeps PAD out of
@@ -43,13 +44,12 @@ from t2t_jax.attention_variants import ATTENTION_KINDS
 from t2t_jax.model_config import MODEL_KINDS, PREFIX_ATTENTION, TransformerConfig
 from t2t_jax.positions import POSITION_KINDS
 
-# Trained variants: the paper (post-LN, one shared embedding) and the others. Two also take
-# the export's other paths: scanned layers (unstacked) and learned position tables.
+# Trained through the training loop and exported from its workdir: the paper (post-LN, one
+# shared embedding) and its opposite on every layout key (pre-LN, separate embeddings and output
+# layer, scanned layers). The layouts in between are the family's members below, exported from
+# briefly trained parameters and compared greedy and by score.
 VARIANTS = {
     'post_shared': dict(norm='post', share_embeddings=True, tie_output=True),
-    'post_separate': dict(norm='post', share_embeddings=False, tie_output=True,
-                          positions='learned'),
-    'pre_shared': dict(norm='pre', share_embeddings=True, tie_output=True),
     'pre_separate': dict(norm='pre', share_embeddings=False, tie_output=False, scan_layers=True),
 }
 NUM_SYMBOLS = 12
@@ -258,8 +258,9 @@ def _t2t_jax_log_probs(config, params, sources, outputs) -> list[np.ndarray]:
   """t2t_jax's teacher-forced log-probabilities of each output and its EOS, over every token
   but PAD (as the exported output layer normalises them)."""
   targets = _batch(outputs)
-  logits = make_model(config).apply({'params': params}, jnp.asarray(_batch(sources)),
-                                    jnp.asarray(targets))
+  # Jitted: one compile, where the model's eager operations would compile one by one.
+  logits = jax.jit(make_model(config).apply)({'params': params}, jnp.asarray(_batch(sources)),
+                                             jnp.asarray(targets))
   log_probs = np.asarray(jax.nn.log_softmax(logits.at[..., PAD_ID].set(-jnp.inf)))
   return [log_probs[row, np.arange(len(output) + 1), targets[row, :len(output) + 1]]
           for row, output in enumerate(outputs)]
