@@ -1,4 +1,5 @@
-"""Documentation: every relative link in README.md and docs/*.md reaches a file and a heading."""
+"""Documentation: every relative link in README.md and docs/ reaches a file and a heading, and
+every repository path a page writes in code exists."""
 
 import glob
 import os
@@ -7,7 +8,8 @@ import re
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PAGES = sorted([os.path.join(ROOT, 'README.md')] + glob.glob(os.path.join(ROOT, 'docs', '*.md')))
+PAGES = sorted([os.path.join(ROOT, 'README.md')]
+               + glob.glob(os.path.join(ROOT, 'docs', '**', '*.md'), recursive=True))
 _FENCE = re.compile(r'^```.*?^```', re.S | re.M)
 _CODE_SPAN = re.compile(r'`[^`\n]*`')
 _LINK = re.compile(r'\[[^\]]*\]\(([^)\s]+)\)')
@@ -74,6 +76,60 @@ def test_pages_link_to_each_other():
   orphans = [os.path.relpath(page, ROOT) for page in PAGES
              if os.path.dirname(page).endswith('docs') and page != index and page not in linked]
   assert not orphans, f'docs/README.md does not link {orphans}'
+
+
+# The repository's top level: a path written from one of these in a page names a file of the
+# repository (`configs/multi30k.py:speedrun`, `tests/test_cli.py::test_x`: the part before the
+# variant or the test). Paths from elsewhere (`/tmp/run`, `../shared/...`) are the reader's.
+REPOSITORY_TOP = ('.ci', 'bench', 'configs', 'docs', 'launch', 't2t_jax', 'tests',
+                  'README.md', 'pyproject.toml')
+_REPOSITORY_PATH = re.compile(r'(?<![\w./~-])((?:%s)(?:/[\w.*<>-]*)*)' % '|'.join(
+    re.escape(top) for top in REPOSITORY_TOP))
+# A module written dotted (`python -m t2t_jax.main`, `t2t_jax.train.train_and_evaluate`): its
+# first name after the package must be a module or a subpackage of it.
+_MODULE = re.compile(r'(?<![\w./~-])t2t_jax\.(\w+)')
+
+
+def repository_paths(path: str) -> list[str]:
+  """The repository paths a page writes in code (inline code spans and fenced blocks), a
+  dotted module as the file or folder it names."""
+  text = open(path, encoding='utf-8').read()
+  code = _CODE_SPAN.findall(_FENCE.sub('', text)) + _FENCE.findall(text)
+  paths = []
+  for chunk in code:
+    for match in _REPOSITORY_PATH.finditer(chunk):
+      name = match.group(1).rstrip('.').split(':')[0]
+      if name == 't2t_jax' and chunk[match.end():match.end() + 1] == '.':
+        continue  # A dotted module: below.
+      if not any(c in name for c in '*<>'):  # A pattern or a placeholder, not one path.
+        paths.append(name)
+    for match in _MODULE.finditer(chunk):
+      module = match.group(1)
+      folder = os.path.join('t2t_jax', module)
+      paths.append(folder if os.path.isdir(os.path.join(ROOT, folder)) else f'{folder}.py')
+  return paths
+
+
+def test_repository_paths_are_found():
+  """The regular expression finds paths in spans, commands and flags, and leaves others."""
+  page = ('Run `python -m t2t_jax.main --config=configs/multi30k.py:speedrun` as '
+          '`tests/test_cli.py::test_usage`; not `/tmp/t2t_jax/x.py`, `../shared/configs/y` or '
+          '`bench/results/accelerator-<device>.jsonl`.\n```bash\npython launch/sweep.py '
+          'configs/sweeps/tiny_grid.py\n```\n')
+  import tempfile  # pylint: disable=g-import-not-at-top
+  with tempfile.NamedTemporaryFile('w', suffix='.md') as f:
+    f.write(page)
+    f.flush()
+    assert repository_paths(f.name) == ['configs/multi30k.py', 't2t_jax/main.py',
+                                         'tests/test_cli.py', 'launch/sweep.py',
+                                         'configs/sweeps/tiny_grid.py']
+
+
+@pytest.mark.parametrize('page', PAGES, ids=lambda page: os.path.relpath(page, ROOT))
+def test_every_repository_path_in_a_pages_code_exists(page):
+  missing = sorted({name for name in repository_paths(page)
+                    if not os.path.exists(os.path.join(ROOT, name))})
+  assert not missing, f'{os.path.relpath(page, ROOT)} names paths that do not exist: {missing}'
 
 
 def test_readme_layout_names_every_module_and_only_modules_that_exist():
