@@ -1,5 +1,5 @@
 """The accelerator table, compiled on this CPU: the paper's models on TPU slices and GPU hosts,
-each with its best mesh, memory per device and predicted step (docs/accelerators.md).
+each with its best mesh, memory per device and predicted step (docs/results/accelerators.md).
 
   python bench/accelerator_table.py                       # every part, every target
   python bench/accelerator_table.py --parts=table --targets=tpu:v5e-8 --configs=base
@@ -12,7 +12,7 @@ Parts (--parts), each printing one JSON line per result and appending it to --ou
               winner's memory, predicted step, target tokens/s and MFU, and the predicted wall
               time of the paper's schedule (100k steps for base, 300k for big) beside the
               paper's 12 hours and 3.5 days on 8 P100s.
-  h100_point  the one measured accelerator point (docs/performance.md: Transformer-big in
+  h100_point  the one measured accelerator point (docs/results/performance.md: Transformer-big in
               bfloat16, 384 x 64 tokens, one H100, 86.1-88.4 ms a step) predicted the same way.
   pallas      big on tpu:v5e-8 at the table's best mesh, with einsum and with Pallas splash
               attention (attention dropout 0 in both): what the kernel changes in the
@@ -47,7 +47,7 @@ from t2t_jax import runtime  # pylint: disable=wrong-import-position
 TARGETS = ('tpu:v5e-8', 'tpu:v5e-16', 'tpu:v4-8', 'tpu:v5p-8', 'tpu:v6e-8', 'gpu:h100x8',
            'gpu:a100x8')
 PAPER = {'base': (100_000, 12 * 3600.0), 'big': (300_000, 3.5 * 86400.0)}  # Steps, seconds.
-H100_MEASURED = (0.0861, 0.0884)  # Step seconds, docs/performance.md, 2026-11-22.
+H100_MEASURED = (0.0861, 0.0884)  # Step seconds, docs/results/performance.md, 2026-11-22.
 
 
 def _emit(record: dict, out: str) -> None:
@@ -140,7 +140,7 @@ def _order(target: str) -> int:
 
 
 def markdown(path: str) -> str:
-  """The table of docs/accelerators.md from a results file."""
+  """The table of docs/results/accelerators.md from a results file."""
   latest = {}  # The last row of each model and target (a recheck replaces its search's row).
   for line in open(path):
     if '"part": "table"' in line:

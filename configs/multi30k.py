@@ -95,7 +95,8 @@ def _speedrun(config) -> None:
   recipe").
   """
   _rotary(config)  # The :rotary member: 42.34 (3 seeds) against about 41.2 with sinusoids.
-  config.model.dropout = 0.2  # With sinusoids: 41.56 against 40.65 with 0.3 (docs/multi30k.md).
+  # With sinusoids: 41.56 against 40.65 with 0.3 (docs/results/multi30k.md).
+  config.model.dropout = 0.2
   config.opt.lr_scale = 2.0
   config.train.num_steps = 9200
   config.opt.cooldown_steps = 3000

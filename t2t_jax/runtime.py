@@ -45,7 +45,8 @@ _HELP = ('--help', '-h', '-?', '--helpfull', '--helpshort', '--helpxml')
 #       several GPUs; on one GPU the A/B checks that it costs nothing.
 #   --xla_gpu_enable_command_buffer=   (measured, not set) no CUDA graphs.
 #   --xla_gpu_enable_triton_gemm=false (measured, not set) cuBLAS for every GEMM.
-# docs/accelerators.md keeps the A/B's figures; change GPU_XLA_FLAGS only with a new A/B line.
+# docs/accelerators.md (XLA flags) says how the A/B is run, docs/results/ keeps its figures;
+# change GPU_XLA_FLAGS only with a new A/B line.
 GPU_XLA_FLAGS = ('--xla_gpu_enable_latency_hiding_scheduler=true',)
 AB_FLAG_SETS = {
     'xla_defaults': (),

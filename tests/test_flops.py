@@ -77,9 +77,9 @@ def test_flops_grow_with_each_term():
 
 
 def test_mfu_of_the_measured_h100_point_is_the_one_recorded():
-  """docs/performance.md, 2026-11-22: Transformer-big in bfloat16, 384 x 64 tokens a step, one
-  H100 (989 TFLOP/s): 86.1 ms at 37.5% MFU (cuDNN) and 88.4 ms at 36.5% (einsum), 31.9 TFLOP
-  of model FLOPs a step (370 TFLOP/s x 86.1 ms)."""
+  """docs/results/performance.md, 2026-11-22: Transformer-big in bfloat16, 384 x 64 tokens a
+  step, one H100 (989 TFLOP/s): 86.1 ms at 37.5% MFU (cuDNN) and 88.4 ms at 36.5% (einsum),
+  31.9 TFLOP of model FLOPs a step (370 TFLOP/s x 86.1 ms)."""
   from configs import wmt14_ende  # pylint: disable=g-import-not-at-top
   config = wmt14_ende.get_config('big')
   model_config = model_config_lib.TransformerConfig.from_config(config.model,
