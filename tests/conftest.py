@@ -22,18 +22,20 @@ else:  # Subprocesses inherit it: they too see only the CPU.
 CACHE_DIR = os.path.expanduser(os.environ.get('T2T_JAX_TEST_CACHE', '~/.cache/t2t_jax/xla'))
 # The same persistent compilation cache for every process the tests start (they inherit the
 # environment): `python -m t2t_jax.*` runs, `python -c` scripts and launch/local.py's workers
-# compile the tiny programs once per machine, not once per test. Every program is kept, the
-# smallest too: the suite's processes compile the same hundreds of eager operations (orbax's
-# slices, PRNG splits), 20-30 ms each to compile and a few to read back.
+# compile the tiny programs once per machine, not once per test (the commands honour the
+# variable over their own 1 s). Not 0, which would also keep the hundreds of eager operations
+# each process compiles (orbax's slices, PRNG splits): JAX writes an entry in place, and with
+# eviction off (its default) without a lock, so many processes writing the same small entries
+# at once could read one half-written.
 os.environ['JAX_COMPILATION_CACHE_DIR'] = CACHE_DIR
-os.environ['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'] = '0'
+os.environ['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'] = '0.5'
 
 import numpy as np  # pylint: disable=g-import-not-at-top
 import jax  # pylint: disable=g-import-not-at-top
 import pytest  # pylint: disable=g-import-not-at-top
 
 jax.config.update('jax_compilation_cache_dir', CACHE_DIR)
-jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.0)
+jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.5)
 
 
 def pytest_collection_modifyitems(items):
