@@ -160,8 +160,7 @@ def apply_xla_flags(environ=os.environ, flags: tuple[str, ...] = GPU_XLA_FLAGS
 
 
 # JAX's own variable for the shortest compile worth keeping: where it is set, it wins over
-# t2t_jax's default (the test suite sets 0, so each of its processes reads the small programs
-# the others compiled).
+# t2t_jax's default (the test suite sets 0.5 for the commands it starts, as for itself).
 MIN_COMPILE_SECONDS_VARIABLE = 'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'
 
 
