@@ -2,6 +2,7 @@
 causality and windows through gradients, padding and packing, memory, and cached decoding."""
 
 import dataclasses
+import functools
 
 import flax.linen as nn
 import jax
@@ -14,6 +15,7 @@ from conftest import learns_to_copy
 from t2t_jax import attention_variants
 from t2t_jax import decode
 from t2t_jax import model as model_lib
+from t2t_jax import runtime
 from t2t_jax import dry_run as dry_run_lib
 
 VOCAB = 13
@@ -21,16 +23,27 @@ CONFIG = model_lib.TransformerConfig(
     vocab_size=VOCAB, d_model=16, d_ff=32, num_heads=2, num_encoder_layers=2,
     num_decoder_layers=2, max_len=32, attention_dropout=0.0, deterministic=True)
 NO_DROP = lambda weights: weights
+# Compiled whole: eagerly, its start (the encoder, the first step) compiled each operation apart.
+greedy_search = runtime.jit_search(decode.greedy_search, static_argnames=('config', 'max_len'))
 
 
 def _tokens(seed, shape):
   return jnp.asarray(np.random.default_rng(seed).integers(2, VOCAB, shape), jnp.int32)
 
 
+@functools.cache
 def _init(config):
+  """The parameters, once per config for the module. Drawn with the 'rbg' generator: the same
+  initialisers, but each shape's draw compiles in milliseconds, threefry's in seconds."""
   tokens = jnp.ones((1, 4), jnp.int32)
-  return nn.meta.unbox(
-      model_lib.Transformer(config).init(jax.random.PRNGKey(0), tokens, tokens)['params'])
+  return nn.meta.unbox(model_lib.Transformer(config).init(jax.random.key(0, impl='rbg'), tokens,
+                                                          tokens)['params'])
+
+
+def _perturbations(model, *batch):
+  """Zero perturbations of the embedded inputs of `batch`, to read gradients at."""
+  shapes = jax.eval_shape(model.init, jax.random.key(0, impl='rbg'), *batch)['perturbations']
+  return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
 def _reference_attention(q, k, v, mask_BQK):
@@ -55,8 +68,9 @@ def test_local_attention_sees_exactly_its_window(causal, window, length):
   i, j = np.arange(length)[:, None], np.arange(length)[None, :]
   near = ((i - j >= 0) & (i - j <= window)) if causal else (np.abs(i - j) <= window)
   expected_mask = near[None] & valid[:, None, :] & (segments[:, :, None] == segments[:, None, :])
-  actual = attention_variants.local_attention(q, k, v, valid, segments, None, window, causal,
-                                              NO_DROP)
+  # Compiled whole: its few dozen operations one by one took longer to compile.
+  local_attention = jax.jit(attention_variants.local_attention, static_argnums=(6, 7, 8))
+  actual = local_attention(q, k, v, valid, segments, None, window, causal, NO_DROP)
   expected = _reference_attention(q, k, v, expected_mask)
   real = valid[:, :, None, None] & np.ones_like(expected, bool)
   np.testing.assert_allclose(np.asarray(actual)[real], expected[real], atol=1e-5)
@@ -111,19 +125,28 @@ def test_local_attention_with_a_window_over_the_sequence_equals_full(kind):
 
 def _embedding_gradients(config, side: str, position: int):
   """|d output[position] / d embedded input[j]| summed over features, for every j."""
+  return np.abs(np.asarray(_embedding_gradients_program(config, side)(position))).sum(-1)
+
+
+@functools.cache
+def _embedding_gradients_program(config, side: str):
+  """The gradients of `_embedding_gradients` compiled once for every position: eagerly, each of
+  their hundreds of operations compiled apart. A position read at a traced index starts the
+  backward pass from the same one-hot cotangent as a constant one."""
   model = model_lib.Transformer(config)
   inputs, targets = _tokens(2, (1, 12)), _tokens(3, (1, 12))
-  variables = model.init(jax.random.PRNGKey(0), inputs, targets)
-  params, perturbations = nn.meta.unbox(variables['params']), variables['perturbations']
+  params, perturbations = _init(config), _perturbations(model, inputs, targets)
 
-  def output(perturbations):
-    state = {'params': params, 'perturbations': perturbations}
-    if side == 'source_embedder':
-      return model.apply(state, inputs, method=model_lib.Transformer.encode)[0, position].sum()
-    return model.apply(state, inputs, targets)[0, position].sum()
+  @jax.jit
+  def gradients(position):
+    def output(perturbations):
+      state = {'params': params, 'perturbations': perturbations}
+      if side == 'source_embedder':
+        return model.apply(state, inputs, method=model_lib.Transformer.encode)[0, position].sum()
+      return model.apply(state, inputs, targets)[0, position].sum()
+    return jax.grad(output)(perturbations)[side]['embedded'][0]
 
-  grads = jax.grad(output)(perturbations)[side]['embedded'][0]
-  return np.abs(np.asarray(grads)).sum(-1)
+  return gradients
 
 
 # Both windows (causal and not) are also checked without the model, in the fast
@@ -173,15 +196,14 @@ def test_packed_segments_do_not_see_each_other(pattern):
   model = model_lib.Transformer(config)
   inputs, targets, in_positions, out_positions, in_segments, out_segments = (
       jnp.asarray(x) for x in _batches()['packed'])
-  variables = model.init(jax.random.PRNGKey(0), inputs, targets)
-  params, perturbations = nn.meta.unbox(variables['params']), variables['perturbations']
+  params, perturbations = _init(config), _perturbations(model, inputs, targets)
 
   def second_segment(perturbations):
     logits = model.apply({'params': params, 'perturbations': perturbations}, inputs, targets,
                          in_positions, out_positions, in_segments, out_segments)
     return (logits[0] * (out_segments[0] == 2)[:, None]).sum()
 
-  grads = jax.grad(second_segment)(perturbations)
+  grads = jax.jit(jax.grad(second_segment))(perturbations)  # One compile, not one per operation.
   for side, segments in (('source_embedder', in_segments), ('target_embedder', out_segments)):
     per_position = np.abs(np.asarray(grads[side]['embedded'][0])).sum(-1)
     assert np.all(per_position[segments[0] == 1] == 0.0), side
@@ -199,14 +221,18 @@ def test_a_packed_row_of_local_attention_equals_its_segments_one_by_one():
   for segment in (1, 2):
     source = inputs[:, np.asarray(in_segments[0]) == segment]
     where = np.asarray(out_segments[0]) == segment
-    alone = apply({'params': params}, source, targets[:, where])
-    np.testing.assert_allclose(packed[:, where], alone, atol=1e-5)
+    # Each segment's targets padded to 5 (the longer's length): one shape, one compile.
+    alone = apply({'params': params}, source, jnp.pad(targets[:, where],
+                                                      ((0, 0), (0, 5 - where.sum()))))
+    np.testing.assert_allclose(packed[:, where], alone[:, :where.sum()], atol=1e-5)
 
 
-# One member in the fast tier; each of the others adds a slow step-by-step loop.
+# One member in the fast tier; each of the others adds a slow step-by-step loop. Each attention
+# kind is here; sinusoidal positions (added at the embedder, whatever the attention) decode in
+# test_model.py and test_positions.py, and through local and compressed layers in
+# test_decoder_only.py's family members, which also decode scanned compressed layers (scanned
+# encoder-decoder layers: test_positions.py's relative member).
 @pytest.mark.parametrize('pattern, positions, scan_layers', [
-    pytest.param('local', 'sinusoidal', False, marks=pytest.mark.slow),
-    pytest.param('compressed', 'sinusoidal', True, marks=pytest.mark.slow),
     pytest.param('local,compressed', 'learned', False, marks=pytest.mark.slow),
     ('local', 'relative', False),
 ])
@@ -217,7 +243,7 @@ def test_cached_decoding_matches_teacher_forcing(pattern, positions, scan_layers
   params = _init(config)
   inputs, targets = _tokens(6, (2, 5)), _tokens(7, (2, 10))
   assert_cached_decoding_matches_teacher_forcing(config, params, inputs, targets)
-  greedy = decode.greedy_search(params, inputs, config, 10)  # The search runs on it too.
+  greedy = greedy_search(params, inputs, config=config, max_len=10)  # The search runs on it too.
   assert greedy.shape == (2, 10)
 
 
@@ -230,7 +256,14 @@ def test_family_configs_train_evaluate_and_dry_run(tiny_config, tmp_path, patter
   config.model.attention_pattern, config.model.positions = pattern, positions
   config.model.local_half_width, config.model.num_decoder_layers = 4, 2
   learns_to_copy(config)
-  config.eval.bleu_sentences = 4
+  # The copy task's pairs are at most 9 tokens, so a data.max_len of 16 drops none, and the
+  # dry run's batch is the one bucket's, 16 rows of 16: it compiles the very train step the run
+  # did, and reads it back from the compilation cache.
+  config.data.max_len = 16
+  # No BLEU: nothing here reads it. The search runs through local, compressed and relative
+  # layers in test_cached_decoding_matches_teacher_forcing, and test_multi30k.py scores a
+  # local,compressed member's BLEU.
+  config.eval.bleu_sentences = 0
   results = train.train_and_evaluate(config, str(tmp_path))
   # Above what a model blind to the source can reach (conftest.py): the member's attention
   # carries the source to the decoder while it trains.
@@ -238,3 +271,4 @@ def test_family_configs_train_evaluate_and_dry_run(tiny_config, tmp_path, patter
   dry = dry_run_lib.dry_run(config)
   assert (dry['attention_pattern'], dry['positions']) == (pattern, positions)
   assert dry['memory_per_device_bytes']['total'] > 0
+  assert dry['batch_shape'] == [16, 16]  # The batch it trained on.

@@ -10,6 +10,7 @@ A window or block that counted another sentence or the padding moves logits by 1
 """
 
 import dataclasses
+import functools
 
 import flax.linen as nn
 import jax
@@ -17,12 +18,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import QUICK_COMPILE, quick_jit
 from t2t_jax import ConfigError
 from t2t_jax import decode
 from t2t_jax import decoder_only
 from t2t_jax import model as model_lib
 from t2t_jax import model_config
 from t2t_jax import moe as moe_lib
+from t2t_jax import runtime
 
 VOCAB = 13
 CONFIG = model_lib.TransformerConfig(
@@ -91,7 +94,7 @@ def test_teacher_forced_logits_do_not_depend_on_the_batch(pattern, positions):
   params = _params_for(config)
   row = packed_row([BEFORE, (SOURCE, TARGET), AFTER], 12, 12)
 
-  @jax.jit  # One compilation for the three batches.
+  @quick_jit  # One compilation for the three batches.
   def logits(params):
     alone = model.apply({'params': params}, _rows([SOURCE], 3), _rows([TARGET], 5))
     beside = model.apply({'params': params}, _rows([SOURCE, LONG_SOURCE], 12),
@@ -104,10 +107,17 @@ def test_teacher_forced_logits_do_not_depend_on_the_batch(pattern, positions):
   np.testing.assert_allclose(packed[0, start:start + len(TARGET)], alone[0], **TOLERANCE)
 
 
-def _translate(params, config, inputs_BS):
+def _searches(params, inputs_BS, config):
   greedy = decode.greedy_search(params, inputs_BS, config, max_len=6)
   tokens, scores = decode.beam_search(params, inputs_BS, config, 6, beam_size=2, alpha=0.6)
   return greedy[0], tokens[0], scores[0]
+
+
+def _translate(params, config, inputs_BS):
+  """The first row's greedy output, beams and scores: both searches one program, compiled as
+  Translator compiles a search and with QUICK_COMPILE (eager, each operation compiles apart)."""
+  search = runtime.jit_search(functools.partial(_searches, config=config))
+  return search.lower(params, inputs_BS).compile(QUICK_COMPILE)(params, inputs_BS)
 
 
 @pytest.mark.parametrize('pattern, positions', [
@@ -139,7 +149,7 @@ def test_encoder_decoder_packed_segments_straddling_blocks_equal_them_alone(patt
   params = _params_for(config)
   row = packed_row([BEFORE, (SOURCE, TARGET), AFTER], 12, 12)
 
-  @jax.jit
+  @quick_jit
   def logits(params):
     alone = model.apply({'params': params}, _rows([SOURCE], 3), _rows([TARGET], 5))
     return alone, _packed_logits(model, params, row)
@@ -170,7 +180,7 @@ def test_expert_capacity_counts_a_sentences_tokens_not_its_batchs_padding(kind):
   params = nn.meta.unbox(model.init(jax.random.PRNGKey(1), jnp.ones((1, 4), jnp.int32),
                                     jnp.ones((1, 4), jnp.int32))['params'])
 
-  @jax.jit
+  @quick_jit
   def logits(params):
     alone, sown = model.apply({'params': params}, _rows([SOURCE], 3), _rows([TARGET], 5),
                               mutable=['moe'])

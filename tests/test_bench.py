@@ -133,7 +133,17 @@ def test_no_bench_module_shadows_the_references_modules():
 
 
 # bench/accelerator.py in its CPU mode (--size=auto is tiny on CPU), run as the command a GPU
-# session runs, in a subprocess: it applies XLA flags and starts subprocesses of its own.
+# session runs, in a subprocess: it applies XLA flags and starts subprocesses of its own. One
+# run of every part (accelerator), read by the two tests below: a process and its start-up
+# (JAX, the reference's imports) once, not once per test.
+
+
+@pytest.fixture(scope='module')
+def accelerator(tmp_path_factory) -> list[dict]:
+  """The lines of one run of every part, the A/B test of two flag sets."""
+  return _run_accelerator(tmp_path_factory.mktemp('accelerator'),
+                          '--parts=train_step,attention,xla_ab,decode,compare,speedrun',
+                          '--ab_sets=xla_defaults,no_triton_gemm')
 
 
 def _run_accelerator(tmp_path, *args) -> list[dict]:
@@ -177,8 +187,8 @@ def _check_step(line, rows, length):
 
 
 @pytest.mark.slow
-def test_accelerator_command_measures_train_steps_and_attention_on_cpu(tmp_path):
-  lines = _run_accelerator(tmp_path, '--parts=train_step,attention')
+def test_accelerator_command_measures_train_steps_and_attention_on_cpu(accelerator):
+  lines = [line for line in accelerator if line['part'] in ('train_step', 'attention')]
   steps = [line for line in lines if line['part'] == 'train_step']
   assert [(line['model'], line['rows']) for line in steps] == [('tiny', 4), ('tiny', 8)]
   for line in steps:
@@ -198,12 +208,12 @@ def test_accelerator_command_measures_train_steps_and_attention_on_cpu(tmp_path)
 
 
 @pytest.mark.slow
-def test_accelerator_command_measures_flags_decoding_reference_and_speedrun_on_cpu(tmp_path):
-  lines = _run_accelerator(tmp_path, '--parts=xla_ab,decode,compare,speedrun',
-                           '--ab_sets=xla_defaults,no_triton_gemm')
+def test_accelerator_command_measures_flags_decoding_reference_and_speedrun_on_cpu(accelerator):
   by_part = {}
-  for line in lines:
+  for line in accelerator:
     by_part.setdefault(line['part'], []).append(line)
+  assert list(by_part) == ['train_step', 'attention', 'xla_ab', 'xla_ab_summary', 'decode',
+                           'compare', 'speedrun']  # Each part's lines, in the order asked.
   ab = {line['flag_set']: line for line in by_part['xla_ab']}
   assert ab['xla_defaults']['xla_flags'] == []
   assert ab['no_triton_gemm']['xla_flags'] == [

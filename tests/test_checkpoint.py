@@ -114,6 +114,8 @@ def test_damaged_latest_checkpoint_falls_back_with_warning(trained, tmp_path, ca
   assert 'tensorstore_spec' not in messages and '<' not in messages  # No library internals.
   assert sorted(os.listdir(f'{workdir}/checkpoints')) == ['10', '15', '5']
   assert len(os.listdir(f'{workdir}/damaged_checkpoints')) == 1
+  if damage != 'truncate':  # What follows the fallback is the same whatever the damage was:
+    return  # one case trains on from it.
 
   # Training resumes from 15 and writes a fresh step 20 equal to the undamaged one.
   results = train.train_and_evaluate(config, str(workdir))
@@ -238,19 +240,23 @@ def test_dropout_prng_with_another_key_size_is_refused_not_called_damaged(traine
 
 
 @pytest.mark.slow
-def test_a_run_with_a_four_word_dropout_key_resumes_to_the_uninterrupted_result(tmp_path):
+def test_a_run_with_a_four_word_dropout_key_resumes_to_the_uninterrupted_result(tmp_path,
+                                                                                caplog):
   """dropout_prng='rbg' (a uint32[4] key; the default hash32's is [2]): a run stopped at a
   checkpoint and resumed ends bitwise equal to one never stopped, dropout on."""
   config = _config()
   config.model.dropout_prng, config.train.num_steps = 'rbg', 10
+  config.eval.bleu_sentences = 0  # The checkpoints are compared: decoding adds nothing.
   assert config.model.dropout > 0
-  train.train_and_evaluate(config, str(tmp_path / 'straight'))
-  config.train.num_steps = 5
-  train.train_and_evaluate(config, str(tmp_path / 'resumed'))
-  config.train.num_steps = 10
-  train.train_and_evaluate(config, str(tmp_path / 'resumed'))
+  train.train_and_evaluate(config, str(tmp_path / 'straight'))  # Saves steps 5 and 10.
+  # The same run stopped after its save of step 5 (a copy, its later checkpoint removed).
+  resumed = shutil.copytree(tmp_path / 'straight', tmp_path / 'resumed')
+  shutil.rmtree(resumed / 'checkpoints' / '10')
+  with caplog.at_level(std_logging.INFO):
+    assert train.train_and_evaluate(config, str(resumed))['step'] == 10
+  assert 'Training from step 5 to 10' in _absl_messages(caplog)
   assert leaves_equal(saved_state_field(f'{tmp_path}/straight/checkpoints/10'),
-                       saved_state_field(f'{tmp_path}/resumed/checkpoints/10'))
+                       saved_state_field(f'{resumed}/checkpoints/10'))
 
 
 def _disk_full_in_background(monkeypatch):
@@ -514,12 +520,40 @@ def test_readme_snippet_restores_params_with_plain_orbax(trained, caplog, capfd)
   assert leaves_equal(namespace['exported'], saved_params.load_params(f'{workdir}/export/snippet'))
 
 
-# End to end through the CLI, in subprocesses.
+# End to end through the CLI, in subprocesses: one per way a run ends (a signal, a full disk).
+# What a test then checks of the saved run (a resume, a straight run to compare with) runs in
+# this process: the same config trains to the same bits there (the damaged-checkpoint test
+# resumes in process too).
+
+# What every run below sets beyond configs/tiny.py, on the command line or in process.
+COMMON = {'train.log_every': 1, 'train.eval_every': 1000, 'eval.bleu_sentences': 0,
+          'ckpt.keep': 20}
+
 
 def _command(workdir, *flags):
   return [sys.executable, '-m', 't2t_jax.main', '--config=configs/tiny.py',
-          f'--workdir={workdir}', '--config.train.log_every=1', '--config.train.eval_every=1000',
-          '--config.eval.bleu_sentences=0', '--config.ckpt.keep=20', *flags]
+          f'--workdir={workdir}', *(f'--config.{key}={value}' for key, value in COMMON.items()),
+          *flags]
+
+
+def _steps_flags(num_steps: int, every: int) -> list[str]:
+  return [f'--config.train.num_steps={num_steps}', f'--config.ckpt.every={every}']
+
+
+def _train_here(workdir, num_steps: int, every: int) -> dict:
+  """Trains what `_command(workdir, *_steps_flags(num_steps, every))` would, in this process;
+  its final figures."""
+  from configs import tiny  # pylint: disable=g-import-not-at-top
+  config = tiny.get_config()
+  config.update_from_flattened_dict({**COMMON, 'train.num_steps': num_steps, 'ckpt.every': every})
+  return train.train_and_evaluate(config, str(workdir))
+
+
+def _resume_here(workdir, caplog, start: int, num_steps: int, every: int) -> None:
+  """_train_here on a workdir a signalled or failed launch left: it trains on from `start`."""
+  with caplog.at_level(std_logging.INFO):
+    assert _train_here(workdir, num_steps, every)['step'] == num_steps
+  assert f'Training from step {start} to {num_steps}' in _absl_messages(caplog)
 
 
 def _run_until(command, kill_at_step: int, sig=signal.SIGKILL,
@@ -542,17 +576,15 @@ def _run_until(command, kill_at_step: int, sig=signal.SIGKILL,
   return process.returncode, ''.join(lines), signalled_at
 
 
-STRAIGHT = ['--config.train.num_steps=24', '--config.ckpt.every=3']
+STRAIGHT = (24, 3)  # Steps, and a save every 3.
 
 
 @pytest.fixture(scope='module')
 def straight(tmp_path_factory):
-  """The tiny config trained through the CLI to step 24, saving every 3 steps: what the
-  interrupted runs below must end equal to (how often a run saves does not change what it
-  computes)."""
+  """The tiny config trained to step 24, saving every 3 steps: what the interrupted runs below
+  must end equal to (how often a run saves does not change what it computes)."""
   workdir = tmp_path_factory.mktemp('straight')
-  subprocess.run(_command(workdir, *STRAIGHT), cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
-                 check=True, capture_output=True, timeout=900)
+  _train_here(workdir, *STRAIGHT)
   return workdir
 
 
@@ -593,24 +625,24 @@ def _unfinished(workdir) -> list[str]:
 
 
 @pytest.mark.slow
-def test_ctrl_c_saves_the_step_and_the_resumed_run_equals_a_straight_one(straight, tmp_path):
-  steps = ['--config.train.num_steps=24', '--config.ckpt.every=0']
+def test_ctrl_c_saves_the_step_and_the_resumed_run_equals_a_straight_one(straight, tmp_path,
+                                                                         caplog):
   interrupted = tmp_path / 'interrupted'
-  rc, log, signalled_at = _run_until(_command(interrupted, *steps), 6, signal.SIGINT)
+  rc, log, signalled_at = _run_until(_command(interrupted, *_steps_flags(24, 0)), 6,
+                                     signal.SIGINT)
   assert rc == 128 + signal.SIGINT, log[-3000:]
   assert 'KeyboardInterrupt' not in log and 'Traceback' not in log, log[-3000:]
   saved = _saved_after_signal(log, r'interrupted \(Ctrl-C\)')
   assert saved >= signalled_at
   assert os.listdir(interrupted / 'checkpoints') == [str(saved)]
   assert _unfinished(interrupted) == []
-  rc, log, _ = _run_until(_command(interrupted, *steps), 10**9)
-  assert rc == 0 and f'Training from step {saved} to 24' in log, log[-3000:]
+  _resume_here(interrupted, caplog, saved, 24, 0)
   assert leaves_equal(saved_state_field(f'{straight}/checkpoints/24'),
                        saved_state_field(f'{interrupted}/checkpoints/24'))
 
 
 @pytest.mark.slow
-def test_a_second_ctrl_c_exits_at_once_leaving_only_whole_checkpoints(tmp_path):
+def test_a_second_ctrl_c_exits_at_once_leaving_only_whole_checkpoints(tmp_path, caplog):
   """The second Ctrl-C is sent once the run has logged that it took the first (two sent
   together can reach Python's handler as one); a launch that finished saving and exited
   before the second could be sent proves nothing and is tried again."""
@@ -642,13 +674,11 @@ def test_a_second_ctrl_c_exits_at_once_leaving_only_whole_checkpoints(tmp_path):
   # Every checkpoint left is whole: the latest restores, and training resumes from it.
   latest = max(int(name) for name in os.listdir(tmp_path / 'checkpoints'))
   saved_state_field(f'{tmp_path}/checkpoints/{latest}')
-  command[command.index('--config.train.num_steps=100000')] = f'--config.train.num_steps={latest + 2}'
-  rc, log, _ = _run_until(command, 10**9)
-  assert rc == 0 and f'Training from step {latest} to {latest + 2}' in log, log[-3000:]
+  _resume_here(tmp_path, caplog, latest, latest + 2, 2)
 
 
 @pytest.mark.slow
-def test_a_full_disk_stops_the_run_and_a_disk_with_room_resumes_it(straight, tmp_path):
+def test_a_full_disk_stops_the_run_and_a_disk_with_room_resumes_it(straight, tmp_path, caplog):
   """A real full disk: a roomy tmpfs, filled to the last byte once the first checkpoint is
   whole. The run is paused (SIGSTOP) at each step it logs until then, so it cannot run past
   the next save before the disk is full; what orbax writes on the way does not matter."""
@@ -657,7 +687,7 @@ def test_a_full_disk_stops_the_run_and_a_disk_with_room_resumes_it(straight, tmp
     pytest.skip('mounting a tmpfs is not allowed here (not root?)')
   try:
     workdir = disk / 'run'
-    process = subprocess.Popen(_command(workdir, *STRAIGHT), cwd=ROOT,
+    process = subprocess.Popen(_command(workdir, *_steps_flags(*STRAIGHT)), cwd=ROOT,
                                env=dict(os.environ, PYTHONPATH=ROOT), stderr=subprocess.PIPE,
                                stdout=subprocess.DEVNULL, text=True)
     lines, filled = [], False
@@ -687,8 +717,7 @@ def test_a_full_disk_stops_the_run_and_a_disk_with_room_resumes_it(straight, tmp
         str(step) for step in range(3, failed, 3)]
     assert _unfinished(workdir) == []
     os.remove(disk / chaos.FILLER)
-    rc, log, _ = _run_until(_command(workdir, *STRAIGHT), 10**9)
-    assert rc == 0 and f'Training from step {failed - 3} to 24' in log, log[-3000:]
+    _resume_here(workdir, caplog, failed - 3, *STRAIGHT)
     assert leaves_equal(saved_state_field(f'{straight}/checkpoints/24'),
                          saved_state_field(f'{workdir}/checkpoints/24'))
   finally:

@@ -5,6 +5,7 @@ written). The small models are tests/test_ctranslate2.py's: sinusoidal positions
 just enough that outputs depend on the source, no label smoothing (PAD keeps a small
 probability, which CTranslate2's softmax leaves out: that module's docstring)."""
 
+import functools
 import json
 import os
 import shutil
@@ -27,10 +28,19 @@ from t2t_jax import EOS_ID, PAD_ID
 from t2t_jax import ctranslate2_engine
 from t2t_jax import decode
 from t2t_jax import decoder_only
+from t2t_jax import evaluate
 from t2t_jax import export
 from t2t_jax import saved_params
 from t2t_jax import translate
 from t2t_jax.model_config import TransformerConfig
+
+
+def _trained_config(model_overrides: dict):
+  """_config, its closing evaluation without BLEU: no test here reads that score, and decoding
+  for it is a search compiled and run for nothing."""
+  config = _config(model_overrides)
+  config.eval.bleu_sentences = 0
+  return config
 
 
 @pytest.fixture(scope='module')
@@ -38,8 +48,13 @@ def trained_workdir(tmp_path_factory):
   """The paper's layout (post-LN, shared embeddings, sinusoids) trained 100 steps."""
   from t2t_jax import train  # pylint: disable=g-import-not-at-top
   workdir = str(tmp_path_factory.mktemp('ct2_engine'))
-  train.train_and_evaluate(_config(VARIANTS['post_shared']), workdir)
+  train.train_and_evaluate(_trained_config(VARIANTS['post_shared']), workdir)
   return workdir
+
+
+# t2t_jax's beam search, jitted once for the module, alpha traced (only arithmetic reads it):
+# one program per model, length and penalty, whatever the alpha.
+_beam_search = jax.jit(decode.beam_search, static_argnums=(2, 3, 4), static_argnames='penalty')
 
 
 def _random_run(workdir, overrides: dict | None = None, step: int = 5, seed: int = 0,
@@ -54,10 +69,16 @@ def _random_run(workdir, overrides: dict | None = None, step: int = 5, seed: int
   return str(workdir)
 
 
+@functools.cache
+def _init(model_config: TransformerConfig):
+  """The model's init, jitted once per config: one compile, not its eager operations each."""
+  return jax.jit(decoder_only.make_model(model_config).init)
+
+
 def _write_random_params(workdir, config, step: int, seed: int, adjust=None) -> str:
   model_config = TransformerConfig.from_config(config.model, NUM_SYMBOLS + 2)
   tokens = jnp.ones((1, 4), jnp.int32)
-  params = jax.tree.map(np.array, nn.meta.unbox(decoder_only.make_model(model_config).init(
+  params = jax.tree.map(np.array, nn.meta.unbox(_init(model_config)(
       jax.random.PRNGKey(seed), tokens, tokens)['params']))
   if adjust:
     adjust(params)
@@ -113,9 +134,8 @@ def test_length_penalty_beam_search_is_ctranslate2s(trained_workdir, alpha):
   model_dir, _ = ctranslate2_engine.exported_model(run.config, run.vocab, trained_workdir)
   sources = _sources()
   inputs = jnp.asarray(_inputs(run.vocab, sources))
-  search = jax.jit(decode.beam_search, static_argnums=(2, 3, 4, 5), static_argnames='penalty')
-  tokens, scores = (np.asarray(x) for x in search(run.params, inputs, run.model_config,
-                                                   MAX_OUTPUT, BEAM, alpha, penalty='length'))
+  tokens, scores = (np.asarray(x) for x in _beam_search(
+      run.params, inputs, run.model_config, MAX_OUTPUT, BEAM, alpha, penalty='length'))
   options = ctranslate2_engine.Search(BEAM, alpha, 'length').options(MAX_OUTPUT)
   results = _translator(model_dir).translate_batch(sources, **options, return_scores=True)
   best = [[int(i) for i in tokens[row, 0] if i != PAD_ID] for row in range(len(sources))]
@@ -170,15 +190,14 @@ def test_each_length_penalty_finds_the_hypothesis_its_formula_ranks_first(
   run = translate.load(workdir)
   sources = _sources(6)
   inputs = jnp.asarray(_inputs(run.vocab, sources))
-  search = jax.jit(decode.beam_search, static_argnums=(2, 3, 4, 5), static_argnames='penalty')
   vocab_size = NUM_SYMBOLS + 2  # t2t_jax's softmax counts PAD; CTranslate2's leaves it out.
   expected = {}
   for penalty in decode.LENGTH_PENALTIES:
     best, score = _best_of_constant_output(symbol_logit, eos_logit, vocab_size, alpha, penalty,
                                            MAX_OUTPUT)
     expected[penalty] = best
-    tokens, scores = search(run.params, inputs, run.model_config, MAX_OUTPUT, BEAM, alpha,
-                            penalty=penalty)
+    tokens, scores = _beam_search(run.params, inputs, run.model_config, MAX_OUTPUT, BEAM, alpha,
+                                  penalty=penalty)
     for row in range(len(sources)):
       assert [int(i) for i in np.asarray(tokens)[row, 0] if i != PAD_ID] == best, (penalty, row)
     np.testing.assert_allclose(np.asarray(scores)[:, 0], score, atol=1e-4)
@@ -199,40 +218,41 @@ def test_each_length_penalty_finds_the_hypothesis_its_formula_ranks_first(
 # The command line: both engines, same files, same labels.
 
 
-def _greedy_files(workdir, lines, tmp_path) -> tuple[str, dict[str, str]]:
-  """The input file of `lines`, and each engine's output file of it (translate, greedy)."""
-  source = write_lines(tmp_path / 'in.txt', lines)
-  outputs = {}
-  for engine in ('t2t_jax', 'ctranslate2'):
-    output = tmp_path / f'{engine}.txt'
-    result = _run('t2t_jax.translate', f'--workdir={workdir}', f'--input={source}',
-                  f'--output={output}', '--beam_size=1', f'--engine={engine}')
-    assert result.returncode == 0, result.stderr
-    assert f'Translated {len(lines)} sentences' in result.stderr
-    outputs[engine] = output.read_text()
-  return source, outputs
+def _greedy_text(run: translate.Run, lines) -> str:
+  """`run`'s translations of `lines` as the translate command writes them, a line each."""
+  return ''.join(t + '\n' for t in translate.translate_lines(run, lines)[0])
 
 
 @pytest.mark.slow
 def test_both_engines_write_the_same_greedy_file_and_bleu_lines(trained_workdir, tmp_path):
+  """translate and evaluate with --engine=ctranslate2 against t2t_jax's engine in process,
+  from the same library calls as those commands (whose runs with t2t_jax's engine are
+  tests/test_translate.py's): the same file, the same figures under the same labels."""
   lines = [' '.join(s) for s in _sources()] + ['', '3 1 4']
-  source, outputs = _greedy_files(trained_workdir, lines, tmp_path)
-  assert outputs['ctranslate2'] == outputs['t2t_jax']
-  translations = outputs['t2t_jax'].split('\n')
+  source, output = write_lines(tmp_path / 'in.txt', lines), tmp_path / 'ctranslate2.txt'
+  result = _run('t2t_jax.translate', f'--workdir={trained_workdir}', f'--input={source}',
+                f'--output={output}', '--beam_size=1', '--engine=ctranslate2')
+  assert result.returncode == 0, result.stderr
+  assert f'Translated {len(lines)} sentences' in result.stderr
+  ours = translate.load(trained_workdir, beam_size=1)
+  text = _greedy_text(ours, lines)
+  assert output.read_text() == text
+  translations = text.split('\n')
   assert len(translations) == len(lines) + 1 and translations[-3] == ''  # Blank lines kept.
   assert len(set(translations)) > 1  # Not one answer for every sentence.
-  printed = {}
-  for engine in ('t2t_jax', 'ctranslate2'):
-    result = _run('t2t_jax.evaluate', f'--workdir={trained_workdir}', f'--src={source}',
-                  f'--ref={source}', '--beam_size=1', f'--engine={engine}')
-    assert result.returncode == 0, result.stderr
-    printed[engine] = result.stdout.strip().splitlines()
-  header = f'{len(lines)} sentences of {source}, checkpoint latest, beam 1, alpha 0.6'
-  assert printed['t2t_jax'][0] == header
-  assert printed['ctranslate2'][0] == header + ', CTranslate2 float32'
-  assert printed['ctranslate2'][1:] == printed['t2t_jax'][1:]  # Same labels, same figures.
-  assert printed['t2t_jax'][1].startswith('sacreBLEU ')
-  assert printed['t2t_jax'][2].startswith('tokenised BLEU, compound split')
+  result = _run('t2t_jax.evaluate', f'--workdir={trained_workdir}', f'--src={source}',
+                f'--ref={source}', '--beam_size=1', '--engine=ctranslate2')
+  assert result.returncode == 0, result.stderr
+  printed = result.stdout.strip().splitlines()
+  assert evaluate.search_label(ours.translator) == 'beam 1, alpha 0.6'
+  assert printed[0] == (f'{len(lines)} sentences of {source}, checkpoint latest, beam 1, '
+                        'alpha 0.6, CTranslate2 float32')
+  hypotheses = translations[:-1]
+  figures = [str(evaluate.sacrebleu_score(hypotheses, lines)),
+             str(evaluate.compound_split_bleu(hypotheses, lines))]
+  assert printed[1:] == figures  # Same labels, same figures.
+  assert figures[0].startswith('sacreBLEU ')
+  assert figures[1].startswith('tokenised BLEU, compound split')
 
 
 @pytest.mark.slow
@@ -245,13 +265,15 @@ def test_a_decoder_only_model_translates_through_the_generator(tmp_path):
   are apart."""
   from t2t_jax import train  # pylint: disable=g-import-not-at-top
   workdir = str(tmp_path / 'decoder_only')
-  config = _config(dict(kind='decoder_only', prefix_attention='causal'))
+  config = _trained_config(dict(kind='decoder_only', prefix_attention='causal'))
   config.model.max_len = config.data.max_len = 24  # A long source leaves its output less room
   # than max_extra_len.
   train.train_and_evaluate(config, workdir)
   lines = [' '.join(s) for s in _sources()] + ['', '3 1 4', ' '.join(['5'] * 14)]
-  _, files = _greedy_files(workdir, lines, tmp_path)
-  outputs = {engine: text.split('\n') for engine, text in files.items()}
+  # In process: the command's file is the test above's, the same for either kind of model.
+  outputs = {engine: _greedy_text(load(workdir, beam_size=1), lines).split('\n')
+             for engine, load in (('t2t_jax', translate.load),
+                                  ('ctranslate2', translate.load_ctranslate2))}
   assert outputs['ctranslate2'] == outputs['t2t_jax']
   assert len(set(outputs['t2t_jax'])) > 1
   # The longest source (14 symbols + EOS) leaves 24 - 15 = 9 positions: an output that has
@@ -263,9 +285,8 @@ def test_a_decoder_only_model_translates_through_the_generator(tmp_path):
   inputs = _inputs(run.vocab, _sources())
   rows = [row[:list(row).index(EOS_ID) + 1] for row in inputs]
   ours, theirs = run.translator.translate(run.params, rows), ct2.translator.translate(None, rows)
-  search = jax.jit(decode.beam_search, static_argnums=(2, 3, 4, 5))
   limit = decode.max_decode_length(inputs.shape[1], run.config.eval.max_extra_len, 24, True)
-  _, scores = search(run.params, jnp.asarray(inputs), run.model_config, limit, BEAM, 0.0)
+  _, scores = _beam_search(run.params, jnp.asarray(inputs), run.model_config, limit, BEAM, 0.0)
   scores = np.asarray(scores)
   untied = [row for row in range(len(rows)) if scores[row, 0] - scores[row, 1] > 1e-3]
   assert untied  # Something is compared.
@@ -282,13 +303,14 @@ def test_the_cli_refuses_in_one_line_what_ctranslate2_cannot_do(tmp_path):
   assert gnmt.stderr.strip().splitlines()[-1].startswith(
       "error: --engine=ctranslate2 cannot run beam search (beam 4) with GNMT's length penalty")
   assert not os.path.exists(os.path.join(workdir, 'ctranslate2'))  # Refused before exporting.
+  # What cannot be exported: refused by the same ConfigError path as the GNMT search above,
+  # which shows it as the command's one line; in process here.
   moe = _random_run(tmp_path / 'moe', dict(moe_experts=4, moe_layers='all'))
-  refused = _run('t2t_jax.translate', f'--workdir={moe}', '--engine=ctranslate2',
-                 '--beam_size=1', stdin='3 4\n')
-  assert refused.returncode == 1 and 'Traceback' not in refused.stderr
-  assert refused.stderr.strip().splitlines()[-1] == (
-      'error: config.model.moe_experts=4 cannot be exported to CTranslate2: CTranslate2 has '
-      'no mixture-of-experts feed-forward layers')
+  with pytest.raises(ConfigError) as refused:
+    translate.load_ctranslate2(moe, beam_size=1)
+  assert str(refused.value) == (
+      'config.model.moe_experts=4 cannot be exported to CTranslate2: CTranslate2 has no '
+      'mixture-of-experts feed-forward layers')
   assert not os.path.exists(os.path.join(moe, 'ctranslate2'))  # Refused before any work.
   misplaced = _run('t2t_jax.translate', f'--workdir={workdir}', '--ct2_compute_type=int8',
                    stdin='3 4\n')

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import quick_jit
 from t2t_jax import EOS_ID, PAD_ID
 from t2t_jax import decode
 from t2t_jax import runtime
@@ -56,24 +57,24 @@ def _trim(tokens) -> tuple[int, ...]:
   return tuple(tokens[:tokens.index(EOS_ID) + 1] if EOS_ID in tokens else tokens)
 
 
-@jax.jit(static_argnames='config')
+@functools.partial(quick_jit, static_argnames='config')
 def _teacher_forced_log_probs(params, source_S, sequences_BL, config):
+  """The summed log-probabilities [B] of each row's tokens, its padding (PAD) left out."""
   logits_BLV = model_lib.Transformer(config).apply(
       {'params': params}, jnp.broadcast_to(source_S, (len(sequences_BL), len(source_S))),
       sequences_BL)
   log_probs_BLV = jax.nn.log_softmax(logits_BLV)
-  return jnp.take_along_axis(log_probs_BLV, sequences_BL[:, :, None], axis=2)[..., 0].sum(1)
+  log_probs_BL = jnp.take_along_axis(log_probs_BLV, sequences_BL[:, :, None], axis=2)[..., 0]
+  return jnp.where(sequences_BL != PAD_ID, log_probs_BL, 0.0).sum(1)
 
 
-def _sequence_log_probs(params, config, source, sequences) -> list[float]:
-  """log p(sequence | source) of each sequence, from the teacher-forced (uncached) pass."""
-  result = {}
-  for length in {len(s) for s in sequences}:
-    group = [s for s in sequences if len(s) == length]
-    values = _teacher_forced_log_probs(params, source, jnp.asarray(group, jnp.int32),
-                                       config=config)
-    result.update(zip(group, np.asarray(values).tolist()))
-  return [result[s] for s in sequences]
+def _sequence_log_probs(params, config, source, sequences, width: int) -> list[float]:
+  """log p(sequence | source) of each sequence (PAD-free, at most `width` tokens), from the
+  teacher-forced (uncached) pass. One batch of rows padded to `width`, one program for every
+  call: the causal decoder's output at a token does not see the padding after it."""
+  rows = [list(s) + [PAD_ID] * (width - len(s)) for s in sequences]
+  return np.asarray(_teacher_forced_log_probs(params, source, jnp.asarray(rows, jnp.int32),
+                                              config=config)).tolist()
 
 
 def test_length_penalties_are_gnmts_and_length_to_the_alpha():
@@ -115,7 +116,7 @@ def test_wide_beam_returns_the_exhaustive_best(vocab, max_len, beam, alpha, pena
                 for prefix in itertools.product(symbols, repeat=n)]
   hypotheses += list(itertools.product(symbols, repeat=max_len))  # Cut by the length limit.
   for row in range(inputs.shape[0]):
-    log_probs = _sequence_log_probs(params, config, inputs[row], hypotheses)
+    log_probs = _sequence_log_probs(params, config, inputs[row], hypotheses, max_len)
     scored = sorted(((p / PENALTIES[penalty](len(h), alpha), h)
                      for p, h in zip(log_probs, hypotheses)), reverse=True)
     assert _trim(tokens[row, 0]) == scored[0][1]
@@ -131,7 +132,7 @@ def test_scores_are_length_normalised_log_probs_and_eos_ends_each_hypothesis():
   assert np.all(np.diff(scores, axis=1) <= 0)
   for row in range(inputs.shape[0]):
     hypotheses = [_trim(tokens[row, k]) for k in range(3)]
-    log_probs = _sequence_log_probs(params, CONFIG, inputs[row], hypotheses)
+    log_probs = _sequence_log_probs(params, CONFIG, inputs[row], hypotheses, 8)
     for k, (hypothesis, log_prob) in enumerate(zip(hypotheses, log_probs)):
       assert PAD_ID not in hypothesis and EOS_ID not in hypothesis[:-1]
       assert hypothesis[-1] == EOS_ID or len(hypothesis) == 8
@@ -225,8 +226,7 @@ def test_bfloat16_beam_search_scores_within_the_rounding_bound_and_caches_in_bfl
   # and bfloat16 rounds to 2^-8 of a value: allowing each step three roundings of a logit,
   # a score is within 8 x 3 x 2 x 2^-8 = 0.19 of float32's (measured 0.021).
   bound = 8 * 3 * 2 * 2**-8
-  logits = model_lib.Transformer(CONFIG).apply({'params': params}, inputs,
-                                               expected_tokens[:, 0])
+  logits = _logits(params, inputs, expected_tokens[:, 0], config=CONFIG)
   assert float(jnp.max(jnp.abs(logits))) < 2
   # A near-tie may flip under bfloat16 rounding (which hypotheses must stay is the next
   # test's, against the logits' measured deviation); the hypotheses both find score alike.
@@ -236,6 +236,11 @@ def test_bfloat16_beam_search_scores_within_the_rounding_bound_and_caches_in_bfl
                              atol=bound)
   cache = decode.init_cache(config, 2, 8)
   assert cache['decoder_0']['self_attention']['key'].dtype == jnp.bfloat16
+
+
+@functools.partial(quick_jit, static_argnames='config')  # One program, not each operation.
+def _logits(params, inputs_BS, targets_BL, config):
+  return model_lib.Transformer(config).apply({'params': params}, inputs_BS, targets_BL)
 
 
 def _mesh_config():
@@ -265,7 +270,7 @@ def test_scanned_layers_decode_like_unrolled_ones(remat):
   np.testing.assert_allclose(scores, expected_scores, atol=1e-5)
 
 
-@jax.jit(static_argnames='config')
+@functools.partial(quick_jit, static_argnames='config')
 def _next_log_probs(params, source_S, prefixes_BL, lengths_B, config):
   """log p(next token | source, prefix) [B, V] over the whole vocabulary, uncached.
 
@@ -323,12 +328,13 @@ def test_beam_search_equals_a_plain_beam_search_over_many_seeds(penalty, alpha):
     tokens, scores = np.asarray(tokens), np.asarray(scores)
     for row, limit in enumerate(limits):
       def log_probs_of(prefixes, row=row):
-        rows = np.full((len(prefixes), max_len + 1), 2, np.int32)
+        # Always `beam` rows (the unused ones all filler), so one program serves every step.
+        rows = np.full((beam, max_len + 1), 2, np.int32)
+        lengths = np.zeros(beam, np.int32)
         for r, prefix in enumerate(prefixes):
-          rows[r, :len(prefix)] = prefix
+          rows[r, :len(prefix)], lengths[r] = prefix, len(prefix)
         return np.asarray(_next_log_probs(params, inputs[row], jnp.asarray(rows),
-                                          jnp.asarray([len(p) for p in prefixes]),
-                                          config=config))
+                                          jnp.asarray(lengths), config=config))[:len(prefixes)]
       expected = _plain_beam_search(log_probs_of, int(limit), beam, alpha, vocab, penalty)
       got = [_trim(t[t != PAD_ID]) for t in tokens[row]]
       assert got == [hypothesis for _, hypothesis in expected], (seed, row)

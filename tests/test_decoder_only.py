@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+from absl import app
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -43,9 +44,20 @@ TARGETS = jnp.array([[9, 10, 11, 1], [12, 1, 0, 0]], jnp.int32)
 DIRECTION = jnp.asarray(np.random.default_rng(0).normal(size=16), jnp.float32)
 
 
+@functools.cache
+def _variables(config):
+  """The model's variables, once per config for the module. Drawn with the 'rbg' generator: the
+  same initialisers, but each shape's draw compiles in milliseconds, threefry's in seconds."""
+  return decoder_only.make_model(config).init(jax.random.key(0, impl='rbg'), INPUTS, TARGETS)
+
+
 def _params(config=CONFIG):
-  return nn.meta.unbox(decoder_only.make_model(config).init(
-      jax.random.PRNGKey(0), INPUTS, TARGETS)['params'])
+  if config.scan_layers:  # The unrolled layers' stacked, as test_model.py: initialising
+    # scanned layers eagerly compiles each stack's scan.
+    unrolled = dataclasses.replace(config, scan_layers=False)
+    return model_lib.stack_layer_params(_params(unrolled),
+                                        dataclasses.replace(unrolled, num_encoder_layers=0))
+  return nn.meta.unbox(_variables(config)['params'])
 
 
 def _tiny_decoder_only(tiny_config):
@@ -55,37 +67,58 @@ def _tiny_decoder_only(tiny_config):
   return tiny_config
 
 
-def _embedding_gradients(config, params, output_fn):
-  """|d output_fn / d embedded input| per position of the joined sequence [B, S + L]."""
+def _embedding_gradients(config, params):
+  """`seen_by(logits_at=..., states_at=...)`: |d output / d embedded input| per position of the
+  joined sequence [B, S + L], of the output read at `logits_at` (row, positions: the sum of
+  their logits) or `states_at` (row, position: the last layer's state there, over the whole
+  joined sequence, along DIRECTION).
+
+  Both read-outs are linear, so their gradient is the model's pullback of the read-out's
+  weights (one at the logits read, DIRECTION at the state read, zero elsewhere: the very
+  cotangent jax.grad of the read-out starts from): one compiled program serves them all, where
+  eager gradients compiled each of hundreds of operations apart.
+  """
   model = decoder_only.make_model(config)
-  perturbations = model.init(jax.random.PRNGKey(0), INPUTS, TARGETS)['perturbations']
+  perturbations = _variables(config)['perturbations']
 
-  def output(perturbations):
-    outputs, state = model.apply({'params': params, 'perturbations': perturbations}, INPUTS,
-                                 TARGETS, capture_intermediates=True, mutable=['intermediates'])
-    # The last layer's states over the whole joined sequence: source positions included.
-    last = state['intermediates'][f'decoder_{config.num_decoder_layers - 1}']['__call__'][0]
-    return output_fn(outputs, last)
+  @jax.jit
+  def pullback(logits_weights, states_weights):
+    def outputs(perturbations):
+      logits, state = model.apply({'params': params, 'perturbations': perturbations}, INPUTS,
+                                  TARGETS, capture_intermediates=True, mutable=['intermediates'])
+      last = state['intermediates'][f'decoder_{config.num_decoder_layers - 1}']['__call__'][0]
+      return logits, last
+    grads, = jax.vjp(outputs, perturbations)[1]((logits_weights, states_weights))
+    return [grads[name]['embedded'] for name in ('source_embedder', 'target_embedder')]
 
-  grads = jax.grad(output)(perturbations)
-  per_position = [np.abs(np.asarray(grads[name]['embedded'])).sum(-1)
-                  for name in ('source_embedder', 'target_embedder')]
-  return np.concatenate(per_position, axis=1)
+  def seen_by(logits_at=(), states_at=()):
+    logits_weights = np.zeros(TARGETS.shape + (config.vocab_size,), np.float32)
+    joined = INPUTS.shape[1] + TARGETS.shape[1]
+    states_weights = np.zeros((INPUTS.shape[0], joined, config.d_model), np.float32)
+    if logits_at:
+      logits_weights[logits_at] = 1.0
+    if states_at:
+      states_weights[states_at] = DIRECTION
+    per_position = [np.abs(np.asarray(grads)).sum(-1)
+                    for grads in pullback(logits_weights, states_weights)]
+    return np.concatenate(per_position, axis=1)
+
+  return seen_by
 
 
 @pytest.mark.parametrize('prefix_attention', ['causal', 'full'])
 def test_no_target_sees_a_later_one_and_the_source_sees_itself_as_configured(prefix_attention):
   config = dataclasses.replace(CONFIG, prefix_attention=prefix_attention)
-  params = _params(config)
+  seen_by = _embedding_gradients(config, _params(config))
   source_length = INPUTS.shape[1]
   for t in range(TARGETS.shape[1]):
-    seen = _embedding_gradients(config, params, lambda logits, _: logits[0, t].sum())[0]
+    seen = seen_by(logits_at=(0, t))[0]
     # Target output t reads the decoder inputs 0..t (start token, targets 0..t-1) and the
     # whole source, never a later target.
     assert np.all(seen[source_length + t + 1:] == 0.0)
     assert np.all(seen[:source_length + t + 1] > 0.0)
   for i in range(source_length):
-    seen = _embedding_gradients(config, params, lambda _, states: states[0, i] @ DIRECTION)[0]
+    seen = seen_by(states_at=(0, i))[0]
     assert np.all(seen[source_length:] == 0.0)  # No source position reads the target.
     assert np.all(seen[:i + 1] > 0.0)
     later_source = seen[i + 1:source_length]
@@ -94,7 +127,7 @@ def test_no_target_sees_a_later_one_and_the_source_sees_itself_as_configured(pre
     else:
       assert np.all(later_source == 0.0)
   # Row 1's source padding is read by nobody.
-  seen = _embedding_gradients(config, params, lambda logits, _: logits[1, 1].sum())[1]
+  seen = seen_by(logits_at=(1, 1))[1]
   assert np.all(seen[3:source_length] == 0.0) and np.all(seen[:3] > 0.0)
 
 
@@ -116,8 +149,10 @@ def test_packed_row_equals_its_examples_alone():
   together = step_lib.apply_model(model, params, {k: jnp.asarray(v) for k, v in packed.items()})
   column = 0
   for source, target in zip(sources, targets):
-    alone = model.apply({'params': params}, jnp.asarray([source + [0, 0]]),
-                        jnp.asarray([target + [0]]))
+    # Alone in a row as wide as the packed one: padded, and the same shapes (one set of eager
+    # operations compiled for both examples).
+    alone = model.apply({'params': params}, jnp.asarray([source + [0] * (8 - len(source))]),
+                        jnp.asarray([target + [0] * (8 - len(target))]))
     np.testing.assert_allclose(together[0, column:column + len(target)],
                                alone[0, :len(target)], atol=1e-5)
     column += len(target)
@@ -161,25 +196,37 @@ def test_the_loss_is_the_cross_entropy_of_the_target_tokens_only(prefix_attentio
                                    0.0)['loss']) == pytest.approx(expected, rel=1e-5)
 
 
-@pytest.mark.parametrize('scan_layers', [False, pytest.param(True, marks=pytest.mark.slow)])
-def test_cached_greedy_decoding_is_the_argmax_of_teacher_forcing(scan_layers):
-  config = dataclasses.replace(CONFIG, prefix_attention='full', scan_layers=scan_layers)
-  params = _params(config)
-  tokens = np.asarray(decode.greedy_search(params, INPUTS, config, max_len=6))
+def _assert_greedy_is_the_argmax_of_teacher_forcing(config, params):
+  """Each of greedy search's tokens is the argmax of the teacher-forced logits given the ones
+  before it, up to its row's EOS; returns the tokens [B, L]. L is TARGETS' length: the eager
+  operations compiled for the teacher-forced logits of that shape serve this check too."""
+  length = TARGETS.shape[1]
+  tokens = np.asarray(decode.greedy_search(params, INPUTS, config, max_len=length))
   logits = decoder_only.make_model(config).apply({'params': params}, INPUTS, jnp.asarray(tokens))
   argmax = np.asarray(logits.at[..., 0].set(-1e9).argmax(-1))  # PAD is never generated.
   for row in range(2):
     ended = np.flatnonzero(tokens[row] == 1)
-    length = ended[0] + 1 if len(ended) else 6
-    np.testing.assert_array_equal(tokens[row, :length], argmax[row, :length])
-  beam_one = decode.beam_search(params, INPUTS, config, 6, beam_size=1, alpha=0.6)[0][:, 0]
+    end = ended[0] + 1 if len(ended) else length
+    np.testing.assert_array_equal(tokens[row, :end], argmax[row, :end])
+  return tokens
+
+
+@pytest.mark.parametrize('scan_layers', [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_cached_greedy_decoding_is_the_argmax_of_teacher_forcing(scan_layers):
+  config = dataclasses.replace(CONFIG, prefix_attention='full', scan_layers=scan_layers)
+  params = _params(config)
+  tokens = _assert_greedy_is_the_argmax_of_teacher_forcing(config, params)
+  beam_one = decode.beam_search(params, INPUTS, config, tokens.shape[1], beam_size=1,
+                                alpha=0.6)[0][:, 0]
   np.testing.assert_array_equal(np.asarray(beam_one), tokens)
 
 
 def test_beam_search_scores_are_the_length_normalised_log_probs_of_its_outputs():
   params = _params()
-  tokens_BKL, scores_BK = decode.beam_search(params, INPUTS, CONFIG, 5, beam_size=3,
-                                             alpha=0.6)
+  # Outputs as long as TARGETS: the teacher-forced logits reuse the eager operations compiled
+  # for that shape.
+  tokens_BKL, scores_BK = decode.beam_search(params, INPUTS, CONFIG, TARGETS.shape[1],
+                                             beam_size=3, alpha=0.6)
   model = decoder_only.make_model(CONFIG)
   for k in range(3):
     hypotheses = tokens_BKL[:, k]
@@ -251,15 +298,14 @@ def test_language_model_batches_have_no_source_columns():
 
 @pytest.fixture(scope='module')
 def trained(tmp_path_factory):
-  """A decoder-only run of the tiny copy task: 120 steps at a constant rate."""
+  """A decoder-only run of the tiny copy task: 120 steps at a constant rate, evaluated and saved
+  at the end (what its tests read)."""
   from configs import tiny  # pylint: disable=g-import-not-at-top
   config = _tiny_decoder_only(tiny.get_config())
   config.opt.schedule = 'constant'
   config.opt.lr_scale = 3e-3
   config.model.dropout = 0.0
-  config.train.num_steps = 120
-  config.train.eval_every = 60
-  config.ckpt.every = 60
+  config.train.num_steps = config.train.eval_every = config.ckpt.every = 120
   workdir = str(tmp_path_factory.mktemp('decoder_only_run'))
   return workdir, train.train_and_evaluate(config, workdir)
 
@@ -290,14 +336,18 @@ def test_translate_cli_decodes_a_decoder_only_checkpoint(trained, tmp_path):
   result = _run('t2t_jax.translate', f'--workdir={workdir}', f'--input={source}',
                 f'--output={output}', '--beam_size=2')
   assert result.returncode == 0, result.stderr
-  translations = output.read_text().split('\n')[:-1]
-  assert len(translations) == 3 and translations[1] == ''
+  written = output.read_text().split('\n')[:-1]
+  assert len(written) == 3 and written[1] == ''
   run = translate.load(workdir, beam_size=2)
   assert run.model_config.kind == 'decoder_only'
-  assert translate.translate_lines(run, lines)[0] == translations
-  pictures = _run('t2t_jax.translate', f'--workdir={workdir}', f'--input={source}',
-                  f'--attention_png={tmp_path}')
-  assert pictures.returncode != 0 and 'has none' in pictures.stderr
+  translations, inputs, outputs = translate.translate_lines(run, lines)
+  assert translations == written
+  # No encoder-decoder attention to draw: --attention_png's pictures are refused. In process:
+  # the command turns a UsageError into one line and a failing status as any other
+  # (test_cli.py's test_usage_mistakes_are_one_line_and_a_usage_line), and a second command
+  # would load the run and compile its search all over again.
+  with pytest.raises(app.UsageError, match='has none'):
+    translate.save_attention_pngs(run, inputs[0], outputs[0], str(tmp_path), 'line1')
 
 
 @pytest.mark.slow
@@ -375,26 +425,20 @@ def test_family_patterns_decode_from_the_prefill_cache_as_teacher_forcing(patter
   cached = _forced_decoding_logits(config, params, INPUTS, TARGETS)
   real = np.asarray(TARGETS) != 0  # Training hides padded targets' keys; decoding has none.
   np.testing.assert_allclose(np.asarray(cached)[real], np.asarray(forced)[real], atol=2e-5)
-  tokens = np.asarray(decode.greedy_search(params, INPUTS, config, max_len=6))
-  logits = decoder_only.make_model(config).apply({'params': params}, INPUTS, jnp.asarray(tokens))
-  argmax = np.asarray(logits.at[..., 0].set(-1e9).argmax(-1))  # PAD is never generated.
-  for row in range(2):
-    ended = np.flatnonzero(tokens[row] == 1)
-    length = ended[0] + 1 if len(ended) else 6
-    np.testing.assert_array_equal(tokens[row, :length], argmax[row, :length])
+  _assert_greedy_is_the_argmax_of_teacher_forcing(config, params)
 
 
 def test_local_and_compressed_layers_keep_the_decoder_only_model_causal():
   config = dataclasses.replace(CONFIG, attention_pattern='local,compressed', local_half_width=2,
                                compression_stride=3, num_decoder_layers=4)
-  params = _params(config)
+  seen_by = _embedding_gradients(config, _params(config))
   for t in range(TARGETS.shape[1]):
-    seen = _embedding_gradients(config, params, lambda logits, _: logits[0, t].sum())[0]
+    seen = seen_by(logits_at=(0, t))[0]
     assert np.all(seen[INPUTS.shape[1] + t + 1:] == 0.0)  # No later target is read.
     assert seen[0] > 0.0  # Through 4 layers, the window and the blocks reach the first token.
   # Row 1's source padding is read by none of its real targets (a padded target's query may
   # find no real key in its window and spread over padding, but its output is never read).
-  seen = _embedding_gradients(config, params, lambda logits, _: logits[1, :2].sum())[1]
+  seen = seen_by(logits_at=(1, slice(None, 2)))[1]
   assert np.all(seen[3:INPUTS.shape[1]] == 0.0)
 
 
@@ -411,7 +455,15 @@ def test_decoder_only_family_configs_train_and_dry_run(tiny_config, tmp_path, pa
   config.model.attention_pattern, config.model.positions = pattern, positions
   config.model.local_half_width, config.model.compression_stride = 4, 3
   learns_to_copy(config)
-  config.eval.bleu_sentences = 4
+  # One bucket of 32 and 16 rows: the 16 examples a step of the default 16-token bucket held,
+  # in the same order, now padded to the dry run's batch. So the dry run compiles the very
+  # train step the run did, and reads it back from the compilation cache.
+  config.data.min_bucket, config.data.batch_tokens = 32, 512
+  # No BLEU: nothing here reads it. The search it would compile runs on each member in
+  # test_family_patterns_decode_from_the_prefill_cache_as_teacher_forcing, and the
+  # translator's decoder-only batches in
+  # test_translator_outputs_fit_the_table_after_the_source_whatever_the_batch.
+  config.eval.bleu_sentences = 0
   results = train.train_and_evaluate(config, str(tmp_path))
   assert results['step'] == 60, results
   if copies:  # Above what a model blind to the source can reach (conftest.py).
@@ -423,6 +475,7 @@ def test_decoder_only_family_configs_train_and_dry_run(tiny_config, tmp_path, pa
     assert results['eval_loss'] < uniform, (results, uniform)
   dry = dry_run_lib.dry_run(config)
   assert (dry['attention_pattern'], dry['positions']) == (pattern, positions)
+  assert dry['batch_shape'] == [16, 32]  # The batch it trained on.
 
 
 def test_decoder_only_family_combinations_that_cannot_run_are_config_errors(tiny_config):

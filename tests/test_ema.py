@@ -172,12 +172,13 @@ def test_cli_trains_with_an_average_then_translates_and_scores_with_it(tmp_path)
   assert trained.returncode == 0, trained.stderr[-3000:]
   assert '"ema_eval_loss"' in trained.stderr and '"ema_bleu"' in trained.stderr
   (tmp_path / 'src.txt').write_text('3 1 4\n1 5 2 6\n')
-  translated = {w: run('t2t_jax.translate', f'--workdir={workdir}', f'--weights={w}',
-                       f'--input={tmp_path / "src.txt"}') for w in ('params', 'ema')}
-  assert all(t.returncode == 0 for t in translated.values()), translated['ema'].stderr[-3000:]
+  # --weights=ema only: the params, the flag's default, are what every other translate reads.
+  translated = run('t2t_jax.translate', f'--workdir={workdir}', '--weights=ema',
+                   f'--input={tmp_path / "src.txt"}')
+  assert translated.returncode == 0, translated.stderr[-3000:]
   expected = translate.translate_lines(translate.load(workdir, weights='ema'),
                                        ['3 1 4', '1 5 2 6'])[0]
-  assert translated['ema'].stdout.splitlines() == expected
+  assert translated.stdout.splitlines() == expected
   scored = run('t2t_jax.evaluate', f'--workdir={workdir}', '--weights=ema',
                f'--src={tmp_path / "src.txt"}', f'--ref={tmp_path / "src.txt"}')
   assert scored.returncode == 0 and 'moving average of the weights' in scored.stdout, (

@@ -27,10 +27,15 @@ def _model_and_batch(tie_output: bool, norm: str):
   inputs[2, 4:] = 0
   targets = rng.integers(1, VOCAB, (3, 5))
   targets[1, 3:] = 0
-  params = nn.meta.unbox(model.init(jax.random.PRNGKey(0), inputs, targets)['params'])
-  # Logits at a position see only earlier targets, so the last real target can be set to
-  # the argmax there: 'correct' then counts at least one token per row.
-  logits = model.apply({'params': params}, inputs, targets)
+
+  def init_and_logits(key, inputs, targets):  # Arguments, not constants: targets change below.
+    params = nn.meta.unbox(model.init(key, inputs, targets)['params'])
+    return params, model.apply({'params': params}, inputs, targets)
+
+  # One compile, not the model's eager operations compiled one by one. Logits at a position
+  # see only earlier targets, so the last real target can be set to the argmax there:
+  # 'correct' then counts at least one token per row.
+  params, logits = jax.jit(init_and_logits)(jax.random.PRNGKey(0), inputs, targets)
   for row, last in enumerate((targets != 0).sum(1) - 1):
     targets[row, last] = int(np.argmax(logits[row, last]))
   return model, params, {'inputs': jnp.asarray(inputs), 'targets': jnp.asarray(targets)}
@@ -116,10 +121,14 @@ def test_fused_logits_gradient_equals_autodiff_of_the_loss():
   rng = np.random.default_rng(5)
   logits = jnp.asarray(rng.normal(size=(37, 29)) * 3, jnp.float32)
   targets = jnp.asarray(rng.integers(0, 29, 37), jnp.int32).at[:5].set(PAD_ID)
-  metrics, grad = optim.metrics_and_logits_grad(logits, targets, 0.1)
-  expected = optim.compute_metrics(logits[None], targets[None], 0.1)
-  expected_grad = jax.grad(lambda x: optim.compute_metrics(x[None], targets[None], 0.1)['loss'])(
-      logits)
+  # Jitted as the train step runs them, the fused pass and autodiff's each a program of its
+  # own: two compiles, not one per eager operation.
+  metrics, grad = jax.jit(optim.metrics_and_logits_grad, static_argnums=2)(logits, targets, 0.1)
+
+  def autodiff(x):
+    expected = optim.compute_metrics(x[None], targets[None], 0.1)
+    return expected['loss'], expected
+  expected_grad, expected = jax.jit(jax.grad(autodiff, has_aux=True))(logits)
   for name in ('loss', 'nll', 'correct', 'weight'):
     np.testing.assert_allclose(metrics[name], expected[name], rtol=1e-5, err_msg=name)
   np.testing.assert_allclose(grad, expected_grad, atol=1e-6)

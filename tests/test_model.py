@@ -2,6 +2,7 @@
 scanned and rematerialised layers."""
 
 import dataclasses
+import functools
 import math
 
 import flax.linen as nn
@@ -10,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import assert_cached_decoding_matches_teacher_forcing
+from conftest import assert_cached_decoding_matches_teacher_forcing, quick_jit
 from t2t_jax import model as model_lib
 from t2t_jax import positions
 from t2t_jax import prng
@@ -25,6 +26,12 @@ CONFIG = model_lib.TransformerConfig(
 def _init(config=CONFIG):
   tokens = jnp.ones((1, 4), jnp.int32)
   return model_lib.Transformer(config).init(jax.random.PRNGKey(0), tokens, tokens)['params']
+
+
+def _shapes(config):
+  """The parameters `_init` makes, as shapes (and logical names): nothing compiled, where
+  initialising scanned layers eagerly compiles each stack's scan."""
+  return jax.eval_shape(lambda: _init(config))
 
 
 def _random_tokens(seed, shape):
@@ -53,7 +60,7 @@ def test_decoder_is_causal_through_gradients(norm):
     logits = model.apply({'params': params, 'perturbations': perturbations}, inputs, targets)
     return logits[0, t].sum()
 
-  grads = jax.grad(output_at_t)(perturbations)['target_embedder']['embedded'][0]
+  grads = quick_jit(jax.grad(output_at_t))(perturbations)['target_embedder']['embedded'][0]
   per_position = np.abs(np.asarray(grads)).sum(-1)
   # Decoder input p is target p - 1: output t may see targets 0..t-1 only.
   assert np.all(per_position[t + 1:] == 0.0)
@@ -64,9 +71,14 @@ def test_padding_changes_no_real_output():
   model = model_lib.Transformer(CONFIG)
   params = _init()
   inputs, targets = _random_tokens(2, (2, 5)), _random_tokens(3, (2, 4))
-  logits = model.apply({'params': params}, inputs, targets)
-  padded = model.apply({'params': params}, jnp.pad(inputs, ((0, 0), (0, 7))),
-                       jnp.pad(targets, ((0, 0), (0, 3))))
+
+  @quick_jit  # One compilation for both shapes, where eager applies compile each operation.
+  def logits_and_padded(params):
+    return (model.apply({'params': params}, inputs, targets),
+            model.apply({'params': params}, jnp.pad(inputs, ((0, 0), (0, 7))),
+                        jnp.pad(targets, ((0, 0), (0, 3)))))
+
+  logits, padded = logits_and_padded(params)
   np.testing.assert_allclose(padded[:, :4], logits, atol=1e-5)
 
 
@@ -75,7 +87,6 @@ def test_packed_row_equals_separate_sequences():
   params = _init()
   sources = [_random_tokens(4, (1, 3)), _random_tokens(5, (1, 5))]
   targets = [_random_tokens(6, (1, 4)), _random_tokens(7, (1, 2))]
-  separate = [model.apply({'params': params}, s, t) for s, t in zip(sources, targets)]
 
   def pack(seqs, length):
     tokens = jnp.concatenate(seqs, axis=1)
@@ -86,8 +97,14 @@ def test_packed_row_equals_separate_sequences():
 
   inputs, inputs_segments, inputs_positions = pack(sources, 10)
   packed_targets, targets_segments, targets_positions = pack(targets, 8)
-  packed = model.apply({'params': params}, inputs, packed_targets, inputs_positions,
-                       targets_positions, inputs_segments, targets_segments)
+
+  @quick_jit  # One compilation for the three shapes, where eager applies compile each operation.
+  def separate_and_packed(params):
+    return ([model.apply({'params': params}, s, t) for s, t in zip(sources, targets)],
+            model.apply({'params': params}, inputs, packed_targets, inputs_positions,
+                        targets_positions, inputs_segments, targets_segments))
+
+  separate, packed = separate_and_packed(params)
   np.testing.assert_allclose(packed[:, :4], separate[0], atol=1e-5)
   np.testing.assert_allclose(packed[:, 4:6], separate[1], atol=1e-5)
 
@@ -97,7 +114,9 @@ def test_packed_row_equals_separate_sequences():
 def test_cached_decoding_matches_teacher_forcing(scan_layers, attention_impl):
   config = dataclasses.replace(CONFIG, norm='pre', scan_layers=scan_layers,
                                attention_impl=attention_impl)
-  params = _init(config)
+  params = nn.meta.unbox(_init(dataclasses.replace(config, scan_layers=False)))
+  # Stacked for scanned layers: initialising them eagerly would compile each stack's scan.
+  params = model_lib.stack_layer_params(params, config) if scan_layers else params
   inputs, targets = _random_tokens(8, (2, 5)), _random_tokens(9, (2, 6))
   assert_cached_decoding_matches_teacher_forcing(config, params, inputs, targets)
 
@@ -149,7 +168,7 @@ def _loss_fn(config, rngs=None):
 
 
 def _loss_and_grads(config, params, rngs=None):
-  return jax.jit(jax.value_and_grad(_loss_fn(config, rngs)))(params)
+  return quick_jit(jax.value_and_grad(_loss_fn(config, rngs)))(params)
 
 
 def _assert_trees_close(actual, expected, atol):
@@ -164,12 +183,13 @@ def test_scanned_layers_give_the_unrolled_loss_and_gradients(norm):
   scanned = dataclasses.replace(config, scan_layers=True)
   params = nn.meta.unbox(_init(config))
   stacked = model_lib.stack_layer_params(params, config)
-  own = nn.meta.unbox(_init(scanned))  # The layout the scanned model creates for itself.
+  boxed = _shapes(scanned)
+  own = nn.meta.unbox(boxed)  # The layout the scanned model creates for itself.
   assert jax.tree.map(jnp.shape, stacked) == jax.tree.map(jnp.shape, own)
   assert own['decoder_layers']['ffn']['wi']['kernel'].shape == (2, 16, 32)
   # The stacked axis carries the logical name 'layers' ahead of the layer's own names.
-  boxed = _init(scanned)['encoder_layers']['self_attention']['query']
-  assert boxed.names == ('layers', 'embed', 'heads', 'kv')
+  assert boxed['encoder_layers']['self_attention']['query'].names == ('layers', 'embed', 'heads',
+                                                                     'kv')
   jax.tree.map(np.testing.assert_array_equal,
                model_lib.unstack_layer_params(stacked, config), params)
 
@@ -179,26 +199,46 @@ def test_scanned_layers_give_the_unrolled_loss_and_gradients(norm):
   _assert_trees_close(model_lib.unstack_layer_params(scanned_grads, config), grads, atol=1e-6)
 
 
+def _dropout_config(scan_layers):
+  return dataclasses.replace(CONFIG, scan_layers=scan_layers, deterministic=False, dropout=0.3,
+                             attention_dropout=0.3, relu_dropout=0.3)
+
+
+def _gradient_program(config, params, rngs):
+  return str(jax.make_jaxpr(jax.grad(_loss_fn(config, rngs)))(params))
+
+
+@functools.cache  # Shared by both remat policies: the same programs, compiled once.
+def _without_remat(scan_layers):
+  """(params, dropout keys, gradient program, loss and gradients with dropout, loss without
+  dropout) of the model without remat."""
+  config = _dropout_config(scan_layers)
+  # The unrolled model's parameters, stacked for scanned layers (the layout
+  # test_scanned_layers_give_the_unrolled_loss_and_gradients checks): initialising scanned
+  # layers eagerly would compile each stack's scan.
+  params = nn.meta.unbox(_init(dataclasses.replace(config, scan_layers=False,
+                                                  deterministic=True)))
+  params = model_lib.stack_layer_params(params, config) if scan_layers else params
+  # Keys of the default dropout PRNG, as the train step makes them.
+  rngs = {'dropout': jax.random.wrap_key_data(jax.random.PRNGKey(7), impl=prng.impl('hash32'))}
+  loss, grads = _loss_and_grads(config, params, rngs)
+  without_dropout = quick_jit(_loss_fn(dataclasses.replace(config, deterministic=True)))(params)
+  return (params, rngs, _gradient_program(config, params, rngs), loss, grads,
+          float(without_dropout))
+
+
 # One combination in the fast tier, the rest with the slow tier.
 @pytest.mark.parametrize('scan_layers', [pytest.param(False, marks=pytest.mark.slow), True])
 @pytest.mark.parametrize('remat', ['full', pytest.param('dots', marks=pytest.mark.slow)])
 def test_remat_gives_the_same_loss_gradients_and_dropout_masks(scan_layers, remat):
-  config = dataclasses.replace(CONFIG, scan_layers=scan_layers, deterministic=False,
-                               dropout=0.3, attention_dropout=0.3, relu_dropout=0.3)
-  rematerialised = dataclasses.replace(config, remat=remat)
-  params = nn.meta.unbox(_init(dataclasses.replace(config, deterministic=True)))
-  assert (jax.tree.map(jnp.shape, nn.meta.unbox(_init(dataclasses.replace(
+  params, rngs, program, loss, grads, without_dropout = _without_remat(scan_layers)
+  rematerialised = dataclasses.replace(_dropout_config(scan_layers), remat=remat)
+  assert (jax.tree.map(jnp.shape, nn.meta.unbox(_shapes(dataclasses.replace(
       rematerialised, deterministic=True)))) == jax.tree.map(jnp.shape, params))
-  # Keys of the default dropout PRNG, as the train step makes them.
-  rngs = {'dropout': jax.random.wrap_key_data(jax.random.PRNGKey(7), impl=prng.impl('hash32'))}
-  def gradient_program(config):
-    return str(jax.make_jaxpr(jax.grad(_loss_fn(config, rngs)))(params))
-  assert 'remat' in gradient_program(rematerialised)
-  assert 'remat' not in gradient_program(config)
-  loss, grads = _loss_and_grads(config, params, rngs)
+  assert 'remat' in _gradient_program(rematerialised, params, rngs)
+  assert 'remat' not in program
   remat_loss, remat_grads = _loss_and_grads(rematerialised, params, rngs)
-  without_dropout, _ = _loss_and_grads(dataclasses.replace(config, deterministic=True), params)
-  assert abs(float(loss) - float(without_dropout)) > 1e-2  # The masks matter.
+  assert abs(float(loss) - without_dropout) > 1e-2  # The masks matter.
   assert float(remat_loss) == pytest.approx(float(loss), rel=1e-6)
   _assert_trees_close(remat_grads, grads, atol=1e-6)
 

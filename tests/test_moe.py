@@ -1,5 +1,6 @@
 """Mixture of experts: dense equivalence, capacity, the balancing loss, sharding, training."""
 
+import functools
 import math
 
 import flax.linen as nn
@@ -8,16 +9,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import assert_adam_runs_agree, scalar_events
+from conftest import assert_adam_runs_agree, assert_cached_decoding_matches_teacher_forcing
+from conftest import quick_jit, scalar_events
 from configs import tiny
 from t2t_jax import ConfigError
 from t2t_jax import config_check
 from t2t_jax import data
-from t2t_jax import decode
 from t2t_jax import moe
 from t2t_jax import sharding
 from t2t_jax import train
-from t2t_jax.model import FeedForward, Transformer, TransformerConfig, shift_right
+from t2t_jax.model import FeedForward, Transformer, TransformerConfig
 
 
 def _config(**overrides) -> TransformerConfig:
@@ -40,9 +41,14 @@ def _run(cfg, x_BLE, valid_BL, params=None):
   layer = moe.MoeFeedForward(cfg)
   if params is None:
     params = nn.meta.unbox(layer.init(jax.random.PRNGKey(1), x_BLE, valid_BL)['params'])
-  y_BLE, sown = layer.apply({'params': params}, x_BLE, valid_BL,
-                            mutable=[moe.COLLECTION, 'intermediates'])
+  y_BLE, sown = _apply(cfg, params, x_BLE, valid_BL)
   return y_BLE, params, moe.metrics(sown[moe.COLLECTION]), sown['intermediates']['router_probs'][0]
+
+
+@functools.partial(quick_jit, static_argnames='cfg')  # One program, not each operation.
+def _apply(cfg, params, x_BLE, valid_BL):
+  return moe.MoeFeedForward(cfg).apply({'params': params}, x_BLE, valid_BL,
+                                       mutable=[moe.COLLECTION, 'intermediates'])
 
 
 def _numpy_routing(probs_BLX, valid_BL, top_k, capacity_B):
@@ -83,12 +89,22 @@ def test_one_expert_top_1_without_a_limit_is_the_dense_feed_forward():
     return jnp.sum(moe.MoeFeedForward(cfg).apply({'params': params}, x, valid_BL)
                    * cotangent_BLE)
 
-  np.testing.assert_allclose(moe_loss(moe_params, x_BLE), dense_loss(dense_params, x_BLE),
-                             rtol=1e-6)
-  np.testing.assert_allclose(moe.MoeFeedForward(cfg).apply({'params': moe_params}, x_BLE),
-                             dense.apply({'params': dense_params}, x_BLE), rtol=1e-6, atol=1e-6)
-  dense_grads = jax.grad(dense_loss, argnums=(0, 1))(dense_params, x_BLE)
-  moe_grads = jax.grad(moe_loss, argnums=(0, 1))(moe_params, x_BLE)
+  # Each side one program (its loss, gradients, and output without a mask), where eager calls
+  # compile each operation.
+  @quick_jit
+  def dense_results(params, x):
+    return jax.value_and_grad(dense_loss, argnums=(0, 1))(params, x), dense.apply(
+        {'params': params}, x)
+
+  @quick_jit
+  def moe_results(params, x):
+    return jax.value_and_grad(moe_loss, argnums=(0, 1))(params, x), moe.MoeFeedForward(
+        cfg).apply({'params': params}, x)
+
+  (dense_value, dense_grads), dense_y = dense_results(dense_params, x_BLE)
+  (moe_value, moe_grads), moe_y = moe_results(moe_params, x_BLE)
+  np.testing.assert_allclose(moe_value, dense_value, rtol=1e-6)
+  np.testing.assert_allclose(moe_y, dense_y, rtol=1e-6, atol=1e-6)
   np.testing.assert_allclose(moe_grads[1], dense_grads[1], rtol=1e-5, atol=1e-6)
   for name in ('wi', 'wo'):
     for kind in ('kernel', 'bias'):
@@ -175,26 +191,17 @@ def test_cached_decoding_through_experts_equals_teacher_forcing():
   inputs_BS, targets_BL = tokens[0], tokens[1]
   params = nn.meta.unbox(Transformer(cfg).init(jax.random.PRNGKey(0), inputs_BS,
                                                targets_BL)['params'])
-  teacher_BLV = Transformer(cfg).apply({'params': params}, inputs_BS, targets_BL)
-  model = Transformer(decode.decode_config(cfg))
-  encoded_BSE = model.apply({'params': params}, inputs_BS, method=Transformer.encode)
-  cache = decode.init_cache(cfg, 2, 5)
-  previous_BL = shift_right(targets_BL)
-  for i in range(5):
-    logits_B1V, variables = model.apply(
-        {'params': params, 'cache': cache}, encoded_BSE, inputs_BS, previous_BL[:, i:i + 1],
-        mutable=['cache'], method=Transformer.decode)
-    cache = variables['cache']
-    np.testing.assert_allclose(logits_B1V[:, 0], teacher_BLV[:, i], rtol=1e-5, atol=1e-5)
+  assert_cached_decoding_matches_teacher_forcing(cfg, params, inputs_BS, targets_BL)
 
 
 def test_layer_choice_and_config_errors():
   assert moe.layer_indices('every_other', 6) == (1, 3, 5)
   assert moe.layer_indices('all', 2) == (0, 1)
   assert moe.layer_indices('0,2', 2) == (0,)  # A shallower stack has no layer 2.
-  params = Transformer(_config(num_encoder_layers=2, num_decoder_layers=3,
-                               moe_layers='every_other')).init(
-      jax.random.PRNGKey(0), jnp.ones((1, 2), jnp.int32), jnp.ones((1, 2), jnp.int32))['params']
+  params = jax.eval_shape(Transformer(_config(num_encoder_layers=2, num_decoder_layers=3,
+                                              moe_layers='every_other')).init,
+                          jax.random.PRNGKey(0), jnp.ones((1, 2), jnp.int32),
+                          jnp.ones((1, 2), jnp.int32))['params']  # Names only: nothing runs.
   assert [name for name in sorted(params) if 'moe' in params[name]] == [
       'decoder_1', 'encoder_1']
   for overrides, message in [

@@ -3,14 +3,17 @@ the same global batches as one that stayed, within float32 sum-order noise; a me
 split the saved plan, or a change of what the run trains, stops the resume in one line before
 any work.
 
-Every moved run goes through the command line in subprocesses, each with its own count of
-simulated CPU devices (and of processes, through launch/local.py), and saves every step, so
-each step's data position and weights can be compared.
+Every launch on another count of simulated CPU devices than this process's 8 goes through the
+command line in a subprocess with that count (and several processes through launch/local.py);
+those on 8 devices, the runs that stay among them, train in this process (the same code from
+train.train_and_evaluate on, without a process to start). Every run saves every step, so each
+step's data position and weights can be compared.
 """
 
 import hashlib
 import importlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -23,6 +26,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from conftest import ROOT, assert_moved_run_agrees, saved_state_field, scalar_events
+from t2t_jax import ConfigError
 from t2t_jax import exit_codes
 from t2t_jax import optim
 from t2t_jax import train
@@ -30,9 +34,10 @@ from t2t_jax import train
 ENGLISH = ['one', 'two', 'three', 'four', 'five', 'six', 'seven', 'eight', 'nine']
 GERMAN = ['eins', 'zwei', 'drei', 'vier', 'fuenf', 'sechs', 'sieben', 'acht', 'neun']
 # What every run here shares: a checkpoint at every step, none dropped, a loss logged at every
-# step, and no evaluation before the last step's (which decodes nothing).
+# step, and no evaluation before the last step's (which decodes nothing and reads one batch:
+# nothing here reads its figures).
 SAVE_EVERY_STEP = {'ckpt.every': 1, 'ckpt.keep': 100, 'train.log_every': 1,
-                   'train.eval_every': 1000, 'eval.bleu_sentences': 0}
+                   'train.eval_every': 1000, 'eval.bleu_sentences': 0, 'eval.num_batches': 1}
 
 
 def _write_corpus(directory, names: dict[str, str], pairs: int, longest: int) -> None:
@@ -68,6 +73,24 @@ def _launch(config_file: str, workdir, overrides: dict, devices: int, mesh: tupl
                         timeout=300)
 
 
+def _train(config_file: str, workdir, overrides: dict, devices: int, mesh: tuple,
+           caplog) -> str:
+  """One launch to overrides['train.num_steps'] on `devices` simulated CPU devices split as
+  `mesh`; what it logged. On this process's own count it trains here."""
+  steps = overrides['train.num_steps']
+  if devices != jax.device_count():
+    run = _launch(config_file, workdir, overrides, devices, mesh)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert f'] step {steps}: loss' in run.stderr, run.stderr[-3000:]
+    return run.stderr
+  caplog.clear()
+  with caplog.at_level(logging.INFO):
+    results = train.train_and_evaluate(_config(config_file, {**overrides, 'mesh.shape': mesh}),
+                                       str(workdir))
+  assert results['step'] == steps, results
+  return '\n'.join(record.getMessage() for record in caplog.records)
+
+
 def _shape(devices: int, mesh: tuple, accumulation: int) -> str:
   """How the resume line describes a shape (MESH_AXES with the expert axis 1)."""
   data, fsdp, tensor = mesh
@@ -95,36 +118,46 @@ def _data_position(workdir, step: int) -> dict:
     manager.close()
 
 
-def _move_and_compare(config_file: str, overrides: dict, legs: list[tuple], reference_mesh,
-                      tmp_path) -> None:
-  """Trains `config_file` with `overrides` straight on 8 devices split as `reference_mesh`,
-  and again in `legs` of (devices, mesh, grad_accum_steps, last step), each resuming where the
-  one before stopped; asserts the moved run's every step against the straight run's."""
+def _stopped_copy(workdir, step: int, destination):
+  """`workdir` copied as it stood after its save of `step` (a launch that stopped there), with
+  no event files: the straight run's first steps, for a moved run to resume on another shape.
+  Its first launch would have trained those steps on the same shape, to the same bits."""
+  shutil.copytree(workdir, destination, ignore=shutil.ignore_patterns(
+      'events.out.tfevents.*', train.FINAL_JSON))
+  later = [name for name in os.listdir(destination / 'checkpoints')
+           if name.isdigit() and int(name) > step]
+  assert later, later
+  for name in later:
+    shutil.rmtree(destination / 'checkpoints' / name)
+  return destination
+
+
+def _move_and_compare(config_file: str, overrides: dict, reference_mesh, start: int,
+                      legs: list[tuple], tmp_path, caplog) -> None:
+  """Trains `config_file` with `overrides` straight on 8 devices split as `reference_mesh`;
+  from its step `start` on, again in `legs` of (devices, mesh, grad_accum_steps, last step),
+  each resuming where the one before stopped; asserts the moved run's every step after
+  `start` against the straight run's."""
   steps = legs[-1][-1]
   overrides = {**SAVE_EVERY_STEP, **overrides, 'train.num_steps': steps}
-  straight, moved = tmp_path / 'straight', tmp_path / 'moved'
-  run = _launch(config_file, straight, overrides, 8, reference_mesh)
-  assert run.returncode == 0, run.stderr[-3000:]
-  assert not _moved_lines(run.stderr)
+  straight = tmp_path / 'straight'
+  assert not _moved_lines(_train(config_file, straight, overrides, 8, reference_mesh, caplog))
+  moved = _stopped_copy(straight, start, tmp_path / 'moved')
 
-  before = None
+  before = (8, reference_mesh, 1)
   for devices, mesh, accumulation, last in legs:
-    run = _launch(config_file, moved, {**overrides, 'train.num_steps': last}, devices, mesh,
-                  f'--config.opt.grad_accum_steps={accumulation}')
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert f'] step {last}: loss' in run.stderr, run.stderr[-3000:]
-    lines = _moved_lines(run.stderr)
-    if before is None:
-      assert not lines, lines
-    else:
-      # One line, naming both shapes; the plan the run started with (rows in multiples of the
-      # first mesh's 8 batch shards) goes on.
-      assert len(lines) == 1, lines
-      assert f'on another shape: {_shape(*before)} -> {_shape(devices, mesh, accumulation)}' \
-          in lines[0], lines[0]
-      assert 'rows in multiples of 8' in lines[0], lines[0]
-      changed_masks = 'other micro-batches also draw other dropout masks' in lines[0]
-      assert changed_masks == (before[2] != accumulation), lines[0]
+    log = _train(config_file, moved, {**overrides, 'train.num_steps': last,
+                                      'opt.grad_accum_steps': accumulation},
+                 devices, mesh, caplog)
+    # One line, naming both shapes; the plan the run started with (rows in multiples of the
+    # first mesh's 8 batch shards) goes on.
+    lines = _moved_lines(log)
+    assert len(lines) == 1, lines
+    assert f'on another shape: {_shape(*before)} -> {_shape(devices, mesh, accumulation)}' \
+        in lines[0], lines[0]
+    assert 'rows in multiples of 8' in lines[0], lines[0]
+    changed_masks = 'other micro-batches also draw other dropout masks' in lines[0]
+    assert changed_masks == (before[2] != accumulation), lines[0]
     before = (devices, mesh, accumulation)
 
   # The same global batches: the iterator is at the same place of the same plan at each step,
@@ -135,19 +168,22 @@ def _move_and_compare(config_file: str, overrides: dict, legs: list[tuple], refe
   assert places == sorted(set(places)), places
 
   expected, actual = (scalar_events(w)['train/loss'] for w in (straight, moved))
-  assert sorted(expected) == sorted(actual) == list(range(1, steps + 1))
-  np.testing.assert_allclose([actual[s] for s in expected], [expected[s] for s in expected],
+  assert sorted(expected) == list(range(1, steps + 1))
+  assert sorted(actual) == list(range(start + 1, steps + 1))  # The moved launches' steps.
+  np.testing.assert_allclose([actual[s] for s in actual], [expected[s] for s in actual],
                              rtol=1e-5)
   assert_moved_run_agrees(moved, straight, steps, _config(config_file, overrides))
 
 
 @pytest.mark.slow
-def test_bucketed_run_moved_over_four_shapes_follows_the_straight_run(tmp_path):
+def test_bucketed_run_moved_over_three_shapes_follows_the_straight_run(tmp_path, caplog):
   """The tiny model with dropout, on length buckets of text: pairs of 1 to 16 number words
   are 2 to about 32 tokens, so the batches come from two buckets (about 13 batches of each an
   epoch), both of which every mesh must split; the copy task's pairs all fit the first. A
   budget of 300 tokens fits 18 rows of 16 tokens and 9 of 32: the plan's rows in multiples of
-  8 (16 and 8) differ from those a mesh of 2 batch shards would start with (18 and 8)."""
+  8 (16 and 8) differ from those a mesh of 2 batch shards would start with (18 and 8). The
+  moves: to 4 devices with the weights split over the tensor axis, then back to 8 on the batch
+  axis alone (the fsdp split on 2 devices is the packed run's below)."""
   _write_corpus(tmp_path, {'train_src': 'train.src', 'train_tgt': 'train.tgt',
                            'eval_src': 'eval.src', 'eval_tgt': 'eval.tgt'}, 300, 16)
   overrides = {'data.source': 'text', 'data.vocab_size': 40, 'data.max_len': 32,
@@ -155,14 +191,13 @@ def test_bucketed_run_moved_over_four_shapes_follows_the_straight_run(tmp_path):
                'data.data_dir': str(tmp_path), 'data.cache_dir': str(tmp_path / 'cache'),
                'data.train_src': 'train.src', 'data.train_tgt': 'train.tgt',
                'data.eval_src': 'eval.src', 'data.eval_tgt': 'eval.tgt'}
-  legs = [(8, (4, 2, 1), 1, 3), (4, (2, 1, 2), 1, 6), (2, (1, 2, 1), 1, 9),
-          (8, (8, 1, 1), 1, 12)]
-  _move_and_compare('configs/tiny.py', overrides, legs, (4, 2, 1), tmp_path)
+  legs = [(4, (2, 1, 2), 1, 6), (8, (8, 1, 1), 1, 9)]
+  _move_and_compare('configs/tiny.py', overrides, (4, 2, 1), 3, legs, tmp_path, caplog)
 
 
 @pytest.mark.slow
 def test_packed_multi30k_shaped_run_moved_with_other_accumulation_follows_the_straight_run(
-    tmp_path):
+    tmp_path, caplog):
   """configs/multi30k.py's recipe shrunk to seconds: packed rows of 64 tokens, rotary
   positions, pre-LN, a BPE vocabulary, and a moving average of the weights; on 2 devices the
   batch goes through 2 micro-batches, on 8 through 1. 1,280 tokens fit 20 packed rows: the
@@ -180,19 +215,23 @@ def test_packed_multi30k_shaped_run_moved_with_other_accumulation_follows_the_st
                # that would move the losses far beyond sum-order noise. Without dropout the
                # two compute the same sums in another order.
                'model.dropout': 0.0, 'model.attention_dropout': 0.0, 'model.relu_dropout': 0.0}
-  legs = [(8, (4, 2, 1), 1, 4), (2, (1, 2, 1), 2, 8), (8, (2, 2, 2), 1, 12)]
-  _move_and_compare('configs/multi30k.py:raw_rotary', overrides, legs, (4, 2, 1), tmp_path)
+  legs = [(2, (1, 2, 1), 2, 8), (8, (2, 2, 2), 1, 12)]
+  _move_and_compare('configs/multi30k.py:raw_rotary', overrides, (4, 2, 1), 4, legs, tmp_path,
+                    caplog)
 
 
 # A run that moves between processes, each launch through launch/local.py (several processes
 # joined by jax.distributed, each its own slice) or one process alone: (processes, CPU devices
-# in each, the step its launch trains to). Each move changes the mesh (8 -> 4 -> 4 devices) and
-# the process count (2 -> 1 -> 2).
-MOVES = ((2, 4, 4), (1, 4, 8), (2, 2, 12))
+# in each, the step its launch trains to). It starts as the reference below, which stays in this
+# process on its 8 devices (a copy of it at step START), and each move changes the process
+# count (1 -> 2 -> 1): a checkpoint one process wrote is read by two, one two wrote by one. The
+# first also changes the mesh (8 -> 4 devices).
+START = 4
+MOVES = ((2, 2, 8), (1, 4, 12))
 MOVED_STEPS = MOVES[-1][2]
 # Every step saved and kept: assert_moved_run_agrees reads the reference's steps 1..MOVED_STEPS.
 EVERY_STEP = {'train.log_every': 1, 'train.eval_every': MOVED_STEPS, 'ckpt.every': 1,
-              'ckpt.keep': MOVED_STEPS, 'eval.bleu_sentences': 0}
+              'ckpt.keep': MOVED_STEPS, 'eval.bleu_sentences': 0, 'eval.num_batches': 1}
 
 
 def _launch_moved(workdir, processes: int, devices: int, steps: int) -> str:
@@ -222,37 +261,36 @@ def _process_shape(devices: int, processes: int) -> str:
 
 @pytest.mark.slow
 @pytest.mark.multihost
-def test_a_run_moved_from_two_processes_to_one_and_back_agrees_with_one_that_stayed(
+def test_a_run_moved_from_one_process_to_two_and_back_agrees_with_one_that_stayed(
     tiny_config, tmp_path):
-  moved = str(tmp_path / 'moved')
-  outputs = [_launch_moved(moved, *move) for move in MOVES]
-  assert 'on another shape' not in outputs[0]
-  for (before, before_devices, saved), (processes, devices, _), output in zip(
-      MOVES, MOVES[1:], outputs[1:]):
-    line = (f'Resuming {moved}/checkpoints/{saved} on another shape: '
-            f'{_process_shape(before * before_devices, before)} -> '
+  for key, value in {**EVERY_STEP, 'train.num_steps': MOVED_STEPS}.items():
+    section, name = key.split('.')
+    tiny_config[section][name] = value
+  reference = tmp_path / 'reference'
+  assert train.train_and_evaluate(tiny_config, str(reference))['step'] == MOVED_STEPS
+  moved = _stopped_copy(reference, START, tmp_path / 'moved')
+
+  before = (1, jax.device_count(), START)
+  for processes, devices, steps in MOVES:
+    output = _launch_moved(moved, processes, devices, steps)
+    line = (f'Resuming {moved}/checkpoints/{before[2]} on another shape: '
+            f'{_process_shape(before[0] * before[1], before[0])} -> '
             f'{_process_shape(processes * devices, processes)}'
             '. The same global batches (rows in multiples of 8) and dropout masks follow')
     # Every process says it (launch/local.py prefixes the lines of each with its index).
     assert output.count(line) == processes, output[-3000:]
-  with open(os.path.join(moved, 'config.json')) as f:  # The 2 x 4 start's plan, kept.
+    before = (processes, devices, steps)
+  with open(os.path.join(moved, 'config.json')) as f:  # The 8-device start's plan, kept.
     assert json.load(f)['resolved']['data.row_multiple'] == 8
-
-  # The reference stays in this process on its 8 devices: a shape the moved run never had
-  # after its first launch, whose batch shards (8) give the same plan as that launch's.
-  for key, value in {**EVERY_STEP, 'train.num_steps': MOVED_STEPS}.items():
-    section, name = key.split('.')
-    tiny_config[section][name] = value
-  reference = str(tmp_path / 'reference')
-  assert train.train_and_evaluate(tiny_config, reference)['step'] == MOVED_STEPS
 
   steps = range(1, MOVED_STEPS + 1)
   expected_data = [_data_position(reference, step) for step in steps]
   assert [(state['epoch'], state['batch']) for state in expected_data] == [(0, s) for s in steps]
   assert [_data_position(moved, step) for step in steps] == expected_data
   losses, expected_losses = (scalar_events(w)['train/loss'] for w in (moved, reference))
-  assert sorted(losses) == sorted(expected_losses) == list(steps)
-  np.testing.assert_allclose([losses[s] for s in steps], [expected_losses[s] for s in steps],
+  assert sorted(expected_losses) == list(steps)
+  assert sorted(losses) == list(range(START + 1, MOVED_STEPS + 1))  # The moved launches'.
+  np.testing.assert_allclose([losses[s] for s in losses], [expected_losses[s] for s in losses],
                              rtol=1e-5)
   assert_moved_run_agrees(moved, reference, MOVED_STEPS, tiny_config)
 
@@ -282,11 +320,11 @@ STARTED = {**SAVE_EVERY_STEP, 'train.num_steps': 2}  # The tiny copy task, two s
 
 @pytest.fixture(scope='module')
 def started(tmp_path_factory):
-  """A tiny run of two steps on 8 devices split (4,2,1): its rows are multiples of 8. Tests
-  that resume it for real work on a copy."""
+  """A tiny run of two steps on this process's 8 devices split (4,2,1): its rows are multiples
+  of 8. Tests that resume it for real work on a copy."""
   workdir = tmp_path_factory.mktemp('started') / 'run'
-  run = _launch('configs/tiny.py', workdir, STARTED, 8, (4, 2, 1))
-  assert run.returncode == 0, run.stderr[-3000:]
+  train.train_and_evaluate(_config('configs/tiny.py', {**STARTED, 'mesh.shape': (4, 2, 1)}),
+                           str(workdir))
   return workdir
 
 
@@ -346,12 +384,13 @@ def test_a_mesh_that_cannot_split_the_saved_batches_is_refused_with_ways_on_that
 
 @pytest.mark.slow
 def test_a_resume_that_changes_what_the_run_trains_is_refused_naming_each_key(started):
-  """Another seed and another warmup: both named in one line, before any work."""
+  """Another seed and another warmup: both named in one error, before any work. (A refused
+  resume's one `error:` line and exit status through the command line: the test above.)"""
   before = _files(started)
-  run = _launch('configs/tiny.py', started, {**STARTED, 'train.num_steps': 3}, 8, (4, 2, 1),
-                '--config.seed=3', '--config.opt.warmup_steps=10')
-  line = _error_line(run)
-  assert run.returncode == exit_codes.ERROR, run.stderr[-3000:]
-  assert 'opt.warmup_steps: 20 -> 10' in line and 'seed: 0 -> 3' in line, line
-  assert 'Training from' not in run.stderr
+  changed = _config('configs/tiny.py', {**STARTED, 'train.num_steps': 3, 'mesh.shape': (4, 2, 1),
+                                        'seed': 3, 'opt.warmup_steps': 10})
+  with pytest.raises(ConfigError) as refused:
+    train.train_and_evaluate(changed, str(started))
+  line = str(refused.value)
+  assert '\n' not in line and 'opt.warmup_steps: 20 -> 10' in line and 'seed: 0 -> 3' in line, line
   assert _files(started) == before

@@ -99,14 +99,35 @@ def test_relative_paths_are_read_from_the_data_dir(tmp_path):
     sources.open_split(config, 'train')
 
 
+@pytest.fixture(scope='module')
+def member_runs(tmp_path_factory):
+  """run(variant): the shrunk `variant` trained once per module (its family test and, for the
+  data variants' test, the same run): (workdir, config, final figures)."""
+  runs = {}
+
+  def run(variant):
+    if variant not in runs:
+      directory = tmp_path_factory.mktemp(variant)
+      config = _shrunk(variant, _fake_multi30k(directory / 'multi30k'))
+      # Both kinds per stack where the layers alternate (local and compressed attention, dense
+      # and MoE feed-forward); one layer of predictive positions is still above a uniform
+      # guess's loss after six updates.
+      config.model.num_encoder_layers = config.model.num_decoder_layers = 2
+      workdir = directory / 'run'
+      runs[variant] = workdir, config, train.train_and_evaluate(config, str(workdir))
+    return runs[variant]
+  return run
+
+
+# Each data variant's run is one of the family test's: the member changes the model, not which
+# files are read or how BLEU is scored.
 @pytest.mark.slow
-@pytest.mark.parametrize('variant, tokenize, cased', [('tok', 'none', False),
-                                                      ('raw', '13a', True)])
-def test_each_variant_trains_on_its_files_and_scores_its_bleu(tmp_path, variant, tokenize,
-                                                              cased):
-  config = _shrunk(variant, _fake_multi30k(tmp_path / 'multi30k'))
-  workdir = tmp_path / 'run'
-  results = train.train_and_evaluate(config, str(workdir))
+@pytest.mark.parametrize('variant, files, tokenize, cased', [
+    ('predictive', 'tok', 'none', False), ('raw_relative', 'raw', '13a', True)])
+def test_each_variant_trains_on_its_files_and_scores_its_bleu(member_runs, tmp_path, variant,
+                                                              files, tokenize, cased):
+  workdir, config, results = member_runs(variant)
+  assert config.data.train_src == multi30k.get_config(files).data.train_src
   assert results['step'] == 6 and 0 <= results['bleu'] <= 100
   best = json.load(open(workdir / 'best_bleu.json'))
   assert f'tok:{tokenize}' in best['signature'] and 'case:mixed' in best['signature']
@@ -116,14 +137,13 @@ def test_each_variant_trains_on_its_files_and_scores_its_bleu(tmp_path, variant,
   pieces = {vocab.piece(i) for i in range(vocab.vocab_size)}
   assert any(any(c.isupper() for c in piece) for piece in pieces) == cased
 
-  # The event files of that run draw into a PNG, through the command line.
-  output = tmp_path / 'curves.png'
-  completed = subprocess.run(
-      [sys.executable, '-m', 't2t_jax.plot', f'--workdir={workdir}', f'--output={output}',
-       '--bleu_target=41'], cwd=ROOT, capture_output=True, text=True, timeout=120)
-  assert completed.returncode == 0, completed.stderr
-  assert 'bleu: last' in completed.stdout
-  assert_drawn(output)
+  # The event files of that run draw into a PNG (the plot command's own path through the
+  # command line is test_plot_command_prints_the_time_to_target_and_ends_with_a_json_line's).
+  scalars = plot.read_scalars(str(workdir))
+  lines, _ = plot.summary(scalars, str(workdir), 41)
+  assert any(line.startswith('bleu: last') for line in lines), lines
+  plot.draw(scalars, str(tmp_path / 'curves.png'), 'run', 41)
+  assert_drawn(tmp_path / 'curves.png')
 
   # Without --src/--ref, evaluate scores the run's own validation files, and prints the BLEU
   # its config asks for: the figure training logged for the same (latest) parameters.
@@ -132,10 +152,11 @@ def test_each_variant_trains_on_its_files_and_scores_its_bleu(tmp_path, variant,
       cwd=ROOT, capture_output=True, text=True, timeout=300)
   assert completed.returncode == 0, completed.stderr
   printed = completed.stdout.strip().splitlines()
-  valid = 'tok/valid.lc.norm.tok.en' if variant == 'tok' else 'valid.en'
-  assert printed[0].startswith(f'16 sentences of {tmp_path}/multi30k/{valid}, checkpoint latest')
+  valid = 'tok/valid.lc.norm.tok.en' if files == 'tok' else 'valid.en'
+  assert printed[0].startswith(f'16 sentences of {workdir.parent}/multi30k/{valid}, '
+                               'checkpoint latest')
   logged = scalar_events(workdir)['bleu'][6]
-  if variant == 'tok':
+  if files == 'tok':
     assert len(printed) == 4 and 'as configured' in printed[3] and 'tok:none' in printed[3]
     figure = printed[3]
   else:  # 13a is the primary sacreBLEU line already.
@@ -310,21 +331,18 @@ def test_read_scalars_stops_at_a_torn_record_and_the_cli_explains_an_empty_workd
 
 @pytest.mark.slow
 @pytest.mark.parametrize('variant, key, value', [
-    ('relative', 'positions', 'relative'), ('predictive', 'positions', 'predictive'),
+    ('raw_relative', 'positions', 'relative'), ('predictive', 'positions', 'predictive'),
     ('local_compressed', 'attention_pattern', 'local,compressed'), ('raw_moe', 'moe_experts', 4)])
-def test_each_model_family_variant_trains_and_evaluates(tmp_path, variant, key, value):
-  data_dir = _fake_multi30k(tmp_path / 'multi30k')
-  config = _shrunk(variant, data_dir)
-  config.model.num_encoder_layers = config.model.num_decoder_layers = 2  # Both kinds per stack.
+def test_each_model_family_variant_trains_and_evaluates(member_runs, variant, key, value):
+  workdir, config, results = member_runs(variant)
   assert config.name == 'multi30k_' + (variant if variant.startswith('raw_') else f'tok_{variant}')
-  results = train.train_and_evaluate(config, str(tmp_path / 'run'))
   assert results['step'] == 6 and 0 <= results['bleu'] <= 100
-  assert json.load(open(tmp_path / 'run' / 'config.json'))['model'][key] == value
+  assert json.load(open(workdir / 'config.json'))['model'][key] == value
   # Six updates already predict the held-out targets better than a uniform guess.
   assert results['eval_loss'] < math.log(config.data.vocab_size)
   # What was trained and saved is the member's model, which is not the paper's.
   saved = {path: shape for path, (shape, _) in saved_params.saved_shapes(
-      str(tmp_path / 'run' / 'checkpoints' / '6' / 'state')).items() if 'params' in path}
+      str(workdir / 'checkpoints' / '6' / 'state')).items() if 'params' in path}
 
   def param_shapes(model_section):
     model_config = model_lib.TransformerConfig.from_config(model_section,

@@ -2,13 +2,14 @@
 packed, causal and cross-attention rows, forward and gradients, alone, in the model and sharded."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import adam_moments, assert_cached_decoding_matches_teacher_forcing
+from conftest import adam_moments, assert_cached_decoding_matches_teacher_forcing, quick_jit
 from t2t_jax import ConfigError
 from t2t_jax import attention
 from t2t_jax import attention_variants
@@ -71,8 +72,10 @@ def _compare(q, k, v, mask_B1QK, rows, used_BQ):
   einsum = lambda q, k, v: attention_variants.dense_attention(q, k, v, mask_B1QK,
                                                               lambda w: w)[0]
   splash = lambda q, k, v: pallas_attention.splash_attention(q, k, v, rows)
-  expected = _outputs_and_grads(einsum, q, k, v, used_BQ)
-  actual = _outputs_and_grads(jax.jit(splash), q, k, v, used_BQ)
+  # Each path one program, its forward and backward passes together (eagerly, the einsum
+  # path's operations would compile one by one).
+  expected = quick_jit(functools.partial(_outputs_and_grads, einsum))(q, k, v, used_BQ)
+  actual = quick_jit(functools.partial(_outputs_and_grads, splash))(q, k, v, used_BQ)
   assert all(np.isfinite(x).all() for x in jax.tree.leaves(actual))
   _assert_close(actual[0], expected[0], OUTPUT_TOLERANCE, np.asarray(used_BQ))
   _assert_close(actual[1], expected[1], GRADIENT_TOLERANCE)
@@ -197,7 +200,7 @@ def _logits_and_grads(config, params, batch):
     logits = model.apply({'params': params}, *[jnp.asarray(x) for x in batch])
     return (jax.nn.log_softmax(logits).max(-1) * (batch[1] != 0)).sum(), logits
 
-  return jax.jit(jax.grad(loss, has_aux=True))(params)[::-1]
+  return quick_jit(jax.grad(loss, has_aux=True))(params)[::-1]
 
 
 def _einsum_and_pallas(tiny_config, **overrides):

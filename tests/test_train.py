@@ -158,14 +158,13 @@ def _tensorboard_scalars(workdir) -> dict[str, list[int]]:
 
 
 @pytest.mark.slow
-def test_tensorboard_shows_each_step_once_after_a_resume(tiny_config, tmp_path):
-  tiny_config.train.eval_every = 1000
-  tiny_config.eval.bleu_sentences = 0
-  train.train_and_evaluate(tiny_config, str(tmp_path))
-  shutil.rmtree(tmp_path / 'checkpoints' / '20')  # As if killed before saving step 20.
-  os.remove(tmp_path / 'final.json')
-  train.train_and_evaluate(tiny_config, str(tmp_path))  # Resumes at 10, logs 15 and 20 again.
-  steps = _tensorboard_scalars(tmp_path)
+def test_tensorboard_shows_each_step_once_after_a_resume(tiny_config, tiny_run, tmp_path):
+  # The session's run (conftest.py), copied: its first launch logged steps 5 to 20.
+  workdir = shutil.copytree(tiny_run[0], tmp_path / 'run')
+  shutil.rmtree(workdir / 'checkpoints' / '20')  # As if killed before saving step 20.
+  os.remove(workdir / 'final.json')
+  train.train_and_evaluate(tiny_config, str(workdir))  # Resumes at 10, logs 15 and 20 again.
+  steps = _tensorboard_scalars(workdir)
   assert steps['train/loss'] == [5, 10, 15, 20]
   assert all(len(shown) == len(set(shown)) for shown in steps.values()), steps
 
@@ -205,37 +204,49 @@ def test_bad_mesh_is_refused(tiny_config, tmp_path):
     train.train_and_evaluate(tiny_config, str(tmp_path))
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize('remat', ['none', 'dots'])
-def test_scanned_rematerialised_steps_match_unrolled_steps(tiny_config, remat):
-  config = tiny_config
+@pytest.fixture(scope='module')
+def unrolled_steps():
+  """Two steps of 2+2 unrolled layers under FSDP, the reference of both scanned variants
+  below (built once: its compile and steps are the same for each): (config, setup, batch,
+  [(params, opt_state, loss)] after each step)."""
+  from configs import tiny  # pylint: disable=g-import-not-at-top
+  config = tiny.get_config()
   config.model.num_encoder_layers = config.model.num_decoder_layers = 2
   config.model.dropout = config.model.attention_dropout = config.model.relu_dropout = 0.0
   config.mesh.shape = (2, 4, 1)  # FSDP: the stacked weights are split along 'embed' too.
   vocab_size = data.vocab_size(config)
   unrolled = train.build(config, vocab_size)
+  tokens = np.random.default_rng(0).integers(2, vocab_size, (16, 12)).astype(np.int32)
+  tokens[8:, 7:] = 0
+  batch = sharding.global_batch({'inputs': tokens, 'targets': tokens}, unrolled.mesh)
+  state, history = unrolled.init(jax.random.PRNGKey(0)), []
+  for _ in range(2):
+    state, metrics = unrolled.train_step(state, batch, jax.random.PRNGKey(1))
+    history.append(jax.device_get((state.params, state.opt_state, metrics['loss'])))
+  return config, unrolled, batch, history
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('remat', ['none', 'dots'])
+def test_scanned_rematerialised_steps_match_unrolled_steps(unrolled_steps, remat):
+  config, unrolled, batch, history = unrolled_steps
+  config = config.copy_and_resolve_references()
   config.model.scan_layers, config.model.remat = True, remat
-  scanned = train.build(config, vocab_size, unrolled.mesh)
+  scanned = train.build(config, data.vocab_size(config), unrolled.mesh)
   query = scanned.abstract_state.params['decoder_layers']['self_attention']['query']
   assert query.sharding.spec == jax.sharding.PartitionSpec(None, 'fsdp', 'tensor', None)
 
-  state = unrolled.init(jax.random.PRNGKey(0))
   stacked = model_lib.stack_layer_params(unrolled.init(jax.random.PRNGKey(0)).params,
                                          unrolled.model_config)
   scanned_state = jax.device_put(
       step_lib.TrainState(step=np.int32(0), params=stacked,
                        opt_state=scanned.optimizer.init(stacked)),
       jax.tree.map(lambda abstract: abstract.sharding, scanned.abstract_state))
-  tokens = np.random.default_rng(0).integers(2, vocab_size, (16, 12)).astype(np.int32)
-  tokens[8:, 7:] = 0
-  batch = sharding.global_batch({'inputs': tokens, 'targets': tokens}, unrolled.mesh)
-  history, scanned_history = [], []
-  for _ in range(2):
-    state, metrics = unrolled.train_step(state, batch, jax.random.PRNGKey(1))
+  scanned_history = []
+  for _, _, loss in history:
     scanned_state, scanned_metrics = scanned.train_step(scanned_state, batch,
                                                         jax.random.PRNGKey(1))
-    np.testing.assert_allclose(scanned_metrics['loss'], metrics['loss'], rtol=1e-5)
-    history.append(jax.device_get((state.params, state.opt_state)))
+    np.testing.assert_allclose(scanned_metrics['loss'], loss, rtol=1e-5)
     # The scanned run's weights and Adam moments in the unrolled layout.
     unstack = lambda tree: model_lib.unstack_layer_params(jax.device_get(tree),
                                                           unrolled.model_config)
@@ -243,4 +254,5 @@ def test_scanned_rematerialised_steps_match_unrolled_steps(tiny_config, remat):
     scanned_history.append((unstack(scanned_state.params),
                             optax.ScaleByAdamState(count=None, mu=unstack(mu), nu=unstack(nu))))
   # Same arithmetic, another program: within what rounding can do to Adam (conftest.py).
-  assert_adam_runs_agree(scanned_history, history, [float(unrolled.schedule(t)) for t in (0, 1)])
+  assert_adam_runs_agree(scanned_history, [(params, opt_state) for params, opt_state, _ in
+                                           history], [float(unrolled.schedule(t)) for t in (0, 1)])
