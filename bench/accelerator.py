@@ -10,7 +10,7 @@ Parts (--parts), each printing one JSON line per measurement and appending it to
   train_step  Transformer-big and -base train steps at about 12k, 25k and 50k target token
               slots per step (rows of 64; each row's source and target filled to a random
               length from 33 to 64 tokens, the rest padding): step seconds, non-padding target
-              tokens/s, analytic model FLOPs (t2t_jax/flops.py, padding counted: the step does
+              tokens/s, analytic model FLOPs (t2t_jax/model/flops.py, padding counted: the step does
               that work), XLA's cost-analysis FLOPs, MFU against the device's published peak.
   xla_ab      the base step at 25k slots under each flag set of t2t_jax/runtime.py's
               AB_FLAG_SETS, each in a subprocess of its own (XLA reads XLA_FLAGS once, at
@@ -55,17 +55,17 @@ import flax_reference  # pylint: disable=g-import-not-at-top
 
 from configs import multi30k
 from configs import tiny as tiny_configs
-from t2t_jax import ConfigError
 from t2t_jax import cli
-from t2t_jax import data
-from t2t_jax import flops
-from t2t_jax import hlo_cost
-from t2t_jax import roofline
-from t2t_jax import sharding
-from t2t_jax import targets
-from t2t_jax import train
+from t2t_jax import ConfigError
 from t2t_jax import runtime
-from t2t_jax.model import Transformer
+from t2t_jax import sharding
+from t2t_jax.compile import hlo_cost
+from t2t_jax.compile import roofline
+from t2t_jax.compile import targets
+from t2t_jax.data import pipeline as data
+from t2t_jax.model import flops
+from t2t_jax.model.transformer import Transformer
+from t2t_jax.training import train
 
 PARTS = ('train_step', 'xla_ab', 'attention', 'decode', 'compare', 'speedrun')
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -143,7 +143,7 @@ def step_config(shape_name: str, dtype: str, overrides=()):
 def _peak_and_reasons(dtype, mfu_value) -> dict:
   peak = flops.peak_flops_per_second(jax.devices()[0].device_kind, dtype)
   reasons = {} if peak else {'mfu': f'no published peak for device kind '
-                                    f'{jax.devices()[0].device_kind!r} (t2t_jax/flops.py)'}
+                                    f'{jax.devices()[0].device_kind!r} (t2t_jax/model/flops.py)'}
   return {'peak_flops_per_second': peak, 'mfu': mfu_value if peak else None,
           'null_reasons': reasons}
 
@@ -189,7 +189,7 @@ def _with_prediction(fields: dict, compiled, seconds: float) -> dict:
   if target is None:
     return {**fields, 'predicted_step_seconds': None, 'null_reasons': {
         **fields['null_reasons'], 'predicted_step_seconds': f'no figures for device kind '
-        f'{jax.devices()[0].device_kind!r} (t2t_jax/targets.py)'}}
+        f'{jax.devices()[0].device_kind!r} (t2t_jax/compile/targets.py)'}}
   predicted = roofline.predict(hlo_cost.analyse(compiled.as_text(), 1), target, [0])
   return {**fields, 'predicted_step_seconds': predicted.step_seconds,
           'measured_over_predicted': seconds / predicted.step_seconds,

@@ -8,7 +8,7 @@ each with its best mesh, memory per device and predicted step (docs/results/acce
 Parts (--parts), each printing one JSON line per result and appending it to --out:
 
   table       for each config (WMT14 base and big, 25k-token batches) and target: the mesh
-              search of `t2t_jax.main --dry_run --search_mesh` (t2t_jax/mesh_search.py), its
+              search of `t2t_jax.main --dry_run --search_mesh` (t2t_jax/compile/mesh_choice.py), its
               winner's memory, predicted step, target tokens/s and MFU, and the predicted wall
               time of the paper's schedule (100k steps for base, 300k for big) beside the
               paper's 12 hours and 3.5 days on 8 P100s.
@@ -40,9 +40,9 @@ import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 from bench import common  # pylint: disable=wrong-import-position
 from configs import wmt14_ende  # pylint: disable=wrong-import-position
-from t2t_jax import dry_run  # pylint: disable=wrong-import-position
-from t2t_jax import mesh_search  # pylint: disable=wrong-import-position
 from t2t_jax import runtime  # pylint: disable=wrong-import-position
+from t2t_jax.compile import dry_run  # pylint: disable=wrong-import-position
+from t2t_jax.compile import mesh_choice as mesh_search  # pylint: disable=wrong-import-position
 
 TARGETS = ('tpu:v5e-8', 'tpu:v5e-16', 'tpu:v4-8', 'tpu:v5p-8', 'tpu:v6e-8', 'gpu:h100x8',
            'gpu:a100x8')

@@ -21,9 +21,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # pylint: disable=g-import-not-at-top
 
 from t2t_jax import cli
-from t2t_jax import checkpoint
-from t2t_jax import data
-from t2t_jax import train
+from t2t_jax.checkpoints import checkpoint
+from t2t_jax.data import pipeline as data
+from t2t_jax.training import train
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/wmt14_ende.py:base',
                                           'Config whose train state is saved.')

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from configs import base as base_config
 from configs import multi30k
-from t2t_jax import flops
+from t2t_jax.model import flops
 
 
 @dataclasses.dataclass(frozen=True)

@@ -54,9 +54,9 @@ import common  # pylint: disable=g-import-not-at-top
 import flax_reference  # pylint: disable=g-import-not-at-top
 
 from t2t_jax import cli
-from t2t_jax import flops
 from t2t_jax import sharding
-from t2t_jax import train
+from t2t_jax.model import flops
+from t2t_jax.training import train
 
 # t2t_jax batch keys -> the reference's.
 _REFERENCE_KEYS = {'inputs': 'inputs', 'targets': 'targets',

@@ -26,9 +26,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # pylint: disable=g-import-not-at-top
 
 from t2t_jax import cli
-from t2t_jax import batching
-from t2t_jax import data
-from t2t_jax import sources
+from t2t_jax.data import batching
+from t2t_jax.data import pipeline as data
+from t2t_jax.data import sources
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _CONFIG = config_flags.DEFINE_config_file('config', os.path.join(_ROOT, 'configs/text.py'),

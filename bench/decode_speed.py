@@ -28,7 +28,7 @@ runs to its length limit (source + --max_extra_len tokens): target tokens/s is t
 compare; sentences/s is that of outputs longer than a trained model's.
 
 With --ctranslate2=float32,int8 text mode also exports the same parameters to CTranslate2
-(t2t_jax/export_ctranslate2.py) and translates the same sentences with it, once per compute
+(t2t_jax/deploy/export_ctranslate2.py) and translates the same sentences with it, once per compute
 type and beam size, printing sentences/s beside BLEU against t2t_jax's own outputs (and against
 --references when given). CTranslate2 gets the same pieces (EOS appended by the model), the same
 per-sentence output limit (it is called once per limit) and --ctranslate2_threads threads; its
@@ -62,17 +62,17 @@ import floor  # pylint: disable=g-import-not-at-top
 
 from t2t_jax import cli
 from t2t_jax import EOS_ID
-from t2t_jax import data
-from t2t_jax import decode
 from t2t_jax import runtime
 from t2t_jax import sharding
-from t2t_jax import tokenizer
-from t2t_jax import train
 from t2t_jax import translate
-from t2t_jax.model import Transformer, TransformerConfig
-from t2t_jax import setup as setup_lib
-from t2t_jax import translator as translator_lib
-from t2t_jax import saved_params
+from t2t_jax.checkpoints import saved_params
+from t2t_jax.data import pipeline as data
+from t2t_jax.data import tokenizer
+from t2t_jax.decoding import decode
+from t2t_jax.decoding import translator as translator_lib
+from t2t_jax.model.transformer import Transformer, TransformerConfig
+from t2t_jax.training import build as setup_lib
+from t2t_jax.training import train
 
 _MODE = flags.DEFINE_enum('mode', 'reference', ['reference', 'text', 'random'],
                           'What to measure (module docstring).')
@@ -324,7 +324,7 @@ def _ctranslate2_line(run: translate.Run, directory: str, lines: list[str], beam
   """CTranslate2 on the exported parameters of `run`, on the same sentences."""
   import ctranslate2  # pylint: disable=g-import-not-at-top  # Optional: only with --ctranslate2.
   import sacrebleu  # pylint: disable=g-import-not-at-top
-  from t2t_jax import export_ctranslate2  # pylint: disable=g-import-not-at-top
+  from t2t_jax.deploy import export_ctranslate2  # pylint: disable=g-import-not-at-top
   model_dir = os.path.join(directory, 'ctranslate2')
   if not os.path.exists(model_dir):
     export_ctranslate2.export(directory, os.path.join(directory, 'random_params'), model_dir)

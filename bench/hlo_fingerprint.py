@@ -26,14 +26,14 @@ from ml_collections import config_flags
 import numpy as np
 
 from t2t_jax import cli
-from t2t_jax import data
-from t2t_jax import decode
-from t2t_jax import dry_run
-from t2t_jax import prng
 from t2t_jax import runtime
-from t2t_jax import setup as setup_lib
 from t2t_jax import sharding
-from t2t_jax import translator as translator_lib
+from t2t_jax.compile import dry_run
+from t2t_jax.data import pipeline
+from t2t_jax.decoding import decode
+from t2t_jax.decoding import translator as translator_lib
+from t2t_jax.model import prng
+from t2t_jax.training import build as setup_lib
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/tiny.py', 'Config to compile.')
 _BEAM = flags.DEFINE_integer('beam_size', 4, 'Beam width of the beam search program.')
@@ -105,7 +105,7 @@ def _run(name: str, config, setup, params, model_config, max_len: int, platform:
 
 def main(_):
   config = _CONFIG.value
-  setup = setup_lib.build(config, data.vocab_size(config))
+  setup = setup_lib.build(config, pipeline.vocab_size(config))
   platform = setup.mesh.devices.flat[0].platform
   name = f'{config.name}:{config.model.positions}:{config.model.attention_pattern}:' \
          f'{config.model.kind}:{config.model.dtype}'

@@ -1,7 +1,7 @@
 """Tokens/s, FLOP/s and MFU of the compiled train step, against a matmul in the same run.
 
 FLOPs are counted two ways: XLA's cost analysis (every op of the compiled step) and the
-analytic model FLOPs of t2t_jax.flops (matmuls only), which MFU and the matmul share use.
+analytic model FLOPs of t2t_jax.model.flops (matmuls only), which MFU and the matmul share use.
 
   python bench/train_step.py --config=configs/default.py
   python bench/train_step.py --config=configs/wmt14_ende.py:base --rows=8 --length=64
@@ -23,10 +23,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # pylint: disable=g-import-not-at-top
 
 from t2t_jax import cli
-from t2t_jax import data
-from t2t_jax import flops
 from t2t_jax import sharding
-from t2t_jax import train
+from t2t_jax.data import pipeline
+from t2t_jax.model import flops
+from t2t_jax.training import train
 
 _CONFIG = config_flags.DEFINE_config_file('config', 'configs/default.py', 'Config to measure.')
 _ROWS = flags.DEFINE_integer('rows', 0, 'Batch rows; 0: batch_tokens // length.')
@@ -36,7 +36,7 @@ _STEPS = flags.DEFINE_integer('steps', 20, 'Timed steps (median reported).')
 
 def main(_):
   config = _CONFIG.value
-  setup = train.build(config, data.vocab_size(config))
+  setup = train.build(config, pipeline.vocab_size(config))
   shards = sharding.batch_shards(setup.mesh)
   length = _LENGTH.value
   rows = _ROWS.value or max(shards, config.data.batch_tokens // length // shards * shards)

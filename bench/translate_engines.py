@@ -34,7 +34,7 @@ import common  # pylint: disable=g-import-not-at-top
 from t2t_jax import cli
 from t2t_jax import evaluate
 from t2t_jax import translate
-from t2t_jax import translator as translator_lib
+from t2t_jax.decoding import translator as translator_lib
 
 _WORKDIR = flags.DEFINE_string('workdir', None, 'The trained run to translate with.')
 _CHECKPOINT = flags.DEFINE_string('checkpoint', None, 'A step or checkpoint directory; default '

@@ -85,7 +85,7 @@ def get_config():
   # Decoder-only: 'causal' (every position sees only earlier ones) or 'full' (the source part
   # also sees later source positions: a prefix LM). Target positions are causal either way.
   model.prefix_attention = 'causal'
-  # Mixture of experts (t2t_jax/moe.py): chosen feed-forward layers become `moe_experts` experts.
+  # Mixture of experts (t2t_jax/model/moe.py): chosen feed-forward layers become `moe_experts` experts.
   model.moe_experts = 0  # Experts per MoE layer; 0 keeps a dense feed-forward in every layer.
   model.moe_top_k = 2  # Experts each token goes to (1: Switch, 2: GShard); at most moe_experts.
   model.moe_capacity_factor = 1.25  # Slots = ceil(this x row length x top_k / experts); <=0: all.

@@ -10,9 +10,9 @@ evaluations, on a study in a database that several workers (here, or a SLURM arr
   python launch/search.py --seeds=3 --seeds_for_best=2 FILE -- ...   # best 2 points, 3 seeds
   python launch/search.py --summarize /tmp/search --plot=/tmp/search/plots
 
-The search file is t2t_jax/search_space.py's. Trial N trains the base command with the
+The search file is t2t_jax/tuning/search_space.py's. Trial N trains the base command with the
 trial's `--config.KEY=VALUE` in `<workdir>/trial_NNNN`; its in-loop evaluations report the
-metric to the study (t2t_jax/trial_report.py), and a pruned trial saves and exits with status 4.
+metric to the study (t2t_jax/tuning/trial_report.py), and a pruned trial saves and exits with status 4.
 The study lives in `<workdir>/search.db` (SQLite) unless --storage names another. The same
 command started again continues the study: finished trials are kept, trials whose worker is
 gone (a flock on `<workdir>/locks/`) resume from their checkpoints, nothing is trained twice to
@@ -41,10 +41,10 @@ sys.path.insert(0, LAUNCH_DIR)
 import search_launch  # pylint: disable=g-import-not-at-top,wrong-import-position
 import sweep  # pylint: disable=g-import-not-at-top,wrong-import-position
 from t2t_jax import exit_codes  # pylint: disable=g-import-not-at-top,wrong-import-position
-from t2t_jax import search_space  # pylint: disable=g-import-not-at-top,wrong-import-position
-from t2t_jax import search_summary  # pylint: disable=g-import-not-at-top,wrong-import-position
-from t2t_jax import trial_report  # pylint: disable=g-import-not-at-top,wrong-import-position
-from t2t_jax.search_space import SearchError  # pylint: disable=g-import-not-at-top,wrong-import-position
+from t2t_jax.tuning import search_space  # pylint: disable=g-import-not-at-top,wrong-import-position
+from t2t_jax.tuning import search_summary  # pylint: disable=g-import-not-at-top,wrong-import-position
+from t2t_jax.tuning import trial_report  # pylint: disable=g-import-not-at-top,wrong-import-position
+from t2t_jax.tuning.search_space import SearchError  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 STOPPED = (exit_codes.PREEMPTED, exit_codes.INTERRUPTED)
 RETRIES = 2  # A trial whose training was killed (not by this driver) is resumed this often.

@@ -11,7 +11,7 @@ import time
 
 from t2t_jax import exit_codes
 from t2t_jax import workdir_lock
-from t2t_jax.search_space import SearchError
+from t2t_jax.tuning.search_space import SearchError
 
 LAUNCH_DIR = os.path.dirname(os.path.abspath(__file__))
 

@@ -16,7 +16,7 @@ from absl import logging
 
 from t2t_jax import CheckpointError
 from t2t_jax import cli
-from t2t_jax import saved_params
+from t2t_jax.checkpoints import saved_params
 
 def available_steps(workdir: str) -> list[int]:
   directory = os.path.join(os.path.abspath(workdir), 'checkpoints')

@@ -67,7 +67,9 @@ def run(main: Callable[[list[str]], Any],
 def _user_errors() -> tuple[type[Exception], ...]:
   """The error types whose message says what to do: no traceback needed."""
   from t2t_jax import CheckpointError, ConfigError, NonFiniteLoss  # pylint: disable=g-import-not-at-top
-  from t2t_jax import lifecycle, sources, workdir_lock  # pylint: disable=g-import-not-at-top
+  from t2t_jax import workdir_lock  # pylint: disable=g-import-not-at-top
+  from t2t_jax.data import sources  # pylint: disable=g-import-not-at-top
+  from t2t_jax.training import lifecycle  # pylint: disable=g-import-not-at-top
   return (ConfigError, NonFiniteLoss, sources.DataError, CheckpointError, lifecycle.DiskFull,
           workdir_lock.WorkdirLocked, workdir_lock.WorkdirUnusable)
 

@@ -27,8 +27,8 @@ from absl import logging
 import sacrebleu
 
 from t2t_jax import cli
-from t2t_jax import saved_params
-from t2t_jax import sources as sources_lib
+from t2t_jax.checkpoints import saved_params
+from t2t_jax.data import sources as sources_lib
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,9 +18,9 @@ import os
 from absl import app
 from absl import flags
 
-from t2t_jax import ConfigError
 from t2t_jax import cli
-from t2t_jax import saved_params
+from t2t_jax import ConfigError
+from t2t_jax.checkpoints import saved_params
 
 FORMATS = ('orbax', 'ctranslate2')
 
@@ -41,7 +41,7 @@ def export(workdir: str, checkpoint_name: str | None = None, dtype: str = 'float
 def export_ctranslate2(workdir: str, checkpoint_name: str | None = None, output: str = '',
                        quantization: str | None = None, weights: str = 'params') -> str:
   """Writes the CTranslate2 model of one checkpoint; returns the directory written."""
-  ctranslate2_export = import_needing_ctranslate2('t2t_jax.export_ctranslate2',
+  ctranslate2_export = import_needing_ctranslate2('t2t_jax.deploy.export_ctranslate2',
                                                   '--format=ctranslate2')
   return ctranslate2_export.export(workdir, checkpoint_name, output, quantization, weights)
 

@@ -39,17 +39,20 @@ def main(argv):
     from t2t_jax import sharding  # pylint: disable=g-import-not-at-top
     sharding.initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
                                     FLAGS.distributed_timeout)
-  from t2t_jax import dry_run, mesh_search, train  # After flag parsing: --help stays fast.
+  from t2t_jax.compile import dry_run  # After flag parsing: --help stays fast.
+  from t2t_jax.compile import mesh_choice  # After flag parsing: --help stays fast.
+  from t2t_jax.training import train  # After flag parsing: --help stays fast.
   if FLAGS.dry_run:
     if FLAGS.search_mesh:
-      mesh_search.command(FLAGS.config, FLAGS.dry_run_target)
+      mesh_choice.command(FLAGS.config, FLAGS.dry_run_target)
     else:
       dry_run.command(FLAGS.config, FLAGS.dry_run_target)
     return
   if not FLAGS.workdir:
     raise app.UsageError('--workdir is required to train')
   logging.info('JAX devices: %s', jax.devices())
-  from t2t_jax import lifecycle, trial_report  # pylint: disable=g-import-not-at-top
+  from t2t_jax.training import lifecycle  # pylint: disable=g-import-not-at-top
+  from t2t_jax.tuning import trial_report  # pylint: disable=g-import-not-at-top
   try:
     results = train.train_and_evaluate(FLAGS.config, FLAGS.workdir, FLAGS.force_unlock)
   except trial_report.Pruned:  # Logged where it happened; launch/search.py reads the status.

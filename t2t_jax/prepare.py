@@ -14,8 +14,8 @@ from absl import flags
 from ml_collections import config_flags
 
 from t2t_jax import cli
-from t2t_jax import config_check
-from t2t_jax import data
+from t2t_jax.data import pipeline as data
+from t2t_jax.training import config_check
 
 FLAGS = flags.FLAGS
 

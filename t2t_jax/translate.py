@@ -25,17 +25,17 @@ import tqdm
 from t2t_jax import ConfigError
 from t2t_jax import EOS_ID
 from t2t_jax import cli
-from t2t_jax import ctranslate2_engine
-from t2t_jax import saved_params
-from t2t_jax import setup
 from t2t_jax import sharding
-from t2t_jax import tokenizer
-from t2t_jax import translator as translator_lib
-from t2t_jax.model import Transformer
-from t2t_jax.decode import LENGTH_PENALTIES
-from t2t_jax.model_config import TransformerConfig
-from t2t_jax.run_files import load_config, load_vocabulary
-from t2t_jax.sources import DataError
+from t2t_jax.checkpoints import saved_params
+from t2t_jax.data import tokenizer
+from t2t_jax.decoding import translator as translator_lib
+from t2t_jax.deploy import ctranslate2_engine
+from t2t_jax.model.transformer import Transformer
+from t2t_jax.training import build
+from t2t_jax.decoding.decode import LENGTH_PENALTIES
+from t2t_jax.checkpoints.run_files import load_config, load_vocabulary
+from t2t_jax.data.sources import DataError
+from t2t_jax.model.model_config import TransformerConfig
 
 ENGINES = ('t2t_jax', 'ctranslate2')
 
@@ -71,7 +71,7 @@ def load(workdir: str, checkpoint: str | None = None, beam_size: int | None = No
   model_config = TransformerConfig.from_config(config.model, vocab.vocab_size,
                                                mesh.devices.flat[0].platform)
   params = saved_params.restore_params(
-      workdir, setup.abstract_params(model_config, mesh, axis_rules), checkpoint, weights)
+      workdir, build.abstract_params(model_config, mesh, axis_rules), checkpoint, weights)
   translator = translator_lib.from_config(config, model_config, mesh, axis_rules, beam_size,
                                           alpha, batch_tokens or None, dtype, length_penalty)
   return Run(config, vocab, model_config, params, translator)

@@ -270,7 +270,7 @@ def compare(straight: str, interrupted: str, num_steps: int, moved_from: int,
   moved run came: the largest share of the bound a weight used, the largest relative change
   of a training loss."""
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
-  from t2t_jax import checkpoint  # pylint: disable=g-import-not-at-top
+  from t2t_jax.checkpoints import checkpoint  # pylint: disable=g-import-not-at-top
   problems = []
   steps = checkpoint_steps(interrupted)
   if steps[-1] != num_steps or not set(steps) <= set(checkpoint_steps(straight)):
@@ -319,7 +319,7 @@ def _moved_state_problems(states: dict, straight: str, interrupted: str, steps: 
   import ml_collections  # pylint: disable=g-import-not-at-top
   from conftest import assert_adam_runs_agree  # pylint: disable=g-import-not-at-top
   from t2t_jax import as_asked  # pylint: disable=g-import-not-at-top
-  from t2t_jax import optim  # pylint: disable=g-import-not-at-top
+  from t2t_jax.training import optim  # pylint: disable=g-import-not-at-top
   if not steps:
     return ['no checkpoint after the move']
   with open(os.path.join(straight, 'config.json')) as f:

@@ -71,7 +71,7 @@ def tiny_run(tmp_path_factory):
   """The tiny config trained to step 20 once per session: (workdir, final figures). Tests read
   it; one that trains on, damages or resumes it works on a copy."""
   from configs import tiny  # pylint: disable=g-import-not-at-top
-  from t2t_jax import train  # pylint: disable=g-import-not-at-top
+  from t2t_jax.training import train  # pylint: disable=g-import-not-at-top
   workdir = str(tmp_path_factory.mktemp('tiny_run'))
   return workdir, train.train_and_evaluate(tiny.get_config(), workdir)
 
@@ -144,8 +144,8 @@ def scalar_events(workdir) -> dict[str, dict[int, float]]:
 
 def assert_cached_decoding_matches_teacher_forcing(config, params, inputs, targets):
   """Decoding one target token at a time through the cache gives the teacher-forced logits."""
-  from t2t_jax import decode  # pylint: disable=g-import-not-at-top
-  from t2t_jax import model as model_lib  # pylint: disable=g-import-not-at-top
+  from t2t_jax.decoding import decode  # pylint: disable=g-import-not-at-top
+  from t2t_jax.model import transformer as model_lib  # pylint: disable=g-import-not-at-top
   # Each apply jitted: one compilation of each (the step twice: its first call adds the
   # cross-attention entries to the cache), where eager applies compile every operation apart.
   full = quick_jit(model_lib.Transformer(config).apply)({'params': params}, inputs, targets)
@@ -241,7 +241,7 @@ def assert_moved_run_agrees(workdir, reference_workdir, steps: int, config) -> N
   with `config`'s schedule: the parameters at `steps` within assert_adam_runs_agree's bound,
   and the moving average (if kept), a convex mix of the parameters of steps 0..`steps`, within
   the bound at `steps` (the bound only grows with the steps)."""
-  from t2t_jax import optim  # pylint: disable=g-import-not-at-top
+  from t2t_jax.training import optim  # pylint: disable=g-import-not-at-top
   state = lambda directory, step: tuple(
       saved_state_field(f'{directory}/checkpoints/{step}', field) for field in
       ('params', 'opt_state'))

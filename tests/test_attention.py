@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from t2t_jax import model_config
-from t2t_jax import model as model_lib
+from t2t_jax.model import model_config
+from t2t_jax.model import transformer as model_lib
 
 VOCAB = 19
 CONFIG = model_lib.TransformerConfig(
@@ -111,7 +111,9 @@ def test_fused_attention_gets_sequence_lengths_for_padded_rows_and_a_mask_for_pa
 
 
 def test_cudnn_is_refused_where_sequence_lengths_cannot_express_the_rows(tiny_config):
-  from t2t_jax import ConfigError, config_check, model_config  # pylint: disable=g-import-not-at-top
+  from t2t_jax import ConfigError  # pylint: disable=g-import-not-at-top
+  from t2t_jax.model import model_config  # pylint: disable=g-import-not-at-top
+  from t2t_jax.training import config_check  # pylint: disable=g-import-not-at-top
   tiny_config.model.attention_impl = 'cudnn'
   tiny_config.model.attention_dropout = 0.0
   tiny_config.data.batching = 'packed'

@@ -7,11 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from t2t_jax import attention_cache
-from t2t_jax import attention_variants
-from t2t_jax import decode
-from t2t_jax.attention_cache import BeamCache, RowCache
-from t2t_jax.model_config import TransformerConfig
+from t2t_jax.decoding import decode
+from t2t_jax.model import attention_cache
+from t2t_jax.model import attention_variants
+from t2t_jax.model.attention_cache import BeamCache, RowCache
+from t2t_jax.model.model_config import TransformerConfig
 
 SENTENCES, BEAMS, HEADS, HEAD_DIM, LENGTH = 2, 3, 2, 4, 6
 ROWS = SENTENCES * BEAMS

@@ -12,11 +12,11 @@ import pytest
 
 from conftest import LEARNED_COPY_ACCURACY, assert_cached_decoding_matches_teacher_forcing
 from conftest import learns_to_copy
-from t2t_jax import attention_variants
-from t2t_jax import decode
-from t2t_jax import model as model_lib
 from t2t_jax import runtime
-from t2t_jax import dry_run as dry_run_lib
+from t2t_jax.compile import dry_run as dry_run_lib
+from t2t_jax.decoding import decode
+from t2t_jax.model import attention_variants
+from t2t_jax.model import transformer as model_lib
 
 VOCAB = 13
 CONFIG = model_lib.TransformerConfig(
@@ -251,7 +251,7 @@ def test_cached_decoding_matches_teacher_forcing(pattern, positions, scan_layers
 @pytest.mark.parametrize('pattern, positions', [('local,compressed', 'learned'),
                                                 ('full,local', 'relative')])
 def test_family_configs_train_evaluate_and_dry_run(tiny_config, tmp_path, pattern, positions):
-  from t2t_jax import train  # pylint: disable=g-import-not-at-top
+  from t2t_jax.training import train  # pylint: disable=g-import-not-at-top
   config = tiny_config
   config.model.attention_pattern, config.model.positions = pattern, positions
   config.model.local_half_width, config.model.num_decoder_layers = 4, 2

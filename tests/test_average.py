@@ -11,9 +11,9 @@ import pytest
 
 from conftest import ROOT
 from t2t_jax import average
-from t2t_jax import checkpoint
 from t2t_jax import export
-from t2t_jax import saved_params
+from t2t_jax.checkpoints import checkpoint
+from t2t_jax.checkpoints import saved_params
 
 FIXTURE = os.path.join(ROOT, 'tests', 'fixtures', 'before_restructure', 'checkpoints')
 

@@ -20,12 +20,12 @@ import pytest
 
 from conftest import QUICK_COMPILE, quick_jit
 from t2t_jax import ConfigError
-from t2t_jax import decode
-from t2t_jax import decoder_only
-from t2t_jax import model as model_lib
-from t2t_jax import model_config
-from t2t_jax import moe as moe_lib
 from t2t_jax import runtime
+from t2t_jax.decoding import decode
+from t2t_jax.model import decoder_only
+from t2t_jax.model import model_config
+from t2t_jax.model import moe as moe_lib
+from t2t_jax.model import transformer as model_lib
 
 VOCAB = 13
 CONFIG = model_lib.TransformerConfig(

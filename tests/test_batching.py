@@ -4,10 +4,10 @@ import jax
 import numpy as np
 import pytest
 
-from t2t_jax import batching
-from t2t_jax import data
-from t2t_jax.model import Transformer, TransformerConfig
-from t2t_jax import dry_run as dry_run_lib
+from t2t_jax.compile import dry_run as dry_run_lib
+from t2t_jax.data import batching
+from t2t_jax.data import pipeline
+from t2t_jax.model.transformer import Transformer, TransformerConfig
 
 
 def _split(count=300, longest=30, seed=0):
@@ -19,15 +19,15 @@ def _split(count=300, longest=30, seed=0):
     inputs.append(np.array([index + 2, *body, 1], np.int32))
     targets.append(np.array([index + 2, *rng.integers(2, 50, rng.integers(0, longest - 1)), 1],
                             np.int32))
-  return data.Split(inputs, targets, [], [])
+  return pipeline.Split(inputs, targets, [], [])
 
 
 def _batchers(mode, split, process_index=0, process_count=1, row_multiple=4, seed=5):
   if mode == 'buckets':
-    return data.TokenBudgetBatches(split, 512, data.bucket_boundaries(32, 8, 1.5), row_multiple,
+    return pipeline.TokenBudgetBatches(split, 512, pipeline.bucket_boundaries(32, 8, 1.5), row_multiple,
                                    shuffle=True, seed=seed, process_index=process_index,
                                    process_count=process_count)
-  return data.PackedBatches(split, 512, 32, row_multiple, shuffle=True, seed=seed,
+  return pipeline.PackedBatches(split, 512, 32, row_multiple, shuffle=True, seed=seed,
                             process_index=process_index, process_count=process_count)
 
 
@@ -103,23 +103,23 @@ def test_packing_is_deterministic_and_reshuffled_each_epoch():
 
 def test_pairs_longer_than_a_packed_row_are_refused():
   with pytest.raises(ValueError, match='config.data.pack_length must be at least'):
-    data.PackedBatches(_split(longest=40), 512, 32, 4, shuffle=True, seed=0)
+    pipeline.PackedBatches(_split(longest=40), 512, 32, 4, shuffle=True, seed=0)
 
 
 @pytest.mark.parametrize('mode', batching.BATCHING_MODES)
 def test_resume_after_n_batches_yields_the_same_next_batches(mode):
   split = _split(count=120)
   batches = _batchers(mode, split)
-  iterator = data.train_iterator(batches)
+  iterator = pipeline.train_iterator(batches)
   for _ in range(batches.epoch_length(0) - 2):
     next(iterator)
   state = iterator.get_state()
   expected = [next(iterator) for _ in range(5)]  # Crosses into epoch 1.
   assert iterator.get_state()['epoch'] == 1
   # A new iterator (as after a restart), and one with the rows split over two processes.
-  resumed = data.train_iterator(_batchers(mode, split))
+  resumed = pipeline.train_iterator(_batchers(mode, split))
   resumed.set_state(state)
-  halves = [data.train_iterator(_batchers(mode, split, p, 2)) for p in range(2)]
+  halves = [pipeline.train_iterator(_batchers(mode, split, p, 2)) for p in range(2)]
   for half in halves:
     half.set_state(state)
   for want in expected:
@@ -131,13 +131,13 @@ def test_resume_after_n_batches_yields_the_same_next_batches(mode):
 
 
 def test_resume_from_another_plan_is_refused():
-  iterator = data.train_iterator(_batchers('buckets', _split()))
+  iterator = pipeline.train_iterator(_batchers('buckets', _split()))
   next(iterator)
   state = iterator.get_state()
-  other = data.train_iterator(_batchers('buckets', _split(), seed=6))
-  with pytest.raises(data.DataError, match='another global plan'):
+  other = pipeline.train_iterator(_batchers('buckets', _split(), seed=6))
+  with pytest.raises(pipeline.DataError, match='another global plan'):
     other.set_state(state)
-  with pytest.raises(data.DataError, match='another format'):
+  with pytest.raises(pipeline.DataError, match='another format'):
     other.set_state({'next_index': 3})
 
 
@@ -150,8 +150,8 @@ def test_packed_segments_never_attend_to_each_other():
   rng = np.random.default_rng(0)
   first = (rng.integers(2, 60, 7), rng.integers(2, 60, 6))
   second = (rng.integers(2, 60, 9), rng.integers(2, 60, 11))
-  split = data.Split([first[0], second[0]], [first[1], second[1]], [], [])
-  batches = data.PackedBatches(split, 32, 32, 1, shuffle=False, seed=0)
+  split = pipeline.Split([first[0], second[0]], [first[1], second[1]], [], [])
+  batches = pipeline.PackedBatches(split, 32, 32, 1, shuffle=False, seed=0)
   batch = batches.get(0, 0)
   assert batch['inputs_segments'].max() == 2 and batch['inputs'].shape == (1, 32)
   keys = ('inputs', 'targets', 'inputs_positions', 'targets_positions', 'inputs_segments',
@@ -176,7 +176,7 @@ def test_packed_segments_never_attend_to_each_other():
 
 @pytest.mark.slow
 def test_packed_training_runs_and_resumes(tiny_config, tmp_path):
-  from t2t_jax import train  # pylint: disable=g-import-not-at-top
+  from t2t_jax.training import train  # pylint: disable=g-import-not-at-top
   tiny_config.data.batching = 'packed'
   tiny_config.data.pack_length = 32
   tiny_config.train.num_steps = 4
@@ -202,10 +202,10 @@ def test_the_global_batches_do_not_depend_on_shards_processes_or_micro_batches(m
 
   def global_batches(shards, processes, accumulation):
     tiny_config.opt.grad_accum_steps = accumulation
-    trains = [data.make_batchers(tiny_config, split, split, shards, p, processes,
+    trains = [pipeline.make_batchers(tiny_config, split, split, shards, p, processes,
                                  train_row_multiple=8)[0] for p in range(processes)]
     assert len({train.signature() for train in trains}) == 1
-    iterators = [data.train_iterator(train) for train in trains]
+    iterators = [pipeline.train_iterator(train) for train in trains]
     steps = 2 * trains[0].epoch_length(0) + 1  # Into the third epoch.
     return trains[0].signature(), [
         {key: np.concatenate([b[key] for b in local]) for key in local[0]}

@@ -25,13 +25,13 @@ from conftest import ROOT, leaves_equal, saved_state_field
 from t2t_jax import EOS_ID
 from t2t_jax import average
 from t2t_jax import ConfigError
-from t2t_jax import checkpoint
-from t2t_jax import data
 from t2t_jax import export
-from t2t_jax import train
-from t2t_jax import translator as translator_lib
-from t2t_jax import saved_params
 from t2t_jax import sharding
+from t2t_jax.checkpoints import checkpoint
+from t2t_jax.checkpoints import saved_params
+from t2t_jax.data import pipeline as data
+from t2t_jax.decoding import translator as translator_lib
+from t2t_jax.training import train
 
 
 def _config():

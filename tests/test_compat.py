@@ -17,12 +17,12 @@ import numpy as np
 import pytest
 
 from conftest import ROOT
-from t2t_jax import data
-from t2t_jax import decode
-from t2t_jax import saved_params
-from t2t_jax import setup as setup_lib
-from t2t_jax import train
-from t2t_jax.decoder_only import make_model
+from t2t_jax.checkpoints import saved_params
+from t2t_jax.data import pipeline
+from t2t_jax.decoding import decode
+from t2t_jax.model.decoder_only import make_model
+from t2t_jax.training import build as setup_lib
+from t2t_jax.training import train
 
 FIXTURE = os.path.join(ROOT, 'tests', 'fixtures', 'before_restructure')
 MANIFEST = json.load(open(os.path.join(FIXTURE, 'param_manifest.json')))
@@ -41,7 +41,7 @@ def _config(overrides):
 @pytest.mark.parametrize('member', sorted(MANIFEST))
 def test_parameter_paths_shapes_and_dtypes_are_unchanged(member):
   config = _config(MANIFEST[member]['overrides'])
-  abstract = setup_lib.build(config, data.vocab_size(config)).abstract_state.params
+  abstract = setup_lib.build(config, pipeline.vocab_size(config)).abstract_state.params
   now = {jax.tree_util.keystr(path): [list(leaf.shape), str(leaf.dtype)]
          for path, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]}
   assert now == MANIFEST[member]['params']
@@ -49,7 +49,7 @@ def test_parameter_paths_shapes_and_dtypes_are_unchanged(member):
 
 def _fixture_params():
   config = _config({})
-  setup = setup_lib.build(config, data.vocab_size(config))
+  setup = setup_lib.build(config, pipeline.vocab_size(config))
   path = os.path.join(FIXTURE, 'checkpoints', '10')
   return setup, jax.device_get(saved_params.load_params(path, setup.abstract_state.params))
 

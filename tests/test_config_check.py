@@ -3,7 +3,7 @@
 import pytest
 
 from t2t_jax import ConfigError
-from t2t_jax import config_check
+from t2t_jax.training import config_check
 
 
 @pytest.mark.parametrize('key, value, message', [

@@ -11,9 +11,9 @@ import jax
 import pytest
 
 from conftest import ROOT
-from t2t_jax import config_check
-from t2t_jax import data
-from t2t_jax import train
+from t2t_jax.data import pipeline
+from t2t_jax.training import config_check
+from t2t_jax.training import train
 
 sys.path.insert(0, os.path.join(ROOT, 'launch'))
 import sweep as sweep_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -77,7 +77,7 @@ def _lookup(config, key):
 
 def _assert_valid_and_builds(config):
   config_check.check(config)  # Against the 8 test devices, the mesh too.
-  setup = train.build(config, data.vocab_size(config))  # Abstract init, sharded: no FLOPs.
+  setup = train.build(config, pipeline.vocab_size(config))  # Abstract init, sharded: no FLOPs.
   params = jax.tree.leaves(setup.abstract_state.params)
   assert params and all(p.sharding is not None for p in params)
   return setup

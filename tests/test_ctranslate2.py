@@ -32,17 +32,17 @@ import pytest
 from conftest import ROOT
 from t2t_jax import ConfigError
 from t2t_jax import EOS_ID, PAD_ID
-from t2t_jax import ctranslate2_decoder_only
-from t2t_jax import decode
-from t2t_jax import export_ctranslate2
 from t2t_jax import runtime
-from t2t_jax import saved_params
 from t2t_jax import translate
-from t2t_jax.decoder_only import make_model
-from t2t_jax.model import Transformer
-from t2t_jax.attention_variants import ATTENTION_KINDS
-from t2t_jax.model_config import MODEL_KINDS, PREFIX_ATTENTION, TransformerConfig
-from t2t_jax.positions import POSITION_KINDS
+from t2t_jax.checkpoints import saved_params
+from t2t_jax.decoding import decode
+from t2t_jax.deploy import ctranslate2_decoder_only
+from t2t_jax.deploy import export_ctranslate2
+from t2t_jax.model.decoder_only import make_model
+from t2t_jax.model.transformer import Transformer
+from t2t_jax.model.attention_variants import ATTENTION_KINDS
+from t2t_jax.model.model_config import MODEL_KINDS, PREFIX_ATTENTION, TransformerConfig
+from t2t_jax.model.positions import POSITION_KINDS
 
 # Trained through the training loop and exported from its workdir: the paper (post-LN, one
 # shared embedding) and its opposite on every layout key (pre-LN, separate embeddings and output
@@ -109,7 +109,7 @@ class Trained:
 
 @pytest.fixture(scope='module', params=sorted(VARIANTS))
 def trained(request, tmp_path_factory):
-  from t2t_jax import train  # pylint: disable=g-import-not-at-top
+  from t2t_jax.training import train  # pylint: disable=g-import-not-at-top
   workdir = str(tmp_path_factory.mktemp(f'ct2_{request.param}'))
   train.train_and_evaluate(_config(VARIANTS[request.param]), workdir)
   model_dir = export_ctranslate2.export(workdir, output=os.path.join(workdir, 'ct2'))

@@ -25,14 +25,14 @@ from test_ctranslate2 import (BEAM, MAX_OUTPUT, NUM_SYMBOLS, VARIANTS, _config, 
                               _sources, _teacher_forced, _translator, _until_eos)
 from t2t_jax import ConfigError
 from t2t_jax import EOS_ID, PAD_ID
-from t2t_jax import ctranslate2_engine
-from t2t_jax import decode
-from t2t_jax import decoder_only
 from t2t_jax import evaluate
 from t2t_jax import export
-from t2t_jax import saved_params
 from t2t_jax import translate
-from t2t_jax.model_config import TransformerConfig
+from t2t_jax.checkpoints import saved_params
+from t2t_jax.decoding import decode
+from t2t_jax.deploy import ctranslate2_engine
+from t2t_jax.model import decoder_only
+from t2t_jax.model.model_config import TransformerConfig
 
 
 def _trained_config(model_overrides: dict):
@@ -46,7 +46,7 @@ def _trained_config(model_overrides: dict):
 @pytest.fixture(scope='module')
 def trained_workdir(tmp_path_factory):
   """The paper's layout (post-LN, shared embeddings, sinusoids) trained 100 steps."""
-  from t2t_jax import train  # pylint: disable=g-import-not-at-top
+  from t2t_jax.training import train  # pylint: disable=g-import-not-at-top
   workdir = str(tmp_path_factory.mktemp('ct2_engine'))
   train.train_and_evaluate(_trained_config(VARIANTS['post_shared']), workdir)
   return workdir
@@ -263,7 +263,7 @@ def test_a_decoder_only_model_translates_through_the_generator(tmp_path):
   cut at their limit (which counts the source's positions first), and at beam 4, alpha 0
   (where the two penalties agree) the same best hypotheses wherever t2t_jax's two best scores
   are apart."""
-  from t2t_jax import train  # pylint: disable=g-import-not-at-top
+  from t2t_jax.training import train  # pylint: disable=g-import-not-at-top
   workdir = str(tmp_path / 'decoder_only')
   config = _trained_config(dict(kind='decoder_only', prefix_attention='causal'))
   config.model.max_len = config.data.max_len = 24  # A long source leaves its output less room

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, text_config, write_lines
-from t2t_jax import data
-from t2t_jax import tokenizer
+from t2t_jax.data import pipeline as data
+from t2t_jax.data import tokenizer
 
 
 @pytest.mark.parametrize('task', data.SYNTHETIC_TASKS)

@@ -13,11 +13,11 @@ import pytest
 
 from conftest import quick_jit
 from t2t_jax import EOS_ID, PAD_ID
-from t2t_jax import decode
 from t2t_jax import runtime
-from t2t_jax import model as model_lib
 from t2t_jax import sharding
-from t2t_jax import translator as translator_lib
+from t2t_jax.decoding import decode
+from t2t_jax.decoding import translator as translator_lib
+from t2t_jax.model import transformer as model_lib
 
 CONFIG = model_lib.TransformerConfig(
     vocab_size=9, d_model=16, d_ff=32, num_heads=2, num_encoder_layers=1,

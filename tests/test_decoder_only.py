@@ -18,19 +18,19 @@ import pytest
 
 from conftest import LEARNED_COPY_ACCURACY, ROOT, learns_to_copy, scalar_events, write_lines
 from t2t_jax import ConfigError
-from t2t_jax import config_check
-from t2t_jax import data
-from t2t_jax import decode
-from t2t_jax import decoder_only
-from t2t_jax import flops
-from t2t_jax import model as model_lib
 from t2t_jax import sharding
-from t2t_jax import train
 from t2t_jax import translate
-from t2t_jax.token_cache import Ragged
-from t2t_jax import dry_run as dry_run_lib
-from t2t_jax import step as step_lib
-from t2t_jax import translator as translator_lib
+from t2t_jax.compile import dry_run as dry_run_lib
+from t2t_jax.data import pipeline
+from t2t_jax.data.token_cache import Ragged
+from t2t_jax.decoding import decode
+from t2t_jax.decoding import translator as translator_lib
+from t2t_jax.model import decoder_only
+from t2t_jax.model import flops
+from t2t_jax.model import transformer as model_lib
+from t2t_jax.training import config_check
+from t2t_jax.training import step as step_lib
+from t2t_jax.training import train
 
 VOCAB = 13
 CONFIG = model_lib.TransformerConfig(
@@ -258,11 +258,11 @@ def test_translator_outputs_fit_the_table_after_the_source_whatever_the_batch(ti
 
 
 def test_the_filter_counts_source_plus_target_for_the_decoder_only_model(tiny_config):
-  split = data.Split([[2, 1]] * 3, [[3, 3, 1], [3, 3, 3, 3, 1], [3] * 6 + [1]], [], [])
+  split = pipeline.Split([[2, 1]] * 3, [[3, 3, 1], [3, 3, 3, 3, 1], [3] * 6 + [1]], [], [])
   tiny_config.data.max_len = 6
-  assert len(data._filter(split, tiny_config, 'test')) == 2  # Longer side <= 6: 7 is out.
+  assert len(pipeline._filter(split, tiny_config, 'test')) == 2  # Longer side <= 6: 7 is out.
   tiny_config.model.kind = 'decoder_only'
-  assert len(data._filter(split, tiny_config, 'test')) == 1  # 2 + 3 <= 6 only.
+  assert len(pipeline._filter(split, tiny_config, 'test')) == 1  # 2 + 3 <= 6 only.
 
 
 def test_config_check_names_what_the_decoder_only_model_and_lm_need(tiny_config):
@@ -271,7 +271,7 @@ def test_config_check_names_what_the_decoder_only_model_and_lm_need(tiny_config)
   for key, value, message in (
       ('model.kind', 'encoder_only', r"config.model.kind='encoder_only' must be one of"),
       ('model.prefix_attention', 'bidirectional', 'config.model.prefix_attention'),
-      ('data.max_len', 64, r'config.data.max_len=64 exceeds config.model.max_len=32')):
+      ('pipeline.max_len', 64, r'config.data.max_len=64 exceeds config.model.max_len=32')):
     broken = config.copy_and_resolve_references()
     section, name = key.split('.')
     broken[section][name] = value
@@ -287,10 +287,10 @@ def test_config_check_names_what_the_decoder_only_model_and_lm_need(tiny_config)
 
 
 def test_language_model_batches_have_no_source_columns():
-  split = data.Split(Ragged.from_sequences([[]] * 6), [[3, 4, 1], [5, 1], [6, 7, 8, 1]] * 2,
+  split = pipeline.Split(Ragged.from_sequences([[]] * 6), [[3, 4, 1], [5, 1], [6, 7, 8, 1]] * 2,
                      [], [])
-  buckets = data.TokenBudgetBatches(split, 64, [8], 2, shuffle=False, seed=0)
-  packed = data.PackedBatches(split, 32, 8, 2, shuffle=False, seed=0)
+  buckets = pipeline.TokenBudgetBatches(split, 64, [8], 2, shuffle=False, seed=0)
+  packed = pipeline.PackedBatches(split, 32, 8, 2, shuffle=False, seed=0)
   for batch in (buckets[0], packed.get(0, 0)):
     assert all(batch[key].shape[1] == 0 for key in batch if key.startswith('inputs'))
     assert batch['targets'].shape[1] == 8 and (batch['targets'] == 1).sum() == 6

@@ -85,7 +85,7 @@ REPOSITORY_TOP = ('.ci', 'bench', 'configs', 'docs', 'launch', 't2t_jax', 'tests
                   'README.md', 'pyproject.toml')
 _REPOSITORY_PATH = re.compile(r'(?<![\w./~-])((?:%s)(?:/[\w.*<>-]*)*)' % '|'.join(
     re.escape(top) for top in REPOSITORY_TOP))
-# A module written dotted (`python -m t2t_jax.main`, `t2t_jax.train.train_and_evaluate`): its
+# A module written dotted (`python -m t2t_jax.main`, `t2t_jax.training.train.train_and_evaluate`): its
 # first name after the package must be a module or a subpackage of it.
 _MODULE = re.compile(r'(?<![\w./~-])t2t_jax\.(\w+)')
 

@@ -20,15 +20,15 @@ import numpy as np
 import pytest
 
 from t2t_jax import ConfigError
-from t2t_jax import data
-from t2t_jax import dry_run as dry_run_lib
-from t2t_jax import flops
-from t2t_jax import hlo_cost
-from t2t_jax import model as model_lib
-from t2t_jax import mesh_search
-from t2t_jax import setup as setup_lib
 from t2t_jax import sharding
-from t2t_jax import targets
+from t2t_jax.compile import dry_run as dry_run_lib
+from t2t_jax.compile import hlo_cost
+from t2t_jax.compile import mesh_choice
+from t2t_jax.compile import targets
+from t2t_jax.data import pipeline as data
+from t2t_jax.model import flops
+from t2t_jax.model import transformer as model_lib
+from t2t_jax.training import build as setup_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -262,11 +262,11 @@ def test_mesh_search_ranks_the_meshes_that_fit_by_predicted_time(libtpu, tiny_co
   of more chips and heads are test_candidate_splits')."""
   del libtpu
   tiny_config.model.num_heads = 1
-  ranked = mesh_search.search(tiny_config, 'tpu:v4-4')
+  ranked = mesh_choice.search(tiny_config, 'tpu:v4-4')
   meshes = {(c.mesh, c.scan_layers, c.remat) for c in ranked}
   # Every split of the 2 chips, scanned (no tensor split: it must divide the one head); the
   # best unrolled.
-  assert {m for m, scan, remat in meshes if scan} == set(mesh_search.splits(2, 1)) == {
+  assert {m for m, scan, remat in meshes if scan} == set(mesh_choice.splits(2, 1)) == {
       (2, 1, 1), (1, 2, 1)}
   assert any(not scan for _, scan, _ in meshes)
   fitting = [c for c in ranked if c.fits]
@@ -274,7 +274,7 @@ def test_mesh_search_ranks_the_meshes_that_fit_by_predicted_time(libtpu, tiny_co
   times = [c.step_seconds for c in fitting]
   assert times == sorted(times)
   assert set(ranked[0].result['programs']) == {'train_step', 'eval_step', 'search'}
-  assert mesh_search.table(ranked).splitlines()[1].lstrip().startswith('1 ')
+  assert mesh_choice.table(ranked).splitlines()[1].lstrip().startswith('1 ')
 
 
 @pytest.mark.slow
@@ -327,7 +327,7 @@ def test_splash_attention_compiles_for_a_tpu_inside_the_train_step(libtpu, tiny_
     (8, 16, 2, [(8, 1, 1), (4, 2, 1), (2, 4, 1), (4, 1, 2), (2, 2, 2), (2, 1, 4)]),
 ])
 def test_candidate_splits(devices, heads, slices, expected):
-  assert mesh_search.splits(devices, heads, slices) == expected
+  assert mesh_choice.splits(devices, heads, slices) == expected
 
 
 def test_a_refused_program_counts_what_the_compiler_says_it_needs():

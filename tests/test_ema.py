@@ -14,14 +14,14 @@ import pytest
 
 from conftest import ROOT, leaves_equal, saved_state_field
 from t2t_jax import CheckpointError
-from t2t_jax import checkpoint
-from t2t_jax import data
 from t2t_jax import export
-from t2t_jax import saved_params
 from t2t_jax import sharding
-from t2t_jax import train
 from t2t_jax import translate
-from t2t_jax import translator as translator_lib
+from t2t_jax.checkpoints import checkpoint
+from t2t_jax.checkpoints import saved_params
+from t2t_jax.data import pipeline
+from t2t_jax.decoding import translator as translator_lib
+from t2t_jax.training import train
 
 OLD_CHECKPOINT = os.path.join(ROOT, 'tests', 'fixtures', 'before_restructure', 'checkpoints')
 
@@ -49,16 +49,16 @@ def test_ema_is_the_closed_form_over_the_params_and_leaves_training_unchanged(tm
   for d in (0.0, decay):
     config = _config(d)
     config.opt.schedule, config.opt.lr_scale = 'constant', 1e-2
-    setups[d] = train.build(config, data.vocab_size(config))
+    setups[d] = train.build(config, pipeline.vocab_size(config))
     states[d] = setups[d].init(jax.random.PRNGKey(0))
   assert states[0.0].ema is None
   ema = states[decay].ema
   assert all(e.dtype == np.float32 and e.sharding == p.sharding for e, p in zip(
       jax.tree.leaves(ema), jax.tree.leaves(states[decay].params), strict=True))
-  task = data.load(_config(), '')
-  batches = data.TokenBudgetBatches(task.train, 256, [16], sharding.batch_shards(
+  task = pipeline.load(_config(), '')
+  batches = pipeline.TokenBudgetBatches(task.train, 256, [16], sharding.batch_shards(
       setups[0.0].mesh), shuffle=True, seed=0)
-  iterator = data.train_iterator(batches)
+  iterator = pipeline.train_iterator(batches)
   recorded = [_numpy(states[decay].params)]
   for _ in range(steps):
     batch = next(iterator)
@@ -146,7 +146,7 @@ def test_translate_and_export_read_the_average_when_asked(ema_run, tmp_path):
   assert leaves_equal(ema.params, saved_state_field(step_dir, 'ema'))
   assert leaves_equal(raw.params, saved_state_field(step_dir, 'params'))
   assert not leaves_equal(raw.params, ema.params)
-  inputs = data.load(config, '').eval.inputs[:8]
+  inputs = pipeline.load(config, '').eval.inputs[:8]
   mesh = sharding.make_mesh(config.mesh)  # A translator of its own, fed numpy weights.
   direct = translator_lib.from_config(config, ema.model_config, mesh, sharding.rules(
       config.mesh)).translate(saved_state_field(step_dir, 'ema'), inputs)

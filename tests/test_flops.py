@@ -9,12 +9,12 @@ from jax.extend import core as jax_core
 import jax.numpy as jnp
 import pytest
 
-from t2t_jax import flops
-from t2t_jax import model_config as model_config_lib
 from t2t_jax import sharding
-from t2t_jax import train
-from t2t_jax.model import Transformer
-from t2t_jax import step as step_lib
+from t2t_jax.model import flops
+from t2t_jax.model import model_config as model_config_lib
+from t2t_jax.model.transformer import Transformer
+from t2t_jax.training import step as step_lib
+from t2t_jax.training import train
 
 ROWS, SOURCE_LENGTH, TARGET_LENGTH, VOCAB = 8, 16, 12, 256
 

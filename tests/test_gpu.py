@@ -27,11 +27,11 @@ import numpy as np
 import pytest
 
 from conftest import assert_cached_decoding_matches_teacher_forcing
-from t2t_jax import flops
-from t2t_jax import model as model_lib
-from t2t_jax import sharding
-from t2t_jax import train
 from t2t_jax import runtime
+from t2t_jax import sharding
+from t2t_jax.model import flops
+from t2t_jax.model import transformer as model_lib
+from t2t_jax.training import train
 
 pytestmark = pytest.mark.gpu
 
@@ -128,5 +128,5 @@ def test_the_gpu_runs_with_the_projects_xla_flags_and_a_known_peak(gpu_device):
   for flag in runtime.GPU_XLA_FLAGS:
     assert flag in os.environ['XLA_FLAGS'].split()
   assert flops.device_family(gpu_device.device_kind), (
-      f'{gpu_device.device_kind!r} has no published peak in t2t_jax/flops.py: MFU would be '
+      f'{gpu_device.device_kind!r} has no published peak in t2t_jax/model/flops.py: MFU would be '
       'null; add its peak there')

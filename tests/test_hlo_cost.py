@@ -10,10 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from t2t_jax import hlo_cost
-from t2t_jax import hlo_text
-from t2t_jax import roofline
-from t2t_jax import targets
+from t2t_jax.compile import hlo_cost
+from t2t_jax.compile import hlo_text
+from t2t_jax.compile import roofline
+from t2t_jax.compile import targets
 
 
 def _cost(fn, *args, devices=1):

@@ -199,7 +199,7 @@ def test_hang_guard_dumps_stacks_and_exits_on_a_stalled_step(tmp_path):
       import time
       import jax
       from configs import tiny
-      from t2t_jax import train
+      from t2t_jax.training import train
 
       def stall_forever(x):
         time.sleep(600)

@@ -26,11 +26,11 @@ import orbax.checkpoint as ocp
 import pytest
 
 from conftest import saved_state_field
-from t2t_jax import NonFiniteLoss
-from t2t_jax import checkpoint
 from t2t_jax import cli
-from t2t_jax import lifecycle
-from t2t_jax import train
+from t2t_jax import NonFiniteLoss
+from t2t_jax.checkpoints import checkpoint
+from t2t_jax.training import lifecycle
+from t2t_jax.training import train
 
 PHASES = (lifecycle.STARTUP, lifecycle.STEP, lifecycle.SAVE, lifecycle.EVALUATION,
           lifecycle.FINAL_EVALUATION)

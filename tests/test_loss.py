@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 
 from t2t_jax import PAD_ID
-from t2t_jax import optim
 from t2t_jax import sharding
-from t2t_jax import train
-from t2t_jax.model import Transformer, TransformerConfig
-from t2t_jax import step as step_lib
+from t2t_jax.model.transformer import Transformer, TransformerConfig
+from t2t_jax.training import optim
+from t2t_jax.training import step as step_lib
+from t2t_jax.training import train
 
 VOCAB = 37
 

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from conftest import assert_cached_decoding_matches_teacher_forcing, quick_jit
-from t2t_jax import model as model_lib
-from t2t_jax import positions
-from t2t_jax import prng
-from t2t_jax import model_config
+from t2t_jax.model import model_config
+from t2t_jax.model import positions
+from t2t_jax.model import prng
+from t2t_jax.model import transformer as model_lib
 
 VOCAB = 13
 CONFIG = model_lib.TransformerConfig(

@@ -13,12 +13,12 @@ from conftest import assert_adam_runs_agree, assert_cached_decoding_matches_teac
 from conftest import quick_jit, scalar_events
 from configs import tiny
 from t2t_jax import ConfigError
-from t2t_jax import config_check
-from t2t_jax import data
-from t2t_jax import moe
 from t2t_jax import sharding
-from t2t_jax import train
-from t2t_jax.model import FeedForward, Transformer, TransformerConfig
+from t2t_jax.data import pipeline as data
+from t2t_jax.model import moe
+from t2t_jax.model.transformer import FeedForward, Transformer, TransformerConfig
+from t2t_jax.training import config_check
+from t2t_jax.training import train
 
 
 def _config(**overrides) -> TransformerConfig:

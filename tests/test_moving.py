@@ -28,8 +28,8 @@ import pytest
 from conftest import ROOT, assert_moved_run_agrees, saved_state_field, scalar_events
 from t2t_jax import ConfigError
 from t2t_jax import exit_codes
-from t2t_jax import optim
-from t2t_jax import train
+from t2t_jax.training import optim
+from t2t_jax.training import train
 
 ENGLISH = ['one', 'two', 'three', 'four', 'five', 'six', 'seven', 'eight', 'nine']
 GERMAN = ['eins', 'zwei', 'drei', 'vier', 'fuenf', 'sechs', 'sieben', 'acht', 'neun']

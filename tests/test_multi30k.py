@@ -18,13 +18,13 @@ import tensorboardX
 from conftest import ROOT, assert_drawn, scalar_events, write_lines
 from configs import base as configs_base
 from configs import multi30k
-from t2t_jax import model as model_lib
-from t2t_jax import optim
 from t2t_jax import plot
-from t2t_jax import saved_params
-from t2t_jax import sources
-from t2t_jax import train
-from t2t_jax import translator as translator_lib
+from t2t_jax.checkpoints import saved_params
+from t2t_jax.data import sources
+from t2t_jax.decoding import translator as translator_lib
+from t2t_jax.model import transformer as model_lib
+from t2t_jax.training import optim
+from t2t_jax.training import train
 
 ENGLISH = ['a', 'dog', 'cat', 'runs', 'sleeps', 'on', 'the', 'grass', 'red', 'ball']
 GERMAN = ['ein', 'Hund', 'Katze', 'rennt', 'schläft', 'auf', 'dem', 'Gras', 'roter', 'Ball']
@@ -132,7 +132,7 @@ def test_each_variant_trains_on_its_files_and_scores_its_bleu(member_runs, tmp_p
   best = json.load(open(workdir / 'best_bleu.json'))
   assert f'tok:{tokenize}' in best['signature'] and 'case:mixed' in best['signature']
   assert best['label'] == ('tokenised BLEU' if tokenize == 'none' else 'sacreBLEU')
-  from t2t_jax import tokenizer  # pylint: disable=g-import-not-at-top
+  from t2t_jax.data import tokenizer  # pylint: disable=g-import-not-at-top
   vocab = tokenizer.SentencePieceVocabulary(str(workdir / 'vocab.model'))
   pieces = {vocab.piece(i) for i in range(vocab.vocab_size)}
   assert any(any(c.isupper() for c in piece) for piece in pieces) == cased

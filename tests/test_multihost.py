@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, scalar_events
-from t2t_jax import train
+from t2t_jax.training import train
 
 STEPS = 4
 OVERRIDES = {'train.num_steps': STEPS, 'train.log_every': 1, 'train.eval_every': STEPS,

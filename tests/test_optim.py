@@ -9,7 +9,7 @@ import optax
 import pytest
 
 from conftest import adam_moments
-from t2t_jax import optim
+from t2t_jax.training import optim
 
 
 def _opt_config(**overrides):

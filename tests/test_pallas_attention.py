@@ -11,13 +11,13 @@ import pytest
 
 from conftest import adam_moments, assert_cached_decoding_matches_teacher_forcing, quick_jit
 from t2t_jax import ConfigError
-from t2t_jax import attention
-from t2t_jax import attention_variants
-from t2t_jax import model_config
-from t2t_jax import pallas_attention
-from t2t_jax import setup as setup_lib
 from t2t_jax import sharding
-from t2t_jax.decoder_only import make_model
+from t2t_jax.model import attention
+from t2t_jax.model import attention_variants
+from t2t_jax.model import model_config
+from t2t_jax.model import pallas_attention
+from t2t_jax.model.decoder_only import make_model
+from t2t_jax.training import build as setup_lib
 
 # Both paths compute in float32 from the same inputs and differ only in rounding (unit
 # roundoff u = 2^-24 = 6e-8). An output is a weighted mean of unit values; its weights come

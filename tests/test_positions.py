@@ -15,9 +15,9 @@ import pytest
 
 from conftest import assert_cached_decoding_matches_teacher_forcing
 from t2t_jax import ConfigError
-from t2t_jax import attention_variants
-from t2t_jax import model as model_lib
-from t2t_jax import positions
+from t2t_jax.model import attention_variants
+from t2t_jax.model import positions
+from t2t_jax.model import transformer as model_lib
 
 VOCAB = 13
 CONFIG = model_lib.TransformerConfig(
@@ -204,7 +204,7 @@ def test_family_keys_that_cannot_run_are_config_errors(changes, message):
 
 
 def test_config_check_names_an_unknown_position_kind(tiny_config):
-  from t2t_jax import config_check  # pylint: disable=g-import-not-at-top
+  from t2t_jax.training import config_check  # pylint: disable=g-import-not-at-top
   tiny_config.model.positions = 'absolute'
   tiny_config.model.local_half_width = 0
   with pytest.raises(ConfigError) as error:
@@ -224,8 +224,8 @@ def test_a_config_saved_before_the_keys_existed_means_the_paper_model():
 
 
 def test_a_config_saved_with_the_old_local_window_key_loads_under_the_new_name(tmp_path):
-  from t2t_jax import checkpoint  # pylint: disable=g-import-not-at-top
   from t2t_jax import translate  # pylint: disable=g-import-not-at-top
+  from t2t_jax.checkpoints import checkpoint  # pylint: disable=g-import-not-at-top
   from configs import tiny  # pylint: disable=g-import-not-at-top
   config = tiny.get_config()
   config.model.local_half_width = 5

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from t2t_jax import prng
+from t2t_jax.model import prng
 
 
 def _key(seed=0):

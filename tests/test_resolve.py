@@ -1,4 +1,4 @@
-"""t2t_jax/resolve.py: one step checks a config and derives its values for the devices; config.json
+"""t2t_jax/training/resolve.py: one step checks a config and derives its values for the devices; config.json
 records asked and resolved; a resume that resolves differently says so, and refuses a numeric
 change the user did not ask for; nothing opens a device before training."""
 
@@ -14,13 +14,13 @@ import jax
 import pytest
 
 from conftest import ROOT, text_config
-from t2t_jax import ConfigError
 from t2t_jax import as_asked
-from t2t_jax import batching
-from t2t_jax import model_config as model_config_lib
-from t2t_jax import resolve
-from t2t_jax import targets
-from t2t_jax import train
+from t2t_jax import ConfigError
+from t2t_jax.compile import targets
+from t2t_jax.data import batching
+from t2t_jax.model import model_config as model_config_lib
+from t2t_jax.training import resolve
+from t2t_jax.training import train
 
 
 def test_auto_settings_resolve_to_float32_on_the_cpus(tiny_config):

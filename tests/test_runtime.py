@@ -188,7 +188,7 @@ def test_jit_search_keeps_the_program_name_and_static_arguments():
 
 
 def test_a_search_traced_without_jit_search_warns_once_on_cpu(caplog):
-  from t2t_jax import decode  # pylint: disable=g-import-not-at-top
+  from t2t_jax.decoding import decode  # pylint: disable=g-import-not-at-top
   runtime._warn_search_options.cache_clear()  # pylint: disable=protected-access
   with caplog.at_level(logging.WARNING):
     runtime.check_search_compiled_here('beam_search')
@@ -197,6 +197,6 @@ def test_a_search_traced_without_jit_search_warns_once_on_cpu(caplog):
   warned = [r.getMessage() for r in caplog.records if 'without t2t_jax.runtime.jit_search' in
             r.getMessage()]
   assert len(warned) == 1 and 'decode.beam_search' in warned[0], warned
-  assert decode.beam_search.__module__ == 't2t_jax.decode'
+  assert decode.beam_search.__module__ == 't2t_jax.decoding.decode'
   runtime._warn_search_options.cache_clear()  # pylint: disable=protected-access
 

@@ -1,4 +1,4 @@
-"""Hyperparameter search (launch/search.py, t2t_jax/search_space.py, search_summary.py,
+"""Hyperparameter search (launch/search.py, t2t_jax/tuning/search_space.py, search_summary.py,
 trial_report.py) on the tiny config with real Optuna and a real SQLite database: pruning that
 stops trials early with a checkpoint, two workers on one study, a driver killed with SIGKILL
 and started again, seeds as repeats, and every bad input refused in one line before any trial.
@@ -17,9 +17,9 @@ import optuna
 import pytest
 
 from conftest import ROOT, assert_drawn, scalar_events
-from t2t_jax import search_space
-from t2t_jax import search_summary
-from t2t_jax.search_space import SearchError
+from t2t_jax.tuning import search_space
+from t2t_jax.tuning import search_summary
+from t2t_jax.tuning.search_space import SearchError
 
 SEARCH = os.path.join(ROOT, 'configs', 'searches', 'tiny_lr.py')
 
@@ -160,7 +160,7 @@ SEARCH_BASES = {'tiny_lr': ('configs/tiny.py', ''), 'multi30k_lr': ('configs/mul
 
 
 def test_every_shipped_search_file_loads_and_its_ranges_are_valid_configs():
-  from t2t_jax import config_check  # pylint: disable=g-import-not-at-top
+  from t2t_jax.training import config_check  # pylint: disable=g-import-not-at-top
   from test_configs import _load, _override  # pylint: disable=g-import-not-at-top
   directory = os.path.join(ROOT, 'configs', 'searches')
   assert {f[:-3] for f in os.listdir(directory) if f.endswith('.py')} == set(SEARCH_BASES)

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from conftest import GRADIENT_NOISE, assert_adam_runs_agree
-from t2t_jax import data
 from t2t_jax import sharding
-from t2t_jax import train
+from t2t_jax.data import pipeline as data
+from t2t_jax.training import train
 
 STEPS = 4
 

@@ -18,8 +18,8 @@ import pytest
 
 from conftest import ROOT, assert_moved_run_agrees, scalar_events
 import slurm_cluster
-from t2t_jax import train
 from t2t_jax import workdir_lock
+from t2t_jax.training import train
 
 STEPS = 30
 OVERRIDES = {'train.num_steps': STEPS, 'train.log_every': 1, 'train.eval_every': STEPS,

@@ -3,8 +3,8 @@
 import pytest
 
 from t2t_jax import ConfigError
-from t2t_jax import flops
-from t2t_jax import targets
+from t2t_jax.compile import targets
+from t2t_jax.model import flops
 
 
 @pytest.mark.parametrize('name, chip, per_slice, slices, platform', [

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from conftest import ROOT
-from t2t_jax import data
-from t2t_jax import sources
-from t2t_jax import train
-from t2t_jax import dry_run as dry_run_lib
+from t2t_jax.compile import dry_run as dry_run_lib
+from t2t_jax.data import pipeline as data
+from t2t_jax.data import sources
+from t2t_jax.training import train
 
 
 
@@ -120,7 +120,7 @@ def test_unknown_language_is_refused(tiny_config, tmp_path, mock_wmt):
 
 @pytest.mark.slow
 def test_core_modules_never_import_tensorflow():
-  code = ('import sys; import t2t_jax.train, t2t_jax.data, t2t_jax.prepare; '
+  code = ('import sys; import t2t_jax.training.train, t2t_jax.data.pipeline, t2t_jax.prepare; '
           "print(sorted(m for m in sys.modules if m.split('.')[0] in "
           "('tensorflow', 'tensorflow_datasets')))")
   output = subprocess.run([sys.executable, '-c', code], cwd=ROOT, capture_output=True,

@@ -16,13 +16,13 @@ import optax
 import pytest
 
 from conftest import adam_moments, assert_adam_runs_agree, scalar_events, text_config
-from t2t_jax import data
-from t2t_jax import model as model_lib
 from t2t_jax import plot
 from t2t_jax import sharding
-from t2t_jax import train
-from t2t_jax import metric_log
-from t2t_jax import step as step_lib
+from t2t_jax.data import pipeline
+from t2t_jax.model import transformer as model_lib
+from t2t_jax.training import metric_log
+from t2t_jax.training import step as step_lib
+from t2t_jax.training import train
 
 
 @pytest.mark.slow
@@ -125,11 +125,11 @@ def test_synthetic_loss_falls(tiny_config):
   tiny_config.opt.schedule = 'constant'
   tiny_config.opt.lr_scale = 3e-3
   tiny_config.model.dropout = 0.0
-  task = data.load(tiny_config, '')
+  task = pipeline.load(tiny_config, '')
   setup = train.build(tiny_config, task.vocab.vocab_size)
-  batches = data.TokenBudgetBatches(task.train, 256, [16], sharding.batch_shards(setup.mesh),
+  batches = pipeline.TokenBudgetBatches(task.train, 256, [16], sharding.batch_shards(setup.mesh),
                                     shuffle=True, seed=0)
-  iterator = data.train_iterator(batches)
+  iterator = pipeline.train_iterator(batches)
   state = setup.init(jax.random.PRNGKey(0))
   losses = []
   for _ in range(120):
@@ -214,7 +214,7 @@ def unrolled_steps():
   config.model.num_encoder_layers = config.model.num_decoder_layers = 2
   config.model.dropout = config.model.attention_dropout = config.model.relu_dropout = 0.0
   config.mesh.shape = (2, 4, 1)  # FSDP: the stacked weights are split along 'embed' too.
-  vocab_size = data.vocab_size(config)
+  vocab_size = pipeline.vocab_size(config)
   unrolled = train.build(config, vocab_size)
   tokens = np.random.default_rng(0).integers(2, vocab_size, (16, 12)).astype(np.int32)
   tokens[8:, 7:] = 0
@@ -232,7 +232,7 @@ def test_scanned_rematerialised_steps_match_unrolled_steps(unrolled_steps, remat
   config, unrolled, batch, history = unrolled_steps
   config = config.copy_and_resolve_references()
   config.model.scan_layers, config.model.remat = True, remat
-  scanned = train.build(config, data.vocab_size(config), unrolled.mesh)
+  scanned = train.build(config, pipeline.vocab_size(config), unrolled.mesh)
   query = scanned.abstract_state.params['decoder_layers']['self_attention']['query']
   assert query.sharding.spec == jax.sharding.PartitionSpec(None, 'fsdp', 'tensor', None)
 

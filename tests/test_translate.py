@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, write_lines
-from t2t_jax import checkpoint
 from t2t_jax import evaluate
-from t2t_jax import model as model_lib
 from t2t_jax import plot
 from t2t_jax import translate
-from t2t_jax import saved_params
+from t2t_jax.checkpoints import checkpoint
+from t2t_jax.checkpoints import saved_params
+from t2t_jax.model import transformer as model_lib
 
 
 @pytest.fixture

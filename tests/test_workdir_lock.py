@@ -19,7 +19,8 @@ from t2t_jax import workdir_lock
 # any test on a slow machine (600 s); the test kills it.
 _HOLDER = '''
 import sys, time
-from t2t_jax import lifecycle, workdir_lock
+from t2t_jax import workdir_lock
+from t2t_jax.training import lifecycle
 with lifecycle.Lifecycle(60, 0), workdir_lock.WorkdirLock(sys.argv[1]):
   print('held', flush=True)
   if sys.argv[2] == 'error':

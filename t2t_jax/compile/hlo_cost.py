@@ -1,0 +1,371 @@
+"""What a compiled program does per device, read from its optimised HLO text: each kernel's
+FLOPs and memory traffic, and each collective with its bytes and its devices, with loops
+counted as many times as they run.
+
+XLA's own `cost_analysis()` counts a loop body once (a scanned stack of 6 layers as one layer)
+and, on GPU targets without a GPU, is not available at all; the optimised HLO is the same
+text on every backend. Counting:
+  - a kernel is an instruction of the entry computation or of a computation it runs (loop
+    bodies and conditions, calls, async wrappers); a fusion is one kernel, whatever it fuses;
+  - its FLOPs are those of the dots and convolutions inside it (2 per multiply-add, only the
+    taps of a convolution's window that meet real input), and of library calls (cuBLAS GEMMs)
+    read from their dimension numbers;
+  - its memory traffic is what it reads and writes in device memory (HBM): operands and
+    results in memory space 0, an operand that the kernel only slices counted as the slices,
+    a result written in place by a dynamic-update-slice counted as the update;
+  - a loop runs its trip count: XLA's known_trip_count where the HLO has one, else the
+    constant its condition compares the counter with (JAX's loops count from 0).
+"""
+
+import collections
+import dataclasses
+import math
+import re
+
+import numpy as np
+
+from t2t_jax.compile import hlo_text
+
+COLLECTIVES = ('all-reduce', 'all-gather', 'reduce-scatter', 'all-to-all', 'collective-permute',
+               'ragged-all-to-all', 'collective-broadcast')
+# Instructions that move no data themselves (the computations they run are counted instead).
+_FREE = {'parameter', 'constant', 'get-tuple-element', 'tuple', 'bitcast', 'after-all',
+         'add-dependency', 'opt-barrier', 'partition-id', 'replica-id', 'while', 'call',
+         'conditional', 'async-start', 'async-update', 'async-done', 'domain'}
+_FREE_CUSTOM_CALLS = ('Bitcast', 'AllocateBuffer', 'AssumeGatherIndicesInBound', 'Sharding',
+                      'SPMDFullToShardShape', 'SPMDShardToFullShape', 'MoveToHost',
+                      'MoveToDevice', 'Bitpacked')
+_SLICING = ('dynamic-slice', 'slice', 'gather')
+
+
+@dataclasses.dataclass
+class Kernel:
+  """One kernel launch (or instruction) of the program, run `count` times per step."""
+  name: str
+  opcode: str
+  flops: float
+  hbm_bytes: float
+  dtype: str  # Of its largest dot's inputs ('' without one): which peak FLOP/s applies.
+  count: int = 1
+
+
+@dataclasses.dataclass
+class Collective:
+  """One collective instruction, run `count` times per step."""
+  kind: str
+  operand_bytes: float  # Per device, one run.
+  groups: list[list[int]]  # Device ids (positions in the program's device assignment).
+  count: int = 1
+  # Between TPU slices: the runtime's (megascale) transfer over the data-centre network,
+  # among `slices` slices, where the program's groups list no devices.
+  slices: int = 0
+
+  @property
+  def group_size(self) -> int:
+    return self.slices or max((len(g) for g in self.groups), default=1)
+
+  @property
+  def wire_bytes(self) -> float:
+    """Bytes each device sends per run, with ring algorithms (n devices in a group)."""
+    n, size = self.group_size, self.operand_bytes
+    if n <= 1:
+      return 0.0
+    if self.kind == 'all-reduce':
+      return 2 * (n - 1) / n * size
+    if self.kind == 'all-gather':
+      return (n - 1) * size  # Each device's piece goes to the n - 1 others.
+    if self.kind in ('collective-permute', 'collective-broadcast', 'one-to-one'):
+      return size  # Each device sends its operand once (one-to-one: a slice-to-slice send).
+    return (n - 1) / n * size  # reduce-scatter, all-to-all.
+
+
+@dataclasses.dataclass
+class ProgramCost:
+  kernels: list[Kernel]
+  collectives: list[Collective]
+  unknown_trip_counts: int  # Loops counted once for want of a trip count.
+
+  @property
+  def flops(self) -> float:
+    return sum(k.flops * k.count for k in self.kernels)
+
+  @property
+  def hbm_bytes(self) -> float:
+    return sum(k.hbm_bytes * k.count for k in self.kernels)
+
+  def collectives_by_kind(self) -> dict[str, dict]:
+    """{kind: {'count', 'bytes', 'wire_bytes'}} per device and step."""
+    table = collections.defaultdict(lambda: {'count': 0, 'bytes': 0.0, 'wire_bytes': 0.0})
+    for c in self.collectives:
+      row = table[c.kind]
+      row['count'] += c.count
+      row['bytes'] += c.operand_bytes * c.count
+      row['wire_bytes'] += c.wire_bytes * c.count
+    return {kind: {k: (int(v) if k == 'count' else float(v)) for k, v in row.items()}
+            for kind, row in sorted(table.items())}
+
+
+class _Walker:
+  """Walks the computations a program runs, multiplying by loop trip counts."""
+
+  def __init__(self, text: str, num_devices: int):
+    self.computations, self.entry = hlo_text.parse_module(text)
+    self.num_devices = num_devices
+    self.kernels, self.collectives, self.unknown_trip_counts = [], [], 0
+
+  def run(self) -> ProgramCost:
+    self._walk(self.entry, 1)
+    return ProgramCost(self.kernels, self.collectives, self.unknown_trip_counts)
+
+  def _walk(self, computation: str, count: int) -> None:
+    table = self.computations[computation]
+    for ins in table.values():
+      called = hlo_text.called(ins.attributes)
+      if ins.opcode == 'while':
+        trips = self._trip_count(ins)
+        self._walk(called['body'][0], count * trips)
+        self._walk(called['condition'][0], count * (trips + 1))
+      elif ins.opcode in ('call', 'async-start'):
+        for name in called.get('calls', called.get('to_apply', [])):
+          self._walk(name, count)
+      elif ins.opcode == 'conditional':
+        branches = (called.get('branch_computations', []) + called.get('true_computation', [])
+                    + called.get('false_computation', []))
+        for name in branches:
+          self._walk(name, count)  # Every branch counted: an upper bound.
+      elif _collective_kind(ins.opcode):
+        self._collective(ins, table, count)
+      elif ins.opcode == 'send' and '_xla_megascale_transfer_type' in ins.attributes:
+        self._slice_collective(ins, table, count)
+      elif not self._free(ins):
+        self.kernels.append(self._kernel(ins, table, count))
+
+  @staticmethod
+  def _free(ins: hlo_text.Instruction) -> bool:
+    if ins.opcode in _FREE or ins.opcode.endswith('-done') or ins.opcode.endswith('-update'):
+      return True
+    if ins.opcode == 'custom-call':
+      target = re.search(r'custom_call_target="([^"]*)"', ins.attributes)
+      return bool(target) and any(free in target.group(1) for free in _FREE_CUSTOM_CALLS)
+    return False
+
+  def _trip_count(self, ins: hlo_text.Instruction) -> int:
+    known = re.search(r'"known_trip_count":\{"n":"(\d+)"', ins.attributes)
+    if known:
+      return int(known.group(1))
+    condition = self.computations[hlo_text.called(ins.attributes)['condition'][0]]
+    root = hlo_text.root_of(condition)
+    if root.opcode == 'compare' and 'direction=LT' in root.attributes and len(root.operands) == 2:
+      bound = condition.get(root.operands[1])
+      if bound is not None and bound.opcode == 'constant' and re.fullmatch(r'-?\d+',
+                                                                           bound.arguments):
+        return max(int(bound.arguments), 0)
+    self.unknown_trip_counts += 1
+    return 1
+
+  def _collective(self, ins: hlo_text.Instruction, table, count: int) -> None:
+    size = sum(hlo_text.total_bytes(table[name].shape) for name in ins.operands if name in table)
+    groups = hlo_text.replica_groups(ins.attributes, self.num_devices)
+    self.collectives.append(Collective(_collective_kind(ins.opcode), size, groups, count))
+
+  def _slice_collective(self, ins: hlo_text.Instruction, table, count: int) -> None:
+    """A collective across TPU slices: the program sends its part to the runtime, which moves
+    it over the data-centre network (`_xla_megascale_target="{1,2}x{0:7}"`: slices x chips)."""
+    kind = re.search(r'_xla_megascale_transfer_type="(\w+)"', ins.attributes).group(1)
+    target = re.search(r'_xla_megascale_target="\{([^}]*)\}', ins.attributes)
+    slices = 0
+    for part in (target.group(1).split(',') if target else []):
+      low, _, high = part.partition(':')
+      slices += int(high) - int(low) + 1 if high else 1
+    size = hlo_text.total_bytes(table[ins.operands[0]].shape) if ins.operands[0] in table else 0.0
+    self.collectives.append(Collective(kind.lower().replace('_', '-'), size, [], count,
+                                       max(slices, 2)))
+
+  def _kernel(self, ins: hlo_text.Instruction, table, count: int) -> Kernel:
+    flops, dtype = 0.0, ''
+    called = hlo_text.called(ins.attributes).get('calls', [])
+    if ins.opcode == 'fusion' and called:
+      flops, dtype = self._fused_flops(called[0])
+      reads = self._fusion_reads(ins, table, called[0])
+      writes = self._fusion_writes(ins, called[0])
+    else:
+      if ins.opcode in ('dot', 'convolution'):
+        flops, dtype = dot_flops(ins, table)
+      elif ins.opcode == 'custom-call':
+        flops, dtype = library_call_flops(ins, table)
+      reads = sum(hlo_text.hbm_bytes(table[name].shape) for name in ins.operands if name in table)
+      writes = hlo_text.hbm_bytes(ins.shape)
+      if ins.opcode == 'copy-start':  # (destination, source alias, context): the destination.
+        writes = hlo_text.hbm_bytes(hlo_text.tuple_elements(ins.shape)[0])
+      elif ins.opcode.endswith('-start'):  # (operand aliases, outputs..., context).
+        writes = sum(hlo_text.hbm_bytes(e) for e in hlo_text.tuple_elements(ins.shape)[1:])
+      elif ins.opcode == 'dynamic-update-slice':  # In place: the update is read and written.
+        reads = writes = hlo_text.hbm_bytes(table[ins.operands[1]].shape)
+    return Kernel(ins.name, ins.opcode, flops, reads + writes, dtype, count)
+
+  def _fused_flops(self, computation: str) -> tuple[float, str]:
+    flops, dtype, largest = 0.0, '', 0.0
+    table = self.computations[computation]
+    for ins in table.values():
+      if ins.opcode in ('dot', 'convolution'):
+        f, d = dot_flops(ins, table)
+      elif ins.opcode == 'fusion' or ins.opcode == 'call':
+        f, d = self._fused_flops(hlo_text.called(ins.attributes)['calls'][0]) if 'calls' in \
+            hlo_text.called(ins.attributes) else (0.0, '')
+      elif ins.opcode == 'custom-call':
+        f, d = library_call_flops(ins, table)
+      else:
+        continue
+      flops += f
+      if f > largest:
+        largest, dtype = f, d
+    return flops, dtype
+
+  def _fusion_reads(self, ins: hlo_text.Instruction, table, computation: str) -> float:
+    """Operand bytes in HBM; an operand the fused code only slices counts as its slices."""
+    body = self.computations[computation]
+    parameters = {int(p.arguments): p.name for p in body.values() if p.opcode == 'parameter'}
+    users = collections.defaultdict(list)
+    for inner in body.values():
+      for operand in inner.operands:
+        users[operand].append(inner)
+    total = 0.0
+    for index, name in enumerate(ins.operands):
+      if name not in table:
+        continue
+      full = hlo_text.hbm_bytes(table[name].shape)
+      parameter = parameters.get(index, '')
+      uses = users.get(parameter, [])
+      if uses and all(u.opcode == 'dynamic-update-slice' and u.operands[0] == parameter
+                      for u in uses):
+        continue  # The buffer updated in place: not read.
+      if full and uses and all(u.opcode in _SLICING and u.operands[0] == parameter
+                               for u in uses):
+        total += min(full, sum(hlo_text.total_bytes(u.shape) for u in uses))
+      else:
+        total += full
+    return total
+
+  def _fusion_writes(self, ins: hlo_text.Instruction, computation: str) -> float:
+    """Result bytes in HBM; a root that updates a buffer in place counts as the update."""
+    body = self.computations[computation]
+    root = hlo_text.root_of(body)
+    roots = [body[name] for name in root.operands] if root.opcode == 'tuple' else [root]
+    outputs = hlo_text.tuple_elements(ins.shape)
+    total = 0.0
+    for i, element in enumerate(outputs):
+      inner = roots[i] if i < len(roots) else None
+      if inner is not None and inner.opcode == 'dynamic-update-slice' and \
+          inner.operands[1] in body:
+        update = body[inner.operands[1]].shape
+        total += min(hlo_text.hbm_bytes(element), hlo_text.total_bytes(update))
+      else:
+        total += hlo_text.hbm_bytes(element)
+    return total
+
+
+def _collective_kind(opcode: str) -> str | None:
+  base = opcode[:-len('-start')] if opcode.endswith('-start') else opcode
+  return base if base in COLLECTIVES else None
+
+
+def dot_flops(ins: hlo_text.Instruction, table) -> tuple[float, str]:
+  """2 x multiply-adds of a dot or convolution, and the dtype of its first operand."""
+  if len(ins.operands) < 2 or ins.operands[0] not in table or ins.operands[1] not in table:
+    return 0.0, ''
+  lhs, rhs = (hlo_text.arrays(table[name].shape) for name in ins.operands[:2])
+  if not lhs or not rhs:
+    return 0.0, ''
+  out_elements = sum(math.prod(dims) for _, dims, _ in hlo_text.arrays(ins.shape)[:1])
+  if ins.opcode == 'dot':
+    contracting = re.search(r'lhs_contracting_dims=\{([\d,]*)\}', ins.attributes)
+    dims = [int(d) for d in contracting.group(1).split(',') if d] if contracting else []
+    return 2.0 * out_elements * math.prod(lhs[0][1][d] for d in dims), lhs[0][0]
+  return _convolution_flops(ins, lhs[0][1], rhs[0][1], hlo_text.arrays(ins.shape)[0][1]), lhs[0][0]
+
+
+def _convolution_flops(ins: hlo_text.Instruction, lhs, rhs, out) -> float:
+  """2 x (output batch x output features) x input features x (window taps meeting input)."""
+  labels = re.search(r'dim_labels=(\w+)_(\w+)->(\w+)', ins.attributes)
+  if not labels:
+    return 0.0
+  lhs_labels, rhs_labels, out_labels = labels.groups()
+  window = re.search(r'window=\{([^}]*)\}', ins.attributes)
+  fields = dict(re.findall(r'(\w+)=([\w_x\-]+)', window.group(1))) if window else {}
+  spatial = sorted(c for c in rhs_labels if c.isdigit())
+
+  def per_dim(key, default):
+    values = fields.get(key)
+    return [default] * len(spatial) if values is None else values.split('x')
+
+  sizes = [int(s) for s in per_dim('size', 1)]
+  strides = [int(s) for s in per_dim('stride', 1)]
+  pads = [tuple(int(p) for p in s.split('_')) for s in per_dim('pad', '0_0')]
+  lhs_dilations = [int(s) for s in per_dim('lhs_dilate', 1)]
+  rhs_dilations = [int(s) for s in per_dim('rhs_dilate', 1)]
+  taps = 1
+  for i, dim in enumerate(spatial):
+    n = lhs[lhs_labels.index(dim)]
+    outputs = np.arange(out[out_labels.index(dim)])
+    dilated = (n - 1) * lhs_dilations[i] + 1
+    meeting = 0
+    for t in range(sizes[i]):
+      position = outputs * strides[i] + t * rhs_dilations[i] - pads[i][0]
+      meeting += int(np.sum((position >= 0) & (position < dilated)
+                            & (position % lhs_dilations[i] == 0)))
+    taps *= meeting
+  batch = out[out_labels.index('b')]
+  features = out[out_labels.index('f')]
+  return 2.0 * batch * features * rhs[rhs_labels.index('i')] * taps
+
+
+# Fused attention kernels: matmuls of Q x K x D per head and row they do, 2 FLOPs each.
+# Forward: scores and the weighted values. Backward, flash-style, recomputing the scores:
+# splash's dq kernel (scores, dP, dQ) and dkv kernel (scores, dP, dV, dK); cuDNN's backward in
+# one call (scores, dP, dV, dQ, dK). Causal kernels skip some blocks: counted as full.
+_ATTENTION_MATMULS = (
+    (re.compile(r'splash_m[hq]a_fwd'), 2, -2), (re.compile(r'splash_m[hq]a_dq'), 3, -2),
+    (re.compile(r'splash_m[hq]a_dkv'), 4, -2),
+    (re.compile(r'^__cudnn\$fmha\w*Backward$'), 5, -3), (re.compile(r'^__cudnn\$fmha'), 2, -3))
+
+
+def _attention_flops(ins: hlo_text.Instruction, table, target: str) -> tuple[float, str] | None:
+  """FLOPs of a fused attention kernel, from its query and key shapes ([B, H, Q, D] and
+  [B, H, K, D] for splash, whose B goes where a device holds one row; [B, Q, H, D] and
+  [B, K, H, D] for cuDNN); None if it is not one."""
+  for pattern, matmuls, key_axis in _ATTENTION_MATMULS:
+    if pattern.search(ins.name if pattern.pattern.startswith('splash') else target):
+      operands = [hlo_text.arrays(table[name].shape)[0] for name in ins.operands if name in table
+                  and hlo_text.arrays(table[name].shape)]
+      arrays = [a for a in operands if len(a[1]) >= 3 and a[0][0] in 'fb']
+      if len(arrays) < 2:
+        return None  # Not the query and key this layout expects: not counted.
+      q, k = arrays[:2]
+      return 2.0 * matmuls * math.prod(q[1]) * k[1][key_axis], q[0]
+  return None
+
+
+def library_call_flops(ins: hlo_text.Instruction, table) -> tuple[float, str]:
+  """FLOPs of a library call or kernel the compiler emitted: cuBLAS GEMMs (their dot
+  dimensions are in the backend config), fused attention (splash, cuDNN); 0 for calls whose
+  arithmetic is not known here."""
+  target = re.search(r'custom_call_target="([^"]*)"', ins.attributes)
+  attention = _attention_flops(ins, table, target.group(1) if target else '')
+  if attention is not None:
+    return attention
+  if not target or not any(word in target.group(1).lower() for word in ('gemm', 'matmul')):
+    return 0.0, ''
+  first = table.get(ins.operands[0]) if ins.operands else None
+  lhs = hlo_text.arrays(first.shape) if first else []
+  contracting = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', ins.attributes)
+  if not lhs or not contracting:
+    return 0.0, ''
+  dims = [int(d) for d in re.findall(r'\d+', contracting.group(1))]
+  out = hlo_text.arrays(hlo_text.tuple_elements(ins.shape)[0])
+  out_elements = math.prod(out[0][1]) if out else 0
+  return 2.0 * out_elements * math.prod(lhs[0][1][d] for d in dims), lhs[0][0]
+
+
+def analyse(hlo_text: str, num_devices: int) -> ProgramCost:
+  """The per-device kernels and collectives of one step of a compiled (SPMD) program."""
+  return _Walker(hlo_text, num_devices).run()

@@ -1,0 +1,87 @@
+"""A prediction of a compiled step's time on a target, from a roofline of its kernels.
+
+Each kernel takes the longer of its FLOPs at the device's peak for its dtype and its memory
+traffic at the memory bandwidth; the kernels run one after another; each collective moves its
+bytes (ring algorithms) at the interconnect's bandwidth, or the network's when its devices
+span several slices or hosts, and is not assumed to overlap the kernels. Everything a
+roofline leaves out makes a real step slower: kernel launch and dispatch gaps, kernels that
+reach neither peak, collectives' latency. It is a prediction, labelled as one, and
+docs/accelerators.md compares it with the steps measured.
+"""
+
+import dataclasses
+
+from t2t_jax.compile import hlo_cost
+from t2t_jax.compile import targets
+from t2t_jax.model import flops as flops_lib
+
+_DTYPE_NAMES = {'bf16': 'bfloat16', 'f16': 'float16', 'f32': 'float32', 'f64': 'float32',
+                's8': 'bfloat16', 'u8': 'bfloat16', 'f8e4m3fn': 'bfloat16', 'f8e5m2': 'bfloat16'}
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+  """Seconds of one step on one device, by where the time goes."""
+  compute_seconds: float  # The kernels' FLOPs at peak, alone.
+  memory_seconds: float  # Their memory traffic at full bandwidth, alone.
+  kernel_seconds: float  # Sum over kernels of the longer of the two.
+  collective_seconds: float  # Collectives' bytes over the links they cross.
+  network_collective_seconds: float  # The part of that over the slow network.
+
+  @property
+  def step_seconds(self) -> float:
+    return self.kernel_seconds + self.collective_seconds
+
+  @property
+  def bound(self) -> str:
+    """What most of the predicted time goes to: 'compute', 'memory' or 'collectives'."""
+    shares = {'compute': self.compute_seconds, 'memory': self.memory_seconds,
+              'collectives': self.collective_seconds}
+    return max(shares, key=shares.get)
+
+  def as_dict(self) -> dict:
+    return {**{k: float(f'{v:.4g}') for k, v in dataclasses.asdict(self).items()},
+            'step_seconds': float(f'{self.step_seconds:.4g}'), 'bound': self.bound}
+
+
+def peak(chip: targets.Chip, dtype: str) -> float:
+  """Dense peak FLOP/s of the chip for an HLO dtype ('bf16', 'f32', ...)."""
+  table = flops_lib.PEAK_FLOPS[chip.family]
+  return table.get(_DTYPE_NAMES.get(dtype, 'float32'), table['float32'])
+
+
+def predict(cost: hlo_cost.ProgramCost, target: targets.Target,
+            granule_of_device: list[int]) -> Prediction:
+  """The roofline of a compiled step; `granule_of_device[i]`: the slice or host of the
+  program's i-th device."""
+  chip = target.chip
+  compute = memory = kernels = 0.0
+  for kernel in cost.kernels:
+    flop_seconds = kernel.flops / peak(chip, kernel.dtype) if kernel.flops else 0.0
+    byte_seconds = kernel.hbm_bytes / chip.memory_bandwidth
+    compute += flop_seconds * kernel.count
+    memory += byte_seconds * kernel.count
+    kernels += max(flop_seconds, byte_seconds) * kernel.count
+  collectives = network = 0.0
+  for collective in cost.collectives:
+    slow = bool(collective.slices) or any(
+        len({granule_of_device[i] for i in group if i < len(granule_of_device)}) > 1
+        for group in collective.groups)
+    bandwidth = chip.network_bandwidth if slow else chip.interconnect_bandwidth
+    seconds = collective.wire_bytes * collective.count / bandwidth
+    collectives += seconds
+    network += seconds if slow else 0.0
+  return Prediction(compute, memory, kernels, collectives, network)
+
+
+def throughput(prediction: Prediction, target_tokens: int, model_flops: float,
+               target: targets.Target, dtype) -> dict:
+  """Tokens/s and MFU that the predicted step time implies for the whole target."""
+  seconds = prediction.step_seconds
+  peak_all = flops_lib.PEAK_FLOPS[target.chip.family].get(
+      _DTYPE_NAMES.get(str(dtype), str(dtype)), None)
+  if peak_all is None:
+    peak_all = flops_lib.PEAK_FLOPS[target.chip.family]['float32']
+  return {'target_tokens_per_second': round(target_tokens / seconds) if seconds else None,
+          'mfu': round(model_flops / seconds / (peak_all * target.num_devices), 4)
+                 if seconds else None}

@@ -1,0 +1,1 @@
+"""Greedy and beam search over the decode cache, and the batched translator."""

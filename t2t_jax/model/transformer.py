@@ -1,0 +1,326 @@
+"""The Transformer encoder-decoder of "Attention Is All You Need" in Flax linen.
+
+Attention lives in attention.py, position encodings in positions.py, mixtures of experts in
+moe.py and the configuration in model_config.py; this module holds the layers around them and
+the encoder-decoder assembly (the decoder-only one is in decoder_only.py).
+
+Shapes in names follow the package legend (t2t_jax/__init__.py).
+"""
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from t2t_jax import PAD_ID
+from t2t_jax.model import moe
+from t2t_jax.model.attention import attention_mask, self_attention_mask
+from t2t_jax.model.attention import CrossAttention, SelfAttention, SelfMask, attention_kinds
+from t2t_jax.model.model_config import REMAT_POLICIES, TransformerConfig
+from t2t_jax.model.positions import Embedder
+
+Array = jax.Array
+
+
+def dense_init(names):
+  """Xavier-uniform kernels of the dense layers (feed-forward, logits), logically named."""
+  return nn.with_logical_partitioning(nn.initializers.xavier_uniform(), names)
+
+
+def shift_right(targets_BL: Array, segment_ids_BL: Array | None = None) -> Array:
+  """Decoder inputs: targets shifted one step right, a 0 (start) at every segment start."""
+  shifted = jnp.pad(targets_BL, ((0, 0), (1, 0)))[:, :-1]
+  if segment_ids_BL is not None:
+    previous = jnp.pad(segment_ids_BL, ((0, 0), (1, 0)))[:, :-1]
+    shifted = jnp.where(segment_ids_BL == previous, shifted, 0)
+  return shifted
+
+
+class FeedForward(nn.Module):
+  """Position-wise ReLU network with dropout on its hidden activations."""
+  config: TransformerConfig
+
+  @nn.compact
+  def __call__(self, x_BLE: Array) -> Array:
+    cfg = self.config
+    h_BLF = nn.Dense(cfg.d_ff, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+                     kernel_init=dense_init(('embed', 'mlp')),
+                     bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ('mlp',)),
+                     name='wi')(x_BLE)
+    h_BLF = nn.with_logical_constraint(nn.relu(h_BLF), ('batch', 'length', 'mlp'))
+    h_BLF = nn.Dropout(cfg.relu_dropout)(h_BLF, cfg.deterministic)
+    return nn.Dense(cfg.d_model, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+                    kernel_init=dense_init(('mlp', 'embed')),
+                    bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ('embed',)),
+                    name='wo')(h_BLF)
+
+
+class LayerNorm(nn.LayerNorm):
+  """LayerNorm with logically named scale and bias."""
+  scale_init: Any = nn.with_logical_partitioning(nn.initializers.ones, ('embed',))
+  bias_init: Any = nn.with_logical_partitioning(nn.initializers.zeros, ('embed',))
+
+
+class Sublayer(nn.Module):
+  """Residual wrapper: post-LN `LN(x + drop(f(x)))` or pre-LN `x + drop(f(LN(x)))`."""
+  config: TransformerConfig
+
+  @nn.compact
+  def __call__(self, fn, x_BLE: Array) -> Array:
+    cfg = self.config
+    norm = LayerNorm(dtype=cfg.dtype, param_dtype=cfg.param_dtype, name='norm')
+    if cfg.norm == 'pre':
+      y_BLE = nn.Dropout(cfg.dropout)(fn(norm(x_BLE)), cfg.deterministic)
+      return x_BLE + y_BLE
+    y_BLE = nn.Dropout(cfg.dropout)(fn(x_BLE), cfg.deterministic)
+    return norm(x_BLE + y_BLE)
+
+
+def _feed_forward(cfg: TransformerConfig, use_moe: bool, valid_BL: Array | None):
+  """The feed-forward sublayer's function: dense, or experts that skip invalid tokens."""
+  if not use_moe:
+    return FeedForward(cfg, name='ffn')
+  experts = moe.MoeFeedForward(cfg, name='moe')
+  return lambda x_BLE: experts(x_BLE, valid_BL)
+
+
+class EncoderLayer(nn.Module):
+  config: TransformerConfig
+  use_moe: bool = False  # Mixture of experts in place of the feed-forward network.
+  attention_kind: str = 'full'  # Of the self-attention: 'full', 'local' or 'compressed'.
+
+  @nn.compact
+  def __call__(self, x_BLE: Array, mask: SelfMask, valid_BL: Array | None = None) -> Array:
+    cfg = self.config
+    attention = SelfAttention(cfg, kind=self.attention_kind,
+                              relative=cfg.positions == 'relative', name='self_attention')
+    x_BLE = Sublayer(cfg, name='attention_block')(lambda x: attention(x, mask), x_BLE)
+    x_BLE = Sublayer(cfg, name='ffn_block')(_feed_forward(cfg, self.use_moe, valid_BL), x_BLE)
+    x_BLE = nn.with_logical_constraint(x_BLE, ('batch', 'length', 'embed'))
+    return (x_BLE, None) if cfg.scan_layers else x_BLE  # nn.scan wants (carry, output).
+
+
+class DecoderLayer(nn.Module):
+  config: TransformerConfig
+  use_moe: bool = False  # Mixture of experts in place of the feed-forward network.
+  with_cross_attention: bool = True  # False in the decoder-only model: no encoder to attend.
+  attention_kind: str = 'full'  # Of the self-attention: 'full', 'local' or 'compressed'.
+
+  @nn.compact
+  def __call__(self, y_BLE, encoded_BKE, self_mask: SelfMask | None, cross_mask_B1LK,
+               valid_BL=None):
+    cfg = self.config
+    self_attention = SelfAttention(cfg, cached=True, kind=self.attention_kind, causal=True,
+                                   relative=cfg.positions == 'relative', name='self_attention')
+    y_BLE = Sublayer(cfg, name='self_attention_block')(
+        lambda y: self_attention(y, self_mask), y_BLE)
+    if self.with_cross_attention:
+      cross_attention = CrossAttention(cfg, name='cross_attention')
+      y_BLE = Sublayer(cfg, name='cross_attention_block')(
+          lambda y: cross_attention(y, encoded_BKE, cross_mask_B1LK), y_BLE)
+    y_BLE = Sublayer(cfg, name='ffn_block')(_feed_forward(cfg, self.use_moe, valid_BL), y_BLE)
+    y_BLE = nn.with_logical_constraint(y_BLE, ('batch', 'length', 'embed'))
+    return (y_BLE, None) if cfg.scan_layers else y_BLE  # nn.scan wants (carry, output).
+
+
+def remat_layer(layer_class, cfg: TransformerConfig):
+  """The layer class, rematerialised in the backward pass as config.model.remat says."""
+  if cfg.remat == 'none':
+    return layer_class
+  # Inside a scan the loop already keeps XLA from merging the recomputation into the forward
+  # pass, so the CSE barriers that would otherwise stop it are only overhead.
+  return nn.remat(layer_class, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
+
+
+def scanned_stack(layer_class, cfg: TransformerConfig, num_layers: int, broadcast: int):
+  """One compiled layer applied `num_layers` times, its variables stacked on a 'layers' axis.
+
+  The residual stream is the scan carry; the `broadcast` other arguments (masks, encoder
+  output) are the same for every layer. Parameters, decode caches and sown attention weights
+  get a leading axis of length `num_layers`.
+  """
+  return nn.scan(remat_layer(layer_class, cfg),
+                 variable_axes={'params': 0, 'cache': 0, 'intermediates': 0, moe.COLLECTION: 0},
+                 split_rngs={'params': True, 'dropout': True},
+                 in_axes=(nn.broadcast,) * broadcast, length=num_layers,
+                 metadata_params={nn.PARTITION_NAME: 'layers'})
+
+
+def stack_layer_params(params: dict, config: TransformerConfig) -> dict:
+  """Unboxed unrolled parameters ('encoder_0', ...) in the scan_layers layout ('encoder_layers')."""
+  params = dict(params)
+  for stack, count in (('encoder', config.num_encoder_layers),
+                       ('decoder', config.num_decoder_layers)):
+    if not count:  # The decoder-only model has no encoder.
+      continue
+    layers = [params.pop(f'{stack}_{i}') for i in range(count)]
+    params[f'{stack}_layers'] = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
+  return params
+
+
+def unstack_layer_params(params: dict, config: TransformerConfig) -> dict:
+  """Unboxed scan_layers parameters in the unrolled layout: the inverse of stack_layer_params."""
+  params = dict(params)
+  for stack, count in (('encoder', config.num_encoder_layers),
+                       ('decoder', config.num_decoder_layers)):
+    if not count:
+      continue
+    stacked = params.pop(f'{stack}_layers')
+    params.update({f'{stack}_{i}': jax.tree.map(lambda x, i=i: x[i], stacked)
+                   for i in range(count)})
+  return params
+
+
+class Embed(nn.Embed):
+  """flax's Embed, whose lookup reads the table whole along 'embed' (split over 'vocab' only).
+
+  Under FSDP the table is split along 'embed' while the looked-up rows are split by batch:
+  without this, the lookup's gradient (a scatter into the table) needs them resharded from
+  batch to 'embed', which XLA's partitioner can only do by gathering every row to every device
+  ("Involuntary full rematerialization", found compiling for 8 H100s). Read whole, the table is
+  gathered once, as the tied output softmax gathers it anyway, and its gradient is reduced and
+  scattered like every other FSDP weight's. Values are unchanged.
+  """
+
+  def __call__(self, inputs: Array) -> Array:
+    table_VE = nn.with_logical_constraint(jnp.asarray(self.embedding, self.dtype),
+                                          ('vocab', None))
+    return jnp.take(table_VE, inputs, axis=0)
+
+
+def _embedding(cfg: TransformerConfig, name: str) -> nn.Embed:
+  return Embed(
+      cfg.vocab_size, cfg.d_model, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+      embedding_init=nn.with_logical_partitioning(
+          nn.initializers.normal(stddev=cfg.d_model**-0.5), ('vocab', 'embed')),
+      name=name)
+
+
+def output_logits(module: nn.Module, y_BLE: Array) -> Array:
+  """`module`'s float32 output logits for final states [..., E] (any leading axes): the tied
+  target embedding or its `output_projection`, as `module.config.tie_output` says.
+
+  The first axis is split like the batch, so a flat [N, E] chunk of tokens stays spread over
+  the devices; the vocabulary axis may be split over 'tensor'.
+  """
+  if module.config.tie_output:
+    logits_BLV = module.target_embedding.attend(y_BLE)
+  else:
+    logits_BLV = module.output_projection(y_BLE)
+  names = ('batch',) + ('length',) * (y_BLE.ndim - 2) + ('vocab',)
+  logits_BLV = nn.with_logical_constraint(logits_BLV, names)
+  return logits_BLV.astype(jnp.float32)
+
+
+def make_embeddings(cfg: TransformerConfig) -> tuple[nn.Embed, nn.Embed]:
+  """The target embedding ('embedding', also the tied softmax) and the source one (the same
+  module when share_embeddings); called from a model's setup, which owns them."""
+  target = _embedding(cfg, 'embedding')
+  return target, target if cfg.share_embeddings else _embedding(cfg, 'source_embedding')
+
+
+class Transformer(nn.Module):
+  """Encoder-decoder; `__call__` is teacher forcing, `encode`/`decode` serve generation."""
+  config: TransformerConfig
+
+  def setup(self):
+    cfg = self.config
+    self.target_embedding, self.source_embedding = make_embeddings(cfg)
+    self.source_embedder = Embedder(cfg, self.source_embedding)
+    self.target_embedder = Embedder(cfg, self.target_embedding, decode_step=True)
+    kinds = attention_kinds(cfg.attention_pattern)  # Repeated over each stack's layers.
+    if cfg.scan_layers:
+      # One kind only (check_family), and MoE in every layer or none (moe.check).
+      self.encoder_layers = scanned_stack(EncoderLayer, cfg, cfg.num_encoder_layers, 2)(
+          cfg, use_moe=bool(cfg.moe_experts), attention_kind=kinds[0], name='encoder_layers')
+      self.decoder_layers = scanned_stack(DecoderLayer, cfg, cfg.num_decoder_layers, 4)(
+          cfg, use_moe=bool(cfg.moe_experts), attention_kind=kinds[0], name='decoder_layers')
+    else:
+      encoder_layer = remat_layer(EncoderLayer, cfg)
+      decoder_layer = remat_layer(DecoderLayer, cfg)
+      n_enc, n_dec = cfg.num_encoder_layers, cfg.num_decoder_layers
+      self.encoder_layers = [
+          encoder_layer(cfg, use_moe=moe.uses_moe(cfg, i, n_enc),
+                        attention_kind=kinds[i % len(kinds)], name=f'encoder_{i}')
+          for i in range(n_enc)]
+      self.decoder_layers = [
+          decoder_layer(cfg, use_moe=moe.uses_moe(cfg, i, n_dec),
+                        attention_kind=kinds[i % len(kinds)], name=f'decoder_{i}')
+          for i in range(n_dec)]
+    if cfg.norm == 'pre':
+      self.encoder_norm = LayerNorm(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
+      self.decoder_norm = LayerNorm(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
+    if not cfg.tie_output:
+      self.output_projection = nn.Dense(
+          cfg.vocab_size, use_bias=False, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+          kernel_init=dense_init(('embed', 'vocab')))
+
+  def encode(self, inputs_BL: Array, inputs_positions_BL: Array | None = None,
+             inputs_segments_BL: Array | None = None) -> Array:
+    """Encoder output [B, L, E]; padding (id 0) is masked out of attention."""
+    cfg = self.config
+    valid_BL = inputs_BL != PAD_ID
+    mask = self_attention_mask(valid_BL, inputs_segments_BL, inputs_positions_BL, causal=False,
+                               kinds=attention_kinds(cfg.attention_pattern))
+    x_BLE = self.source_embedder(inputs_BL, inputs_positions_BL)
+    if cfg.scan_layers:
+      x_BLE, _ = self.encoder_layers(x_BLE, mask, valid_BL)
+    else:
+      for layer in self.encoder_layers:
+        x_BLE = layer(x_BLE, mask, valid_BL)
+    return self.encoder_norm(x_BLE) if cfg.norm == 'pre' else x_BLE
+
+  def decode(self, encoded_BKE: Array | None, inputs_BK: Array, targets_BL: Array,
+             targets_positions_BL: Array | None = None,
+             inputs_segments_BK: Array | None = None,
+             targets_segments_BL: Array | None = None, return_hidden: bool = False) -> Array:
+    """Logits [B, L, V] in float32, or with `return_hidden` the final states [B, L, E].
+
+    In training, `targets_BL` are the gold targets (shifted right here). In decode mode they
+    are the previous tokens, one step at a time, and the positions come from the cache;
+    `encoded_BKE` is needed on the first step only, after which its projections are cached.
+    The hidden states, passed to `output_logits` a chunk at a time, let the loss avoid
+    holding all [B, L, V] logits at once.
+    """
+    cfg = self.config
+    inputs_valid_BK = inputs_BK != PAD_ID
+    if cfg.decode:
+      decoder_inputs_BL = targets_BL
+      self_mask = None  # The self-attention cache builds its own.
+      valid_BL = None  # Every step's token is real (the start token is a PAD id).
+    else:
+      decoder_inputs_BL = shift_right(targets_BL, targets_segments_BL)
+      valid_BL = targets_BL != PAD_ID  # Positions that predict a real target token.
+      self_mask = self_attention_mask(targets_BL != PAD_ID, targets_segments_BL,
+                                      targets_positions_BL, causal=True,
+                                      kinds=attention_kinds(cfg.attention_pattern))
+    cross_mask = attention_mask(inputs_valid_BK, targets_segments_BL, inputs_segments_BK)
+    y_BLE = self.target_embedder(decoder_inputs_BL, targets_positions_BL)
+    if cfg.scan_layers:
+      y_BLE, _ = self.decoder_layers(y_BLE, encoded_BKE, self_mask, cross_mask, valid_BL)
+    else:
+      for layer in self.decoder_layers:
+        y_BLE = layer(y_BLE, encoded_BKE, self_mask, cross_mask, valid_BL)
+    if cfg.norm == 'pre':
+      y_BLE = self.decoder_norm(y_BLE)
+    return y_BLE if return_hidden else self.output_logits(y_BLE)
+
+  def output_logits(self, y_BLE: Array) -> Array:
+    """Output softmax logits in float32 for final decoder states [..., E] (any leading axes)."""
+    return output_logits(self, y_BLE)
+
+  def __call__(self, inputs_BK: Array, targets_BL: Array,
+               inputs_positions_BK: Array | None = None,
+               targets_positions_BL: Array | None = None,
+               inputs_segments_BK: Array | None = None,
+               targets_segments_BL: Array | None = None, return_hidden: bool = False) -> Array:
+    encoded_BKE = self.encode(inputs_BK, inputs_positions_BK, inputs_segments_BK)
+    return self.decode(encoded_BKE, inputs_BK, targets_BL, targets_positions_BL,
+                       inputs_segments_BK, targets_segments_BL, return_hidden)
+
+
+def output_params(params, config: TransformerConfig) -> dict:
+  """The parameters `Transformer.output_logits` reads: the tied embedding or the output kernel."""
+  name = 'embedding' if config.tie_output else 'output_projection'
+  return {name: params[name]}

@@ -1,0 +1,134 @@
+"""The train state and the pure step functions: one update, and the eval metrics of a batch.
+
+Shapes in names follow the package legend (t2t_jax/__init__.py).
+"""
+
+from typing import Any
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+from t2t_jax.model import moe
+from t2t_jax.model import prng
+from t2t_jax.model.transformer import output_params
+from t2t_jax.training import optim
+
+
+@flax.struct.dataclass
+class TrainState:
+  step: jax.Array
+  params: Any
+  opt_state: Any
+  # float32 moving average of params (opt.ema_decay > 0), sharded like them; else None, and
+  # checkpoints hold no entry for it (checkpoint.saved_tree).
+  ema: Any = None
+
+
+def apply_model(model: nn.Module, params, batch: dict, **kwargs) -> jax.Array:
+  """Teacher-forced logits; packed batches carry positions and segment ids."""
+  return model.apply({'params': params}, batch['inputs'], batch['targets'],
+                     batch.get('inputs_positions'), batch.get('targets_positions'),
+                     batch.get('inputs_segments'), batch.get('targets_segments'), **kwargs)
+
+
+def model_metrics(model: nn.Module, params, batch: dict, label_smoothing: float,
+                  loss_chunk_tokens: int = 0, **kwargs) -> dict[str, jax.Array]:
+  """Metric sums of the model on a batch: from whole logits, or chunk by chunk of tokens.
+
+  A model with experts adds 'moe_aux_loss' (the layers' mean load-balancing loss times the
+  batch's target tokens, so sums over batches divide by 'weight' as the loss does),
+  'moe_routed' and 'moe_dropped' (choices of real tokens sent to an expert, and dropped
+  there for want of capacity).
+  """
+  with_experts = bool(model.config.moe_experts)
+  if with_experts:
+    kwargs['mutable'] = [moe.COLLECTION]
+  if not loss_chunk_tokens:
+    output = apply_model(model, params, batch, **kwargs)
+    logits_BLV, sown = output if with_experts else (output, None)
+    metrics = optim.compute_metrics(logits_BLV, batch['targets'], label_smoothing)
+  else:
+    output = apply_model(model, params, batch, return_hidden=True, **kwargs)
+    hidden_BLE, sown = output if with_experts else (output, None)
+    def project(weights, hidden_NE):
+      return model.apply({'params': weights}, hidden_NE, method='output_logits')
+    metrics = optim.chunked_metrics(project, output_params(params, model.config), hidden_BLE,
+                                    batch['targets'], label_smoothing, loss_chunk_tokens)
+  if with_experts:  # Outside the (chunked) token loss: the experts' loss is not from logits.
+    sums = moe.metrics(sown[moe.COLLECTION])
+    metrics.update(moe_aux_loss=sums['aux_loss'] * metrics['weight'],
+                   moe_routed=sums['routed'], moe_dropped=sums['dropped'])
+  return metrics
+
+
+def train_step(state: TrainState, batch: dict, rng: jax.Array, *, model: nn.Module,
+               optimizer: optax.GradientTransformation, label_smoothing: float,
+               grad_accum_steps: int = 1, loss_chunk_tokens: int = 0,
+               dropout_prng: str = 'threefry2x32', moe_aux_loss_weight: float = 0.0,
+               ema_decay: float = 0.0):
+  """One update on the loss per real target token of the whole (global) batch.
+
+  With experts the objective is that loss plus `moe_aux_loss_weight` times the MoE layers'
+  mean load-balancing loss; the 'loss' metric stays the token loss alone.
+
+  `rng` is the raw key data of PRNG `dropout_prng` (`prng.dropout_key`); the step's dropout
+  key is it folded with the step number, so a resumed run draws the same masks.
+  With `grad_accum_steps` = A the batch is split into A micro-batches whose gradients and
+  metrics are summed in a scan before the single division by the batch's target tokens, so
+  A micro-batches of B/A rows give the update of one batch of B rows.
+  """
+  dropout_rng = jax.random.fold_in(jax.random.wrap_key_data(rng, impl=prng.impl(dropout_prng)),
+                                   state.step)
+  rows = batch['targets'].shape[0]
+  if rows % grad_accum_steps:
+    raise ValueError(f'the batch has {rows} rows, which do not split into '
+                     f'config.opt.grad_accum_steps={grad_accum_steps} equal micro-batches')
+
+  def loss_sum_fn(params, micro_batch, micro_rng):
+    metrics = model_metrics(model, params, micro_batch, label_smoothing, loss_chunk_tokens,
+                            rngs={'dropout': micro_rng})
+    objective = metrics['loss']
+    if 'moe_aux_loss' in metrics:  # Scaled by the tokens like the loss: the same division.
+      objective += moe_aux_loss_weight * metrics['moe_aux_loss']
+    return objective, metrics
+
+  grad_fn = jax.grad(loss_sum_fn, has_aux=True)
+  if grad_accum_steps == 1:
+    grad_sums, metrics = grad_fn(state.params, batch, dropout_rng)
+  else:
+    micro_batches = jax.tree.map(lambda x: _split_rows(x, grad_accum_steps), batch)
+
+    def accumulate(carry, inputs):
+      index, micro_batch = inputs
+      grads, metrics = grad_fn(state.params, micro_batch, jax.random.fold_in(dropout_rng, index))
+      return jax.tree.map(jnp.add, carry, (grads, metrics)), None
+
+    zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(
+        grad_fn, state.params, jax.tree.map(lambda x: x[0], micro_batches), dropout_rng))
+    (grad_sums, metrics), _ = jax.lax.scan(
+        accumulate, zeros, (jnp.arange(grad_accum_steps), micro_batches))
+  grads = jax.tree.map(lambda g: g / jnp.maximum(metrics['weight'], 1.0), grad_sums)
+  updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  ema = None if state.ema is None else optim.ema_update(state.ema, params, ema_decay)
+  return state.replace(step=state.step + 1, params=params, opt_state=opt_state,
+                       ema=ema), metrics
+
+
+def _split_rows(x_BL: jax.Array, parts: int) -> jax.Array:
+  """[B, ...] -> [parts, B / parts, ...], micro-batch i = rows i, i + parts, i + 2 parts, ...
+
+  Strided rather than contiguous, so each micro-batch keeps the batch's split over the
+  devices and no rows move between devices.
+  """
+  x = x_BL.reshape((x_BL.shape[0] // parts, parts) + x_BL.shape[1:]).swapaxes(0, 1)
+  return nn.with_logical_constraint(x, (None, 'batch') + (None,) * (x_BL.ndim - 1))
+
+
+def eval_step(params, batch: dict, *, model: nn.Module, label_smoothing: float,
+              loss_chunk_tokens: int = 0):
+  """Metric sums of the deterministic model on one batch (no update)."""
+  return model_metrics(model, params, batch, label_smoothing, loss_chunk_tokens)

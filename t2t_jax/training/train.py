@@ -1,0 +1,351 @@
+"""The training loop: mesh -> data -> init or restore -> steps -> evaluate -> save.
+
+The step functions are in step.py, building and jitting them in setup.py, the dry run in
+dry_run.py and the metric log in metric_log.py. `build`, `Setup` and `count_params` are
+importable from here too, where the side-by-side benchmarks look for them.
+"""
+
+import dataclasses
+import json
+import os
+import time
+from typing import Any
+
+from absl import logging
+import jax
+from jax.experimental import multihost_utils
+import numpy as np
+import tensorboardX
+
+from t2t_jax import CheckpointError
+from t2t_jax import cli
+from t2t_jax import evaluate
+from t2t_jax import runtime
+from t2t_jax import sharding
+from t2t_jax import workdir_lock
+from t2t_jax.checkpoints import checkpoint
+from t2t_jax.checkpoints import saved_params
+from t2t_jax.data import pipeline as data
+from t2t_jax.decoding import translator as translator_lib
+from t2t_jax.model import flops
+from t2t_jax.model import prng
+from t2t_jax.training import lifecycle
+from t2t_jax.training import metric_log
+from t2t_jax.training import optim
+from t2t_jax.training import resolve
+from t2t_jax.training.build import Setup, build, count_params  # pylint: disable=unused-import
+from t2t_jax.tuning import trial_report
+
+FINAL_JSON = 'final.json'  # The final figures of a finished run, one strict JSON line.
+
+
+def train_and_evaluate(config, workdir: str, force_unlock: bool = False) -> dict[str, Any]:
+  """Trains `config` in `workdir` (resuming if it holds a checkpoint); returns final figures.
+
+  Process 0 holds the workdir's lock throughout: a second launch on it is refused, on every
+  process, while this one lives (`force_unlock` takes the lock regardless). SIGTERM and Ctrl-C
+  raise lifecycle.Preempted once the run has stopped (lifecycle.py says how, per phase).
+  """
+  runtime.start()  # Done already where a command called this; a library caller's first.
+  resolved = resolve.resolve(config)  # Every check, and every derived value, before any work.
+  workdir_lock.make_workdir(workdir)
+  with lifecycle.Lifecycle(config.ckpt.preemption_grace_seconds,
+                           config.train.step_timeout_seconds) as life:
+    try:
+      with workdir_lock.hold(workdir, force_unlock):
+        return _train_and_evaluate(config, resolved, workdir, life)
+    except lifecycle.Interrupted:  # Start-up, or the final evaluation of a resumed run.
+      raise life.stopped(None, os.path.join(os.path.abspath(workdir), 'checkpoints')) from None
+
+
+@dataclasses.dataclass
+class _Launch:
+  """One launch of the loop on a workdir: what it built, restored and writes to."""
+  config: Any
+  workdir: str
+  setup: Setup
+  task: data.TaskData
+  eval_batches: Any
+  train_iter: Any
+  state: Any  # step.TrainState
+  dropout_rng: jax.Array
+  resumed: bool
+  checkpointer: checkpoint.Checkpointer
+  translator: translator_lib.Translator
+  writer: Any  # tensorboardX.SummaryWriter, or metric_log.NullWriter off process 0.
+  config_json: str
+  pruned: str | None = None  # Why a search's pruner stopped the run (trial_report.py).
+
+
+def _train_and_evaluate(config, resolved: resolve.Resolved, workdir: str,
+                        life: lifecycle.Lifecycle) -> dict[str, Any]:
+  with life.phase(lifecycle.STARTUP):
+    launch = _start(config, resolved, workdir)
+  life.remove_unfinished = launch.checkpointer.remove_unfinished
+  start_step, train_start = int(launch.state.step), time.perf_counter()
+  log = metric_log.MetricLog(launch.writer, launch.setup.schedule, config.train.num_steps,
+                             start_step, flops.devices_peak_flops_per_second(
+                                 list(launch.setup.mesh.devices.flat),
+                                 launch.setup.model_config.dtype))
+  logging.info('Training from step %d to %d', start_step, config.train.num_steps)
+  reporter = trial_report.from_environment() if jax.process_index() == 0 else None
+  try:
+    results, preempted = _train(launch, log, life, reporter)
+  except Exception:  # NaN loss, full disk, ...: the save in flight (of a good step) finishes.
+    _close_after_error(launch.checkpointer)
+    raise
+  finally:
+    log.close()
+  step = int(launch.state.step)
+  if preempted or launch.pruned:  # Stopped early: the save of its last step finishes.
+    with life.phase(lifecycle.SAVE, step):
+      launch.checkpointer.close()
+    launch.writer.close()
+    if preempted:
+      raise life.stopped(step, launch.checkpointer.directory)
+    if jax.process_index() == 0:
+      trial_report.record(workdir, step, launch.pruned)
+    raise trial_report.Pruned(step, launch.pruned)
+  saved = _read_final(workdir, step) if not results else None
+  if not results and not saved:  # Resumed at the end, figures unsaved: evaluate again.
+    with life.phase(lifecycle.FINAL_EVALUATION, step):
+      results, _ = evaluate_state(launch.setup, launch.state, launch.task, launch.eval_batches,
+                                  config, launch.translator)
+  with life.phase(lifecycle.SAVE, step):
+    launch.checkpointer.close()
+  launch.writer.close()
+  if saved:  # Resumed a finished run: nothing trained; report what it reported.
+    logging.info('The run had already finished at step %d; its final figures follow.',
+                 saved['step'])
+    return saved
+  figures = {'config': config.name, 'step': int(launch.state.step), **results, **log.final(),
+             'train_seconds': round(time.perf_counter() - train_start, 1)}
+  if jax.process_index() == 0:  # Sweep summaries and a resumed finished run read it back.
+    with life.phase(lifecycle.FINAL_EVALUATION, step), open(
+        os.path.join(workdir, FINAL_JSON), 'w') as f:
+      f.write(cli.json_line(figures) + '\n')
+  return figures
+
+
+def _close_after_error(checkpointer: checkpoint.Checkpointer) -> None:
+  """Lets the save in flight finish while another error stops the run; its own failure is
+  logged, as the error already on its way says why the run stopped."""
+  try:
+    checkpointer.close()
+  except CheckpointError as e:
+    logging.warning('%s', e)
+
+
+def _start(config, resolved: resolve.Resolved, workdir: str) -> _Launch:
+  """Mesh, data and jitted functions; the state restored from the workdir or initialised."""
+  mesh = sharding.make_mesh(config.mesh)
+  checkpointer = checkpoint.Checkpointer(workdir, config.ckpt)
+  saved = checkpointer.latest_config()
+  if saved:  # A resume: refused before any work if it cannot go on as the run saved it.
+    checkpoint.refuse_changes(*saved, config)
+    resolved = resolve.for_saved_run(config, resolved, saved[1], saved[0])
+  task = _load_data(config, workdir)
+  train_batches, eval_batches = _batchers(config, task, resolved)
+  setup = build(config, data.vocab_size(config), mesh)
+  logging.info('Model: %d parameters; mesh %s; %d train / %d eval pairs; %d batches per epoch',
+               count_params(setup.abstract_state.params), dict(mesh.shape), len(task.train),
+               len(task.eval), len(train_batches))
+  init_rng, dropout_rng = jax.random.split(jax.random.PRNGKey(config.seed))
+  dropout_rng = prng.dropout_key(dropout_rng, config.model.dropout_prng)
+  train_iter = data.train_iterator(train_batches)
+  restored = checkpointer.restore(setup.abstract_state, config, dropout_rng.shape)
+  if restored:
+    resolve.check_resume(restored.config_json, config, resolved,
+                         os.path.join(checkpointer.directory, str(restored.step)))
+    state, dropout_rng = restored.state, restored.rng
+    train_iter.set_state(restored.data_state)
+  else:
+    state = setup.init(init_rng)
+    if config.ckpt.init_from:  # Fine-tune from averaged, exported or other run's params.
+      params = saved_params.restore_params(workdir, setup.abstract_state.params,
+                                           config.ckpt.init_from)
+      state = state.replace(params=params, ema=None if state.ema is None else
+                            optim.ema_init(params))
+  config_json = _write_config(config, resolved, workdir)
+  # A resumed run logs again the steps after its checkpoint: TensorBoard drops the earlier
+  # launch's values from purge_step on, so each step shows once.
+  writer = (tensorboardX.SummaryWriter(workdir, purge_step=int(state.step) + 1 if restored
+                                       else None)
+            if jax.process_index() == 0 else metric_log.NullWriter())
+  return _Launch(config, workdir, setup, task, eval_batches, train_iter, state,
+                 dropout_rng, bool(restored), checkpointer, translator_lib.from_config(
+                     config, setup.model_config, setup.mesh, setup.axis_rules,
+                     dtype=resolved.eval_dtype), writer, config_json)
+
+
+def _train(launch: _Launch, log: metric_log.MetricLog, life: lifecycle.Lifecycle,
+           reporter: trial_report.Reporter | None = None) -> tuple[dict, bool]:
+  """Steps from the state's step to config.train.num_steps, saving and evaluating on the way.
+
+  Returns the last evaluation's figures and whether a signal (SIGTERM, Ctrl-C) stopped the loop
+  after saving the step it arrived in. `launch.state` follows the steps. In a search's trial
+  (trial_report.py) each evaluation before the last is reported; where the pruner stops the
+  run, the step is saved and `launch.pruned` says why.
+  """
+  config, setup = launch.config, launch.setup
+  num_steps, results, pending, seen_shapes = config.train.num_steps, {}, None, set()
+  preempted = False
+  for step in range(int(launch.state.step) + 1, num_steps + 1):
+    with life.phase(lifecycle.STEP, step):
+      with log.waiting('input'):
+        host_batch = next(launch.train_iter)
+      if host_batch['targets'].shape not in seen_shapes:  # Compiles the step: not guarded.
+        seen_shapes.add(host_batch['targets'].shape)
+        life.disarm()
+      launch.state, metrics = setup.train_step(
+          launch.state, sharding.global_batch(host_batch, setup.mesh), launch.dropout_rng)
+      launch.checkpointer.check()  # A save that failed in the background stops the run here.
+      if pending:  # Read the previous step's metrics only now, so the device never waits.
+        log.add(*pending)
+      pending = (step, metrics, metric_log.step_flops(setup.model_config, host_batch))
+      is_last, preempted = step == num_steps, life.requested(step)
+      evaluate_now = is_last or step % config.train.eval_every == 0
+      save_now = is_last or preempted or launch.checkpointer.should_save(step)
+      if is_last or evaluate_now or save_now or step % config.train.log_every == 0:
+        log.add(*pending)  # A NaN loss stops the run here, before its step is saved.
+        pending = None
+        log.write(step)
+    with log.waiting('save_and_evaluation'):
+      if save_now:
+        _save(launch, life, step)
+      if evaluate_now and not preempted:
+        try:
+          results = _evaluate(launch, life, step, save_now)
+        except lifecycle.Interrupted as signal_name:
+          logging.warning('%s during %s: evaluation abandoned, saving step %d',
+                          signal_name, life.where(), step)
+          preempted = True
+          if not save_now:
+            _save(launch, life, step)
+      if evaluate_now and not preempted:
+        launch.pruned = trial_report.decide(reporter, step, results, is_last)
+        if launch.pruned and not save_now:
+          _save(launch, life, step)
+    if preempted or launch.pruned:
+      break
+  return results, preempted
+
+
+def _save(launch: _Launch, life: lifecycle.Lifecycle, step: int) -> None:
+  with life.phase(lifecycle.SAVE, step):
+    launch.checkpointer.save(step, launch.state, launch.dropout_rng,
+                             launch.train_iter.get_state(), launch.config_json)
+
+
+def _evaluate(launch: _Launch, life: lifecycle.Lifecycle, step: int, saved_now: bool
+              ) -> dict[str, float]:
+  """The in-loop evaluation at `step` (the final one at the last step), of the params, their
+  moving average (if kept) and (if asked) the average of the latest checkpoints. The
+  evaluations are an interruptible phase (a signal abandons them); reading the checkpoints to
+  average is not."""
+  config, setup = launch.config, launch.setup
+  phase = (lifecycle.FINAL_EVALUATION if step == config.train.num_steps else
+           lifecycle.EVALUATION)
+  sentences = evaluate.bleu_sentences_due(step, config.train.num_steps, config.eval)
+  with life.phase(phase, step):
+    logging.info('step %d: evaluating', step)
+    results, bleu = evaluate_state(setup, launch.state, launch.task, launch.eval_batches,
+                                   config, launch.translator, sentences)
+  if bleu and jax.process_index() == 0:  # A file write: not abandoned half-way by a signal.
+    evaluate.record_best_bleu(launch.workdir, step, bleu)
+  if config.eval.average_last and saved_now:
+    averaged, steps = launch.checkpointer.average_last(config.eval.average_last,
+                                                       setup.abstract_state.params)
+    with life.phase(phase, step):
+      averaged_results, _ = run_evaluation(setup, averaged, launch.task, launch.eval_batches,
+                                           config, launch.translator, sentences)
+    results.update({f'averaged_{name}': value for name, value in averaged_results.items()})
+    logging.info('Averaged checkpoints %s', steps)
+  for name, value in results.items():
+    launch.writer.add_scalar(name.replace('eval_', 'eval/'), value, step)
+  logging.info('step %d eval: %s', step, json.dumps(results))
+  return results
+
+
+def _batchers(config, task: data.TaskData, resolved: resolve.Resolved) -> tuple:
+  """(train, eval) batch plans; this process collates only its rows of each global batch."""
+  if not len(task.train):
+    raise data.DataError('no training pairs are left after reading and filtering the data')
+  return data.make_batchers(config, task.train, task.eval, resolved.batch_shards,
+                            jax.process_index(), jax.process_count(),
+                            resolved.train_row_multiple)
+
+
+def _load_data(config, workdir: str) -> data.TaskData:
+  """Process 0 trains the vocabulary and fills the token cache (a shared folder); then all load."""
+  if jax.process_count() == 1:
+    return data.load(config, workdir)
+  task = data.load(config, workdir) if jax.process_index() == 0 else None
+  multihost_utils.sync_global_devices('t2t_jax: vocabulary and token cache ready')
+  return task or data.load(config, workdir)
+
+
+def _write_config(config, resolved: resolve.Resolved, workdir: str) -> str:
+  """Writes the config as text, and as JSON with what it resolved to; returns the JSON."""
+  config_json = resolve.config_json(config, resolved)
+  if jax.process_index() == 0:
+    with open(os.path.join(workdir, 'config.txt'), 'w') as f:
+      f.write(f'{config}\n# resolved for these devices (config.json has both):\n'
+              + ''.join(f'# {key}: {value}\n' for key, value in resolved.as_dict().items()))
+    with open(os.path.join(workdir, 'config.json'), 'w') as f:
+      f.write(config_json)
+  return config_json
+
+
+def evaluate_state(setup: Setup, state, task: data.TaskData, eval_batches, config,
+                   translator: translator_lib.Translator, bleu_sentences: int | None = None
+                   ) -> tuple[dict[str, float], evaluate.Bleu | None]:
+  """`run_evaluation` of the params and, if the state keeps one, of their moving average,
+  whose figures are named with an 'ema_' prefix (ema_eval_loss, ema_bleu, ...). The BLEU
+  returned is the params'.
+
+  The average is evaluated in the params' dtype (config.model.param_dtype), as translate
+  --weights=ema reads it.
+  """
+  results, bleu = run_evaluation(setup, state.params, task, eval_batches, config, translator,
+                                 bleu_sentences)
+  if state.ema is not None:
+    ema = jax.tree.map(lambda e, p: e.astype(p.dtype), state.ema, state.params)
+    ema_results, _ = run_evaluation(setup, ema, task, eval_batches, config, translator,
+                                    bleu_sentences)
+    results.update({f'ema_{name}': value for name, value in ema_results.items()})
+  return results, bleu
+
+
+def run_evaluation(setup: Setup, params, task: data.TaskData, eval_batches, config,
+                   translator: translator_lib.Translator, bleu_sentences: int | None = None
+                   ) -> tuple[dict[str, float], evaluate.Bleu | None]:
+  """Eval loss/accuracy on the eval set, and BLEU and exact match of `bleu_sentences` decodes
+  (0 none, -1 all, N the first N; default `config.eval.bleu_sentences`)."""
+  sums = None
+  for batch in data.eval_batches(eval_batches, config.eval.num_batches):
+    metrics = jax.device_get(setup.eval_step(params, sharding.global_batch(batch, setup.mesh)))
+    sums = metrics if sums is None else jax.tree.map(np.add, sums, metrics)
+  if sums is None:
+    logging.warning('The eval set is empty: no eval figures.')
+    return {}, None
+  results = {f'eval_{k}': v for k, v in optim.summarize(sums).items()}
+  bleu = None
+  if bleu_sentences is None:
+    bleu_sentences = config.eval.bleu_sentences
+  if bleu_sentences and len(task.eval):
+    scores, bleu = evaluate.validation_bleu(translator, params, task.eval, task.vocab,
+                                            config.eval, config.eval.examples_to_print,
+                                            bleu_sentences)
+    results.update(scores)
+  return results, bleu
+
+
+def _read_final(workdir: str, step: int) -> dict[str, Any] | None:
+  """The figures a finished run saved at `step`, or None (none saved, or of another step)."""
+  try:
+    with open(os.path.join(workdir, FINAL_JSON)) as f:
+      saved = json.load(f)
+  except (OSError, ValueError):
+    return None
+  return saved if saved.get('step') == step else None
