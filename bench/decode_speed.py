@@ -20,7 +20,7 @@ each side's `over_floor_median` is its time over the floor's (per round, the med
 side's line also says where one traced call's time goes: seconds in matrix products (XLA's
 library fusions and dots) against other ops, and the costliest op kinds.
 
---mode=text: the `python -m t2t_jax.translate` path (translate.load, translate_lines) on the
+--mode=text: the `python -m t2t_jax.translate` path (trained_run.load, translate_lines) on the
 first --num_sentences lines of --sentences (repeated if short), with a model of --config's
 dims (default: the paper's base), random weights, and a SentencePiece vocabulary trained on
 that text, in a temporary run directory. Random weights rarely emit EOS, so every output
@@ -64,12 +64,12 @@ from t2t_jax import cli
 from t2t_jax import EOS_ID
 from t2t_jax import runtime
 from t2t_jax import sharding
-from t2t_jax import translate
 from t2t_jax.checkpoints import saved_params
 from t2t_jax.data import pipeline as data
 from t2t_jax.data import tokenizer
 from t2t_jax.decoding import decode
 from t2t_jax.decoding import translator as translator_lib
+from t2t_jax.deploy import trained_run
 from t2t_jax.model.transformer import Transformer, TransformerConfig
 from t2t_jax.training import build as setup_lib
 from t2t_jax.training import train
@@ -264,8 +264,8 @@ def _reference_line(reference, beam_size: int, matmul: common.Matmul) -> dict:
 # --mode=text
 
 
-def _text_run(directory: str, config, lines: list[str], batch_tokens: int) -> translate.Run:
-  """A run directory translate.load reads: config, SentencePiece vocab, random-weight params."""
+def _text_run(directory: str, config, lines: list[str], batch_tokens: int) -> trained_run.Run:
+  """A run directory trained_run.load reads: config, SentencePiece vocab, random-weight params."""
   config = config.copy_and_resolve_references()
   config.data.source, config.data.vocab_size = 'text', _VOCAB_SIZE.value
   config.data.batch_tokens, config.eval.max_extra_len = batch_tokens, _MAX_EXTRA_LEN.value
@@ -285,17 +285,17 @@ def _text_run(directory: str, config, lines: list[str], batch_tokens: int) -> tr
     params = _random_params(model_config, mesh, sharding.rules(config.mesh))
     saved_params.write_params(params_dir, params, config.to_json_best_effort(),
                             {'kind': 'random', 'source': 'bench/decode_speed.py'})
-  return translate.load(directory, params_dir)
+  return trained_run.load(directory, params_dir)
 
 
-def _text_lines(run: translate.Run, lines: list[str], beam_size: int,
+def _text_lines(run: trained_run.Run, lines: list[str], beam_size: int,
                 batch_tokens: int) -> tuple[dict, list[str]]:
   """The measurement, and the translations of the median pass."""
   passes = []
   for _ in range(max(1, _REPEATS.value)):
     run.translator.stats = translator_lib.TranslateStats()
     start = time.perf_counter()
-    texts, inputs, outputs = translate.translate_lines(run, lines)
+    texts, inputs, outputs = trained_run.translate_lines(run, lines)
     passes.append((time.perf_counter() - start, run.translator.stats, outputs, inputs, texts))
     run.translator._compiled.clear()  # pylint: disable=protected-access  # Each pass compiles.
   seconds, stats, outputs, inputs, texts = sorted(passes, key=lambda p: p[0])[len(passes) // 2]
@@ -319,7 +319,7 @@ def _text_lines(run: translate.Run, lines: list[str], beam_size: int,
       **stats.as_dict(), 'seconds_total': round(seconds, 2)}, texts
 
 
-def _ctranslate2_line(run: translate.Run, directory: str, lines: list[str], beam_size: int,
+def _ctranslate2_line(run: trained_run.Run, directory: str, lines: list[str], beam_size: int,
                       compute_type: str, t2t_texts: list[str], references: list[str]) -> dict:
   """CTranslate2 on the exported parameters of `run`, on the same sentences."""
   import ctranslate2  # pylint: disable=g-import-not-at-top  # Optional: only with --ctranslate2.

@@ -1,6 +1,6 @@
 """translate's two engines on one input file: sentences/s of t2t_jax's compiled search and of
 CTranslate2 (one compute type per process), through the path
-`python -m t2t_jax.translate --engine=...` takes (translate.load or load_ctranslate2, then
+`python -m t2t_jax.translate --engine=...` takes (trained_run.load or load_ctranslate2, then
 translate_lines), interleaved in one process with a 2048^3 float32 matmul timed every round.
 One JSON line per engine and search.
 
@@ -32,9 +32,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # pylint: disable=g-import-not-at-top
 
 from t2t_jax import cli
-from t2t_jax import evaluate
-from t2t_jax import translate
+from t2t_jax.decoding import bleu as bleu_lib
 from t2t_jax.decoding import translator as translator_lib
+from t2t_jax.deploy import trained_run
 
 _WORKDIR = flags.DEFINE_string('workdir', None, 'The trained run to translate with.')
 _CHECKPOINT = flags.DEFINE_string('checkpoint', None, 'A step or checkpoint directory; default '
@@ -60,14 +60,14 @@ _T2T_JAX_GNMT = flags.DEFINE_bool('t2t_jax_gnmt', False, "Beam search: also t2t_
 class _Side:
   """One engine and search over the input: its passes' seconds and outputs."""
 
-  def __init__(self, name: str, run: translate.Run, lines: list[str], fields: dict):
+  def __init__(self, name: str, run: trained_run.Run, lines: list[str], fields: dict):
     self.name, self.run, self.lines, self.fields = name, run, lines, fields
     self.seconds, self.texts, self.target_tokens = [], None, 0
     self.first_pass_seconds = self._pass()
 
   def _pass(self) -> float:
     start = time.perf_counter()
-    self.texts, _, outputs = translate.translate_lines(self.run, self.lines)
+    self.texts, _, outputs = trained_run.translate_lines(self.run, self.lines)
     seconds = time.perf_counter() - start
     self.target_tokens = sum(len(ids) for ids in outputs)
     return seconds
@@ -76,7 +76,7 @@ class _Side:
     self.seconds.append(self._pass())
 
 
-def _with_search(run: translate.Run, beam_size: int, patience: str) -> translate.Run:
+def _with_search(run: trained_run.Run, beam_size: int, patience: str) -> trained_run.Run:
   """The CTranslate2 `run` searching with another beam size and --ct2_patience, on the same
   loaded model.
 
@@ -99,10 +99,10 @@ def _with_search(run: translate.Run, beam_size: int, patience: str) -> translate
 def _sides(lines: list[str], beam_size: int, ctranslate2_run) -> list[_Side]:
   common_args = dict(checkpoint=_CHECKPOINT.value, beam_size=beam_size, alpha=_ALPHA.value,
                      length_penalty=_LENGTH_PENALTY.value)
-  sides = [_Side('t2t_jax', translate.load(_WORKDIR.value, **common_args), lines,
+  sides = [_Side('t2t_jax', trained_run.load(_WORKDIR.value, **common_args), lines,
                  {'engine': 't2t_jax'})]
   if beam_size > 1 and _T2T_JAX_GNMT.value:
-    sides.append(_Side('t2t_jax gnmt', translate.load(
+    sides.append(_Side('t2t_jax gnmt', trained_run.load(
         _WORKDIR.value, **dict(common_args, length_penalty='gnmt')), lines, {'engine': 't2t_jax'}))
   if ctranslate2_run is None:
     return sides
@@ -135,7 +135,7 @@ def _record(side: _Side, reference: _Side, references: list[str], matmul_rates: 
   if translator.engine == 't2t_jax':
     record['compile_seconds'] = round(translator.stats.compile_seconds, 2)
   if references:
-    bleu = evaluate.sacrebleu_score(side.texts, references, _BLEU_TOKENIZE.value)
+    bleu = bleu_lib.sacrebleu_score(side.texts, references, _BLEU_TOKENIZE.value)
     record.update(bleu=round(bleu.score, 2), bleu_label=bleu.label, bleu_signature=bleu.signature)
   return record
 
@@ -153,7 +153,7 @@ def main(argv):
   lines = _read(_INPUT.value)
   references = _read(_REFERENCES.value) if _REFERENCES.value else []
   matmul = common.Matmul(2048, jnp.float32)
-  ctranslate2_run = translate.load_ctranslate2(
+  ctranslate2_run = trained_run.load_ctranslate2(
       _WORKDIR.value, _CHECKPOINT.value, beam_size=1, alpha=_ALPHA.value,
       length_penalty=_LENGTH_PENALTY.value, compute_type=_COMPUTE_TYPE.value,
       threads=_THREADS.value) if _COMPUTE_TYPE.value else None

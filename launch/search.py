@@ -41,6 +41,7 @@ sys.path.insert(0, LAUNCH_DIR)
 import search_launch  # pylint: disable=g-import-not-at-top,wrong-import-position
 import sweep  # pylint: disable=g-import-not-at-top,wrong-import-position
 from t2t_jax import exit_codes  # pylint: disable=g-import-not-at-top,wrong-import-position
+from t2t_jax import workdir_layout  # pylint: disable=g-import-not-at-top,wrong-import-position
 from t2t_jax.tuning import search_space  # pylint: disable=g-import-not-at-top,wrong-import-position
 from t2t_jax.tuning import search_summary  # pylint: disable=g-import-not-at-top,wrong-import-position
 from t2t_jax.tuning import trial_report  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -61,7 +62,7 @@ class Job:
 
   @property
   def name(self) -> str:
-    return f'trial_{self.number:04d}' + (f'_seed{self.seed}' if self.seed else '')
+    return workdir_layout.trial_name(self.number, self.seed)
 
 
 def _base_config(command: list[str]):
@@ -80,7 +81,7 @@ def _base_config(command: list[str]):
     raise SearchError(f'the base command\'s config: {" ".join(str(e).split())}') from None
 
 
-class Search:
+class StudyDriver:
   """The workers of one driver on one study."""
 
   def __init__(self, args, search: dict, command: list[str], root: str, config):
@@ -119,7 +120,8 @@ class Search:
       trials = self.study.get_trials(deepcopy=False)
       state = self.optuna.trial.TrialState
       for trial in trials:  # A running trial whose worker is gone: resumed.
-        if trial.state == state.RUNNING and (lock := self._try_lock(f'trial_{trial.number:04d}')):
+        if trial.state == state.RUNNING and (lock := self._try_lock(
+            workdir_layout.trial_name(trial.number))):
           return Job(trial.number, dict(trial.params), trial_id=trial._trial_id, lock=lock)
       if self._budget_left(trials):
         # Seeded by the search's seed and the trial's index, not once per process: every
@@ -132,13 +134,13 @@ class Search:
           self.study.sampler = search_space.sampler({**self.search, 'seed': seed})
         trial = self.study.ask()
         params = search_space.suggest(trial, self.search['params'])
-        lock = self._try_lock(f'trial_{trial.number:04d}')
+        lock = self._try_lock(workdir_layout.trial_name(trial.number))
         return Job(trial.number, params, trial_id=trial._trial_id, lock=lock)
       running = any(t.state == state.RUNNING for t in trials)
       for trial in self._repeated(trials, running):
         for seed in range(1, self.args.seeds):
           job = Job(trial.number, dict(trial.params), seed=seed)
-          if (not os.path.exists(os.path.join(self.root, job.name, 'final.json')) and
+          if (not os.path.exists(os.path.join(self.root, job.name, workdir_layout.FINAL_JSON)) and
               (lock := self._try_lock(job.name))):
             job.lock = lock
             return job
@@ -189,9 +191,9 @@ class Search:
 
   def _finished_before(self, job: Job, workdir: str) -> int | None:
     """The exit status of a run that ended before a driver could record it, or None."""
-    if os.path.exists(os.path.join(workdir, 'final.json')):
+    if os.path.exists(os.path.join(workdir, workdir_layout.FINAL_JSON)):
       return 0
-    if not job.seed and os.path.exists(os.path.join(workdir, trial_report.PRUNED_FILE)):
+    if not job.seed and os.path.exists(os.path.join(workdir, workdir_layout.PRUNED_JSON)):
       return exit_codes.PRUNED
     return None
 
@@ -202,7 +204,7 @@ class Search:
       env[trial_report.ENV] = json.dumps({
           'storage': self.storage_url, 'study': self.args.study, 'trial_id': job.trial_id,
           'metric': self.search['metric'], 'pruner': self.search['pruner']})
-    resumed = os.path.isdir(os.path.join(workdir, 'checkpoints'))
+    resumed = os.path.isdir(workdir_layout.checkpoints_dir(workdir))
     self._event(job, 'resume' if resumed or attempt else 'start', worker=worker)
     with open(os.path.join(workdir, 'train.log'), 'ab') as log:
       cores = self.args.worker_cores[worker]
@@ -221,7 +223,7 @@ class Search:
     with self.lock:
       why = None
       if code == 0:
-        final = _final(workdir)
+        final = workdir_layout.read_final(workdir) or {}
         value = final.get(self.search['metric'])
         if value is None:
           code, why = exit_codes.ERROR, f"its final.json has no {self.search['metric']!r}"
@@ -231,7 +233,7 @@ class Search:
         self._event(job, 'complete', value=value, step=final.get('step'))
       elif code == exit_codes.PRUNED:
         self._tell(job.number, state=state.PRUNED)
-        with open(os.path.join(workdir, trial_report.PRUNED_FILE)) as f:
+        with open(os.path.join(workdir, workdir_layout.PRUNED_JSON)) as f:
           self._event(job, 'pruned', **json.load(f))
       else:
         self.failed += 1
@@ -277,11 +279,6 @@ class Search:
     for child in list(self.children.values()):
       child.send_signal(signal.SIGTERM)  # Each saves its step and exits 143; resumed later.
     print(f'=== {signal.Signals(signum).name}: stopping the trials after they save', flush=True)
-
-
-def _final(workdir: str) -> dict:
-  with open(os.path.join(workdir, 'final.json')) as f:
-    return json.loads(f.read().strip().splitlines()[-1])
 
 
 def _error_line(workdir: str) -> str:
@@ -358,7 +355,7 @@ def main():
       return
     os.makedirs(root, exist_ok=True)
     args.worker_env, args.worker_cores = search_launch.split_devices(args.workers)
-    driver = Search(args, search, command, root, config)
+    driver = StudyDriver(args, search, command, root, config)
     _check_recorded(root, {'search': search, 'command': command, 'study': args.study,
                            'storage': driver.storage_url, 'seeds': args.seeds,
                            'seeds_for_best': args.seeds_for_best})

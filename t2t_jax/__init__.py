@@ -21,17 +21,8 @@ RENAMED_KEYS = {'model.local_window': 'model.local_half_width'}
 ADDED_KEYS = {'eval.length_penalty': 'gnmt'}
 
 
-class ConfigError(ValueError):
-  """A config value (or a flag standing for one) that cannot work, named with what to do."""
-
-
-class NonFiniteLoss(FloatingPointError):
-  """Training stopped at a NaN or infinite loss; the message names the step and what to do."""
-
-
-class CheckpointError(RuntimeError):
-  """A checkpoint that cannot be used, naming it and saying what to do."""
-
+# The errors most modules raise, defined in errors.py, importable from the package too.
+from t2t_jax.errors import CheckpointError, ConfigError, NonFiniteLoss  # pylint: disable=wrong-import-position
 
 RESOLVED_KEY = 'resolved'  # config.json's values resolved for the run's devices (resolve.py).
 

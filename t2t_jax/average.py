@@ -16,10 +16,11 @@ from absl import logging
 
 from t2t_jax import CheckpointError
 from t2t_jax import cli
+from t2t_jax import workdir_layout
 from t2t_jax.checkpoints import saved_params
 
 def available_steps(workdir: str) -> list[int]:
-  directory = os.path.join(os.path.abspath(workdir), 'checkpoints')
+  directory = workdir_layout.checkpoints_dir(workdir)
   if not os.path.isdir(directory):
     raise CheckpointError(f'{directory} does not exist: is --workdir a training '
                                      'workdir?')
@@ -48,8 +49,8 @@ def choose_steps(available: list[int], last: int, steps: list[str]) -> list[int]
 def average_checkpoints(workdir: str, steps: list[int], output: str = '',
                         dtype: str = '') -> str:
   """Averages `steps` of `workdir` on the host; returns the directory written."""
-  paths = [saved_params.resolve(workdir, str(step)) for step in steps]
-  output = output or os.path.join(os.path.abspath(workdir), 'averaged',
+  paths = [saved_params.checkpoint_path(workdir, str(step)) for step in steps]
+  output = output or os.path.join(workdir_layout.averaged_dir(workdir),
                                   f'avg{len(steps)}_{steps[0]}-{steps[-1]}')
   logging.info('Averaging steps %s of %s', steps, workdir)
   params = saved_params.average([saved_params.load_params(path) for path in paths])

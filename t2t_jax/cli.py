@@ -15,6 +15,7 @@ from absl import flags
 from absl import logging
 
 from t2t_jax import RENAMED_KEYS
+from t2t_jax import errors
 from t2t_jax import exit_codes
 from t2t_jax import runtime
 
@@ -66,12 +67,7 @@ def run(main: Callable[[list[str]], Any],
 
 def _user_errors() -> tuple[type[Exception], ...]:
   """The error types whose message says what to do: no traceback needed."""
-  from t2t_jax import CheckpointError, ConfigError, NonFiniteLoss  # pylint: disable=g-import-not-at-top
-  from t2t_jax import workdir_lock  # pylint: disable=g-import-not-at-top
-  from t2t_jax.data import sources  # pylint: disable=g-import-not-at-top
-  from t2t_jax.training import lifecycle  # pylint: disable=g-import-not-at-top
-  return (ConfigError, NonFiniteLoss, sources.DataError, CheckpointError, lifecycle.DiskFull,
-          workdir_lock.WorkdirLocked, workdir_lock.WorkdirUnusable)
+  return errors.USER_ERRORS
 
 
 def _guarded(main):

@@ -19,44 +19,25 @@ from absl import app
 from absl import flags
 
 from t2t_jax import cli
-from t2t_jax import ConfigError
+from t2t_jax import workdir_layout
 from t2t_jax.checkpoints import saved_params
+from t2t_jax.deploy import optional
 
 FORMATS = ('orbax', 'ctranslate2')
+
 
 def export(workdir: str, checkpoint_name: str | None = None, dtype: str = 'float32',
            output: str = '', weights: str = 'params') -> str:
   """Writes the params (or with `weights`='ema' their moving average) of one checkpoint in
   `dtype`; returns the directory written."""
-  path = saved_params.resolve(workdir, checkpoint_name)
+  path = saved_params.checkpoint_path(workdir, checkpoint_name)
   params = saved_params.cast(saved_params.load_params(path, weights=weights), dtype)
   name = os.path.basename(os.path.normpath(path)) + ('_ema' if weights == 'ema' else '')
-  output = output or os.path.join(os.path.abspath(workdir), 'export', f'{name}_{dtype}')
+  output = output or os.path.join(workdir_layout.export_dir(workdir), f'{name}_{dtype}')
   config_json = saved_params.read_json_item(path, saved_params.CONFIG)['config']
   return saved_params.write_params(output, params, config_json,
                                    {'kind': 'export', 'source': path, 'dtype': dtype,
                                     'weights': weights})
-
-
-def export_ctranslate2(workdir: str, checkpoint_name: str | None = None, output: str = '',
-                       quantization: str | None = None, weights: str = 'params') -> str:
-  """Writes the CTranslate2 model of one checkpoint; returns the directory written."""
-  ctranslate2_export = import_needing_ctranslate2('t2t_jax.deploy.export_ctranslate2',
-                                                  '--format=ctranslate2')
-  return ctranslate2_export.export(workdir, checkpoint_name, output, quantization, weights)
-
-
-def import_needing_ctranslate2(module: str, flag: str):
-  """Imports `module` (ctranslate2, or a module that imports it); without the ctranslate2
-  package, a ConfigError saying which `flag` needs it and how to install it."""
-  import importlib  # pylint: disable=g-import-not-at-top
-  try:
-    return importlib.import_module(module)
-  except ModuleNotFoundError as e:
-    if e.name != 'ctranslate2':
-      raise
-    raise ConfigError(f"{flag} needs the ctranslate2 package: pip install "
-                      "'t2t_jax[ctranslate2]'") from None
 
 
 def _define_flags():
@@ -87,8 +68,8 @@ def main(argv):
     if args.dtype != 'float32':
       raise app.UsageError('--dtype applies to --format=orbax; CTranslate2 models take '
                            '--quantization')
-    print(export_ctranslate2(args.workdir, args.checkpoint, args.output, args.quantization,
-                             args.weights), flush=True)
+    print(optional.export_ctranslate2(args.workdir, args.checkpoint, args.output,
+                                      args.quantization, args.weights), flush=True)
     return
   if args.quantization:
     raise app.UsageError('--quantization applies to --format=ctranslate2')

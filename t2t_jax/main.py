@@ -51,11 +51,13 @@ def main(argv):
   if not FLAGS.workdir:
     raise app.UsageError('--workdir is required to train')
   logging.info('JAX devices: %s', jax.devices())
-  from t2t_jax.training import lifecycle  # pylint: disable=g-import-not-at-top
+  from t2t_jax.training import lifecycle, task  # pylint: disable=g-import-not-at-top
   from t2t_jax.tuning import trial_report  # pylint: disable=g-import-not-at-top
+  trial = trial_report.from_environment()  # Set where launch/search.py started this run.
   try:
-    results = train.train_and_evaluate(FLAGS.config, FLAGS.workdir, FLAGS.force_unlock)
-  except trial_report.Pruned:  # Logged where it happened; launch/search.py reads the status.
+    results = train.train_and_evaluate(FLAGS.config, FLAGS.workdir, FLAGS.force_unlock,
+                                       reporters=[trial] if trial else [])
+  except task.Pruned:  # Logged where it happened; launch/search.py reads the status.
     logging.flush()
     sys.exit(exit_codes.PRUNED)
   except lifecycle.Preempted as e:

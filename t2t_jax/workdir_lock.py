@@ -21,17 +21,11 @@ import time
 from absl import logging
 import numpy as np
 
+from t2t_jax.errors import WorkdirLocked, WorkdirUnusable  # Defined with the other user errors.
+
 LOCK_FILE = 'run.lock'
 HEARTBEAT_SECONDS = 30.0
 STALE_SECONDS = 300.0  # Another host's lock not refreshed for this long is from a lost node.
-
-
-class WorkdirLocked(RuntimeError):
-  """Another live run holds the workdir."""
-
-
-class WorkdirUnusable(RuntimeError):
-  """The workdir path names a file, or a directory that cannot be created."""
 
 
 def make_workdir(workdir: str) -> None:

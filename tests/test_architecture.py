@@ -8,9 +8,50 @@ import pathlib
 from conftest import ROOT
 
 
-# No import circle in the repository (docs/development.md, Style: "no import cycles, `bench/`
-# included"): every import statement, at module level or inside a function, and every
-# importlib.import_module('literal') call, between the repository's own modules.
+# The package's import graph is a contract: pyproject.toml's [tool.importlinter] layers (the
+# commands on top, the model and the data at the bottom), the model's and the data's
+# independence, the training loop's forbidden imports and no circle among a package's modules,
+# checked by import-linter on the package. The scripts (bench/, launch/, tests/) are not a
+# package import-linter reads: the hand-written graph below finds circles through them too
+# (docs/development.md, Style: "no import cycles, `bench/` included"): every import statement,
+# at module level or inside a function, and every importlib.import_module('literal') call,
+# between the repository's own modules.
+
+
+def _contract_layers() -> list[list[str]]:
+  import tomllib  # pylint: disable=g-import-not-at-top
+  with open(os.path.join(ROOT, 'pyproject.toml'), 'rb') as f:
+    contracts = tomllib.load(f)['tool']['importlinter']['contracts']
+  layers = [c for c in contracts if c['type'] == 'layers']
+  assert len(layers) == 1
+  return [[name.strip() for name in layer.split('|')] for layer in layers[0]['layers']]
+
+
+def test_the_import_contract_holds():
+  # The use case, not importlinter.cli.lint_imports: that configures logging with
+  # dictConfig, which disables every logger already made (absl's, t2t_jax's) for the tests
+  # that run after it in the same worker.
+  from importlinter.application import use_cases  # pylint: disable=g-import-not-at-top
+  from importlinter import configuration  # pylint: disable=g-import-not-at-top
+  configuration.configure()
+  cwd = os.getcwd()
+  os.chdir(ROOT)  # import-linter reads the package from here.
+  try:
+    kept = use_cases.lint_imports(config_filename=os.path.join(ROOT, 'pyproject.toml'),
+                                  cache_dir=None, no_logo=True)
+  finally:
+    os.chdir(cwd)
+  assert kept, 'lint-imports: a contract of pyproject.toml is broken (its report above)'
+
+
+def test_every_module_of_the_package_is_in_a_layer():
+  """A module added outside the layers would escape the contract."""
+  layered = {name for layer in _contract_layers() for name in layer}
+  package = pathlib.Path(ROOT) / 't2t_jax'
+  top = {f't2t_jax.{path.stem}' for path in package.glob('*.py') if path.stem != '__init__'}
+  top |= {f't2t_jax.{path.parent.name}' for path in package.glob('*/__init__.py')}
+  assert top == layered, (f'not in a layer: {sorted(top - layered)}; '
+                          f'in a layer but not a module: {sorted(layered - top)}')
 
 
 def _python_modules(root: str) -> dict[str, str]:

@@ -496,7 +496,8 @@ def test_training_evaluates_the_average_of_the_last_checkpoints(trained):
   task = data.load(config, '')
   _, eval_batches = data.make_batchers(config, task.train, task.eval,
                                        sharding.batch_shards(setup.mesh))
-  expected, _ = train.run_evaluation(setup, mean, task, eval_batches, config, None)
+  expected = train.run_evaluation(setup, mean, eval_batches, config, evaluators=[],
+                                  step=config.train.num_steps)
   np.testing.assert_allclose(results['averaged_eval_loss'], expected['eval_loss'], rtol=1e-5)
   assert results['averaged_eval_loss'] != results['eval_loss']
 

@@ -33,11 +33,11 @@ from conftest import ROOT
 from t2t_jax import ConfigError
 from t2t_jax import EOS_ID, PAD_ID
 from t2t_jax import runtime
-from t2t_jax import translate
 from t2t_jax.checkpoints import saved_params
 from t2t_jax.decoding import decode
 from t2t_jax.deploy import ctranslate2_decoder_only
 from t2t_jax.deploy import export_ctranslate2
+from t2t_jax.deploy import trained_run
 from t2t_jax.model.decoder_only import make_model
 from t2t_jax.model.transformer import Transformer
 from t2t_jax.model.attention_variants import ATTENTION_KINDS
@@ -101,7 +101,7 @@ def _until_eos(ids) -> list[int]:
 @dataclasses.dataclass
 class Trained:
   variant: str
-  run: translate.Run
+  run: trained_run.Run
   model_dir: str
   sources: list
   inputs: np.ndarray
@@ -113,7 +113,7 @@ def trained(request, tmp_path_factory):
   workdir = str(tmp_path_factory.mktemp(f'ct2_{request.param}'))
   train.train_and_evaluate(_config(VARIANTS[request.param]), workdir)
   model_dir = export_ctranslate2.export(workdir, output=os.path.join(workdir, 'ct2'))
-  run = translate.load(workdir)
+  run = trained_run.load(workdir)
   sources = _sources()
   return Trained(request.param, run, model_dir, sources, _inputs(run.vocab, sources))
 
@@ -123,7 +123,7 @@ def _translator(model_dir, compute_type='float32'):
                                 inter_threads=1, intra_threads=1)
 
 
-def _teacher_forced(run: translate.Run, inputs: np.ndarray, outputs: list[list[int]]):
+def _teacher_forced(run: trained_run.Run, inputs: np.ndarray, outputs: list[list[int]]):
   """Per-token log-probabilities of `outputs` (EOS included where they have one) under
   t2t_jax's model in training mode: over the whole vocabulary, and over all but PAD."""
   targets = np.full((len(outputs), MAX_OUTPUT), PAD_ID, np.int32)

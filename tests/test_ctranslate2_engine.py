@@ -25,12 +25,12 @@ from test_ctranslate2 import (BEAM, MAX_OUTPUT, NUM_SYMBOLS, VARIANTS, _config, 
                               _sources, _teacher_forced, _translator, _until_eos)
 from t2t_jax import ConfigError
 from t2t_jax import EOS_ID, PAD_ID
-from t2t_jax import evaluate
-from t2t_jax import export
-from t2t_jax import translate
 from t2t_jax.checkpoints import saved_params
+from t2t_jax.decoding import bleu as bleu_lib
 from t2t_jax.decoding import decode
 from t2t_jax.deploy import ctranslate2_engine
+from t2t_jax.deploy import optional
+from t2t_jax.deploy import trained_run
 from t2t_jax.model import decoder_only
 from t2t_jax.model.model_config import TransformerConfig
 
@@ -130,13 +130,13 @@ def test_length_penalty_beam_search_is_ctranslate2s(trained_workdir, alpha):
   if alpha == 'recipe':
     alpha = multi30k.get_config().eval.alpha
     assert alpha == 1.4
-  run = translate.load(trained_workdir)
+  run = trained_run.load(trained_workdir)
   model_dir, _ = ctranslate2_engine.exported_model(run.config, run.vocab, trained_workdir)
   sources = _sources()
   inputs = jnp.asarray(_inputs(run.vocab, sources))
   tokens, scores = (np.asarray(x) for x in _beam_search(
       run.params, inputs, run.model_config, MAX_OUTPUT, BEAM, alpha, penalty='length'))
-  options = ctranslate2_engine.Search(BEAM, alpha, 'length').options(MAX_OUTPUT)
+  options = ctranslate2_engine.Decoding(BEAM, alpha, 'length').options(MAX_OUTPUT)
   results = _translator(model_dir).translate_batch(sources, **options, return_scores=True)
   best = [[int(i) for i in tokens[row, 0] if i != PAD_ID] for row in range(len(sources))]
   # Rows whose best two hypotheses are within 1e-3 may swap on rounding; the rest must agree.
@@ -187,7 +187,7 @@ def test_each_length_penalty_finds_the_hypothesis_its_formula_ranks_first(
     alpha = multi30k.get_config().eval.alpha
     assert alpha == 1.4
   workdir = _constant_output_run(str(tmp_path / 'run'), {}, symbol_logit, eos_logit)
-  run = translate.load(workdir)
+  run = trained_run.load(workdir)
   sources = _sources(6)
   inputs = jnp.asarray(_inputs(run.vocab, sources))
   vocab_size = NUM_SYMBOLS + 2  # t2t_jax's softmax counts PAD; CTranslate2's leaves it out.
@@ -206,21 +206,21 @@ def test_each_length_penalty_finds_the_hypothesis_its_formula_ranks_first(
   best, score = _best_of_constant_output(symbol_logit, eos_logit, vocab_size - 1, alpha,
                                          'length', MAX_OUTPUT)
   assert best == expected['length']
-  options = ctranslate2_engine.Search(BEAM, alpha, 'length').options(MAX_OUTPUT)
+  options = ctranslate2_engine.Decoding(BEAM, alpha, 'length').options(MAX_OUTPUT)
   results = _translator(model_dir).translate_batch(sources, **options, return_scores=True)
   for result in results:
     assert result.hypotheses[0] == [run.vocab.piece(i) for i in _until_eos(best)]
     assert result.scores[0] == pytest.approx(score, abs=1e-4)
   with pytest.raises(ConfigError, match="GNMT's length penalty"):
-    ctranslate2_engine.Search(BEAM, alpha, 'gnmt').check()
+    ctranslate2_engine.Decoding(BEAM, alpha, 'gnmt').check()
 
 
 # The command line: both engines, same files, same labels.
 
 
-def _greedy_text(run: translate.Run, lines) -> str:
+def _greedy_text(run: trained_run.Run, lines) -> str:
   """`run`'s translations of `lines` as the translate command writes them, a line each."""
-  return ''.join(t + '\n' for t in translate.translate_lines(run, lines)[0])
+  return ''.join(t + '\n' for t in trained_run.translate_lines(run, lines)[0])
 
 
 @pytest.mark.slow
@@ -234,7 +234,7 @@ def test_both_engines_write_the_same_greedy_file_and_bleu_lines(trained_workdir,
                 f'--output={output}', '--beam_size=1', '--engine=ctranslate2')
   assert result.returncode == 0, result.stderr
   assert f'Translated {len(lines)} sentences' in result.stderr
-  ours = translate.load(trained_workdir, beam_size=1)
+  ours = trained_run.load(trained_workdir, beam_size=1)
   text = _greedy_text(ours, lines)
   assert output.read_text() == text
   translations = text.split('\n')
@@ -244,12 +244,12 @@ def test_both_engines_write_the_same_greedy_file_and_bleu_lines(trained_workdir,
                 f'--ref={source}', '--beam_size=1', '--engine=ctranslate2')
   assert result.returncode == 0, result.stderr
   printed = result.stdout.strip().splitlines()
-  assert evaluate.search_label(ours.translator) == 'beam 1, alpha 0.6'
+  assert bleu_lib.search_label(ours.translator) == 'beam 1, alpha 0.6'
   assert printed[0] == (f'{len(lines)} sentences of {source}, checkpoint latest, beam 1, '
                         'alpha 0.6, CTranslate2 float32')
   hypotheses = translations[:-1]
-  figures = [str(evaluate.sacrebleu_score(hypotheses, lines)),
-             str(evaluate.compound_split_bleu(hypotheses, lines))]
+  figures = [str(bleu_lib.sacrebleu_score(hypotheses, lines)),
+             str(bleu_lib.compound_split_bleu(hypotheses, lines))]
   assert printed[1:] == figures  # Same labels, same figures.
   assert figures[0].startswith('sacreBLEU ')
   assert figures[1].startswith('tokenised BLEU, compound split')
@@ -272,15 +272,15 @@ def test_a_decoder_only_model_translates_through_the_generator(tmp_path):
   lines = [' '.join(s) for s in _sources()] + ['', '3 1 4', ' '.join(['5'] * 14)]
   # In process: the command's file is the test above's, the same for either kind of model.
   outputs = {engine: _greedy_text(load(workdir, beam_size=1), lines).split('\n')
-             for engine, load in (('t2t_jax', translate.load),
-                                  ('ctranslate2', translate.load_ctranslate2))}
+             for engine, load in (('t2t_jax', trained_run.load),
+                                  ('ctranslate2', trained_run.load_ctranslate2))}
   assert outputs['ctranslate2'] == outputs['t2t_jax']
   assert len(set(outputs['t2t_jax'])) > 1
   # The longest source (14 symbols + EOS) leaves 24 - 15 = 9 positions: an output that has
   # not ended is cut there in both engines.
   assert len(outputs['t2t_jax'][-2].split()) <= 9
-  run = translate.load(workdir, beam_size=BEAM, alpha=0.0)
-  ct2 = translate.load_ctranslate2(workdir, beam_size=BEAM, alpha=0.0)
+  run = trained_run.load(workdir, beam_size=BEAM, alpha=0.0)
+  ct2 = trained_run.load_ctranslate2(workdir, beam_size=BEAM, alpha=0.0)
   assert isinstance(ct2.translator._model, ctranslate2_engine._ctranslate2().Generator)
   inputs = _inputs(run.vocab, _sources())
   rows = [row[:list(row).index(EOS_ID) + 1] for row in inputs]
@@ -307,7 +307,7 @@ def test_the_cli_refuses_in_one_line_what_ctranslate2_cannot_do(tmp_path):
   # which shows it as the command's one line; in process here.
   moe = _random_run(tmp_path / 'moe', dict(moe_experts=4, moe_layers='all'))
   with pytest.raises(ConfigError) as refused:
-    translate.load_ctranslate2(moe, beam_size=1)
+    trained_run.load_ctranslate2(moe, beam_size=1)
   assert str(refused.value) == (
       'config.model.moe_experts=4 cannot be exported to CTranslate2: CTranslate2 has no '
       'mixture-of-experts feed-forward layers')
@@ -326,23 +326,23 @@ def test_a_compute_type_this_cpu_lacks_is_refused_naming_those_it_has(tmp_path):
     pytest.skip('this CPU runs every compute type')
   workdir = _random_run(tmp_path / 'run')
   with pytest.raises(ConfigError, match=f'--ct2_compute_type={lacking[0]}: .*this CPU runs'):
-    translate.load_ctranslate2(workdir, beam_size=1, compute_type=lacking[0])
+    trained_run.load_ctranslate2(workdir, beam_size=1, compute_type=lacking[0])
 
 
 def test_ctranslate2_search_arguments():
   """Greedy and alpha 0 stop as CTranslate2 always does (then exactly t2t_jax's); a beam with
   a penalty searches to the limit unless a patience is given."""
-  greedy = ctranslate2_engine.Search(1, 0.6, 'gnmt').options(30)
+  greedy = ctranslate2_engine.Decoding(1, 0.6, 'gnmt').options(30)
   assert (greedy['beam_size'], greedy['length_penalty'], greedy['patience']) == (1, 0.0, 1.0)
-  assert ctranslate2_engine.Search(4, 0.0, 'gnmt').options(30)['patience'] == 1.0
-  assert ctranslate2_engine.Search(4, 1.4, 'length').options(30)['patience'] == 30.0
-  options = ctranslate2_engine.Search(4, 1.4, 'length', patience=1.0).options(30)
+  assert ctranslate2_engine.Decoding(4, 0.0, 'gnmt').options(30)['patience'] == 1.0
+  assert ctranslate2_engine.Decoding(4, 1.4, 'length').options(30)['patience'] == 30.0
+  options = ctranslate2_engine.Decoding(4, 1.4, 'length', patience=1.0).options(30)
   assert (options['length_penalty'], options['patience']) == (1.4, 1.0)
   assert (options['max_decoding_length'], options['min_decoding_length']) == (30, 0)
   with pytest.raises(ConfigError, match="GNMT's length penalty"):
-    ctranslate2_engine.Search(4, 0.6, 'gnmt').check()
+    ctranslate2_engine.Decoding(4, 0.6, 'gnmt').check()
   with pytest.raises(ConfigError, match='--ct2_patience=0.0 must be above 0'):
-    ctranslate2_engine.Search(4, 0.6, 'length', 0.0).check()
+    ctranslate2_engine.Decoding(4, 0.6, 'length', 0.0).check()
 
 
 # The cache of exported models.
@@ -356,8 +356,8 @@ def _model_bin(model_dir: str) -> tuple[int, int, bytes]:
 
 def test_the_export_is_reused_then_rebuilt_when_its_checkpoint_changes(tmp_path):
   workdir = _random_run(tmp_path / 'run', step=5)
-  config = translate.load_config(workdir)
-  vocab = translate.load_vocabulary(config, workdir)
+  config = trained_run.load_config(workdir)
+  vocab = trained_run.load_vocabulary(config, workdir)
   model_dir, exported = ctranslate2_engine.exported_model(config, vocab, workdir)
   assert exported and model_dir == os.path.join(workdir, 'ctranslate2', 'step_5')
   assert sorted(os.listdir(model_dir)) == ['config.json', 'model.bin', 'shared_vocabulary.json',
@@ -388,18 +388,18 @@ def test_the_export_is_reused_then_rebuilt_when_its_checkpoint_changes(tmp_path)
 
 def test_a_failed_export_leaves_no_model_directory(tmp_path, monkeypatch):
   workdir = _random_run(tmp_path / 'run')
-  config = translate.load_config(workdir)
-  vocab = translate.load_vocabulary(config, workdir)
-  real_export = export.export_ctranslate2
+  config = trained_run.load_config(workdir)
+  vocab = trained_run.load_vocabulary(config, workdir)
+  real_export = optional.export_ctranslate2
 
   def failing(workdir, checkpoint, output, quantization=None, weights='params'):
     real_export(workdir, checkpoint, output, quantization, weights)  # Written, then...
     raise OSError(28, 'No space left on device')
-  monkeypatch.setattr(export, 'export_ctranslate2', failing)
+  monkeypatch.setattr(optional, 'export_ctranslate2', failing)
   with pytest.raises(OSError, match='No space left'):
     ctranslate2_engine.exported_model(config, vocab, workdir)
   assert os.listdir(os.path.join(workdir, 'ctranslate2')) == []
-  monkeypatch.setattr(export, 'export_ctranslate2', real_export)
+  monkeypatch.setattr(optional, 'export_ctranslate2', real_export)
   model_dir, exported = ctranslate2_engine.exported_model(config, vocab, workdir)
   assert exported and os.path.isfile(os.path.join(model_dir, 'source.json'))
 
@@ -445,8 +445,8 @@ def test_a_decoder_only_model_stops_at_its_position_limit_in_both_engines(tmp_pa
       str(tmp_path / 'run'), dict(kind='decoder_only', prefix_attention='causal'),
       symbol_logit=1.0, eos_logit=-100.0, max_len=24)
   max_len = 24
-  run = translate.load(workdir, beam_size=beam_size, alpha=0.0)
-  ct2 = translate.load_ctranslate2(workdir, beam_size=beam_size, alpha=0.0)
+  run = trained_run.load(workdir, beam_size=beam_size, alpha=0.0)
+  ct2 = trained_run.load_ctranslate2(workdir, beam_size=beam_size, alpha=0.0)
   assert run.config.eval.max_extra_len + 2 < max_len  # Both caps are reached below.
   rows = [np.array([2 + (i % NUM_SYMBOLS) for i in range(n)] + [EOS_ID], np.int32)
           for n in range(max_len)]  # 1 to max_len tokens, EOS included.

@@ -19,12 +19,12 @@ import pytest
 from conftest import LEARNED_COPY_ACCURACY, ROOT, learns_to_copy, scalar_events, write_lines
 from t2t_jax import ConfigError
 from t2t_jax import sharding
-from t2t_jax import translate
 from t2t_jax.compile import dry_run as dry_run_lib
 from t2t_jax.data import pipeline
 from t2t_jax.data.token_cache import Ragged
 from t2t_jax.decoding import decode
 from t2t_jax.decoding import translator as translator_lib
+from t2t_jax.deploy import trained_run
 from t2t_jax.model import decoder_only
 from t2t_jax.model import flops
 from t2t_jax.model import transformer as model_lib
@@ -271,7 +271,7 @@ def test_config_check_names_what_the_decoder_only_model_and_lm_need(tiny_config)
   for key, value, message in (
       ('model.kind', 'encoder_only', r"config.model.kind='encoder_only' must be one of"),
       ('model.prefix_attention', 'bidirectional', 'config.model.prefix_attention'),
-      ('pipeline.max_len', 64, r'config.data.max_len=64 exceeds config.model.max_len=32')):
+      ('data.max_len', 64, r'config.data.max_len=64 exceeds config.model.max_len=32')):
     broken = config.copy_and_resolve_references()
     section, name = key.split('.')
     broken[section][name] = value
@@ -338,16 +338,16 @@ def test_translate_cli_decodes_a_decoder_only_checkpoint(trained, tmp_path):
   assert result.returncode == 0, result.stderr
   written = output.read_text().split('\n')[:-1]
   assert len(written) == 3 and written[1] == ''
-  run = translate.load(workdir, beam_size=2)
+  run = trained_run.load(workdir, beam_size=2)
   assert run.model_config.kind == 'decoder_only'
-  translations, inputs, outputs = translate.translate_lines(run, lines)
+  translations, inputs, outputs = trained_run.translate_lines(run, lines)
   assert translations == written
   # No encoder-decoder attention to draw: --attention_png's pictures are refused. In process:
   # the command turns a UsageError into one line and a failing status as any other
   # (test_cli.py's test_usage_mistakes_are_one_line_and_a_usage_line), and a second command
   # would load the run and compile its search all over again.
   with pytest.raises(app.UsageError, match='has none'):
-    translate.save_attention_pngs(run, inputs[0], outputs[0], str(tmp_path), 'line1')
+    trained_run.save_attention_pngs(run, inputs[0], outputs[0], str(tmp_path), 'line1')
 
 
 @pytest.mark.slow
@@ -371,7 +371,7 @@ def test_lm_config_trains_on_a_text_file_and_reports_perplexity(tmp_path):
   events = scalar_events(tmp_path / 'run')
   assert events['eval/loss'][5] > results['eval_loss']  # It learns.
   with pytest.raises(ConfigError, match='language model'):
-    translate.load(str(tmp_path / 'run'))
+    trained_run.load(str(tmp_path / 'run'))
 
 
 @pytest.mark.slow

@@ -133,12 +133,24 @@ def test_every_repository_path_in_a_pages_code_exists(page):
 
 
 def test_readme_layout_names_every_module_and_only_modules_that_exist():
+  """The layout's t2t_jax/ tree, a package's modules indented under it, is the package's."""
   readme = open(os.path.join(ROOT, 'README.md')).read()
   layout = readme[readme.index('## Layout'):]
   block = layout[layout.index('```') + 3:]
   block = block[:block.index('```')]
-  listed = set(re.findall(r'^\s+(\w+\.py)\b', block, re.MULTILINE))
-  modules = {name for name in os.listdir(os.path.join(ROOT, 't2t_jax'))
+  tree = block[block.index('t2t_jax/'):].split('\n')[1:]
+  listed, package = set(), ''
+  for line in tree:
+    indent, name = len(line) - len(line.lstrip()), (line.split() or [''])[0]
+    if indent == 0:
+      break  # The next top-level folder.
+    if indent == 2:
+      package = name if name.endswith('/') else ''
+    if name.endswith('.py') and indent == (4 if package else 2):
+      listed.add(package + name)
+  package_root = os.path.join(ROOT, 't2t_jax')
+  modules = {os.path.relpath(os.path.join(directory, name), package_root)
+             for directory, _, names in os.walk(package_root) for name in names
              if name.endswith('.py') and name != '__init__.py'}
   assert not modules - listed, f'missing from the README layout: {sorted(modules - listed)}'
   assert not listed - modules, f'in the README layout but not in t2t_jax/: {sorted(listed - modules)}'

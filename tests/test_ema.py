@@ -16,11 +16,11 @@ from conftest import ROOT, leaves_equal, saved_state_field
 from t2t_jax import CheckpointError
 from t2t_jax import export
 from t2t_jax import sharding
-from t2t_jax import translate
 from t2t_jax.checkpoints import checkpoint
 from t2t_jax.checkpoints import saved_params
 from t2t_jax.data import pipeline
 from t2t_jax.decoding import translator as translator_lib
+from t2t_jax.deploy import trained_run
 from t2t_jax.training import train
 
 OLD_CHECKPOINT = os.path.join(ROOT, 'tests', 'fixtures', 'before_restructure', 'checkpoints')
@@ -142,7 +142,7 @@ def test_resuming_a_checkpoint_without_an_average_starts_it_from_the_params(tmp_
 def test_translate_and_export_read_the_average_when_asked(ema_run, tmp_path):
   workdir, config, _ = ema_run
   step_dir = os.path.join(workdir, 'checkpoints', '6')
-  raw, ema = (translate.load(workdir, weights=w) for w in ('params', 'ema'))
+  raw, ema = (trained_run.load(workdir, weights=w) for w in ('params', 'ema'))
   assert leaves_equal(ema.params, saved_state_field(step_dir, 'ema'))
   assert leaves_equal(raw.params, saved_state_field(step_dir, 'params'))
   assert not leaves_equal(raw.params, ema.params)
@@ -176,7 +176,7 @@ def test_cli_trains_with_an_average_then_translates_and_scores_with_it(tmp_path)
   translated = run('t2t_jax.translate', f'--workdir={workdir}', '--weights=ema',
                    f'--input={tmp_path / "src.txt"}')
   assert translated.returncode == 0, translated.stderr[-3000:]
-  expected = translate.translate_lines(translate.load(workdir, weights='ema'),
+  expected = trained_run.translate_lines(trained_run.load(workdir, weights='ema'),
                                        ['3 1 4', '1 5 2 6'])[0]
   assert translated.stdout.splitlines() == expected
   scored = run('t2t_jax.evaluate', f'--workdir={workdir}', '--weights=ema',

@@ -7,7 +7,7 @@ import ml_collections
 import pytest
 import sacrebleu
 
-from t2t_jax import evaluate
+from t2t_jax.decoding import bleu as bleu_lib
 
 HYPOTHESES = ['Die Ein-Mann-Firma kostet 3,5 Mio. Euro.', 'Der US-Präsident sprach.',
               'Es ist "gut" & schnell.']
@@ -16,7 +16,7 @@ REFERENCES = ['Die Ein-Mann-Firma kostete 3,5 Mio. Euro.', 'Der US-Präsident sp
 
 
 def test_sacrebleu_is_sacrebleu_on_raw_text_with_its_signature():
-  bleu = evaluate.sacrebleu_score(HYPOTHESES, REFERENCES)
+  bleu = bleu_lib.sacrebleu_score(HYPOTHESES, REFERENCES)
   assert bleu.score == pytest.approx(sacrebleu.corpus_bleu(HYPOTHESES, [REFERENCES]).score)
   assert bleu.label == 'sacreBLEU' and 'tok:13a' in bleu.signature
   assert str(bleu).startswith(f'sacreBLEU {bleu.score:.2f} (nrefs:1|')
@@ -30,7 +30,7 @@ def test_sacrebleu_is_sacrebleu_on_raw_text_with_its_signature():
     ('5 - 3 , -2 und x-', '5 - 3 , -2 und x-'),
 ])
 def test_compound_splitting_matches_hand_worked_examples(line, expected):
-  assert evaluate.split_compounds(line) == expected
+  assert bleu_lib.split_compounds(line) == expected
 
 
 def test_compound_split_bleu_is_sacrebleu_on_hand_tokenised_split_text():
@@ -41,9 +41,9 @@ def test_compound_split_bleu_is_sacrebleu_on_hand_tokenised_split_text():
   references = ['Die Ein ##AT##-##AT## Mann ##AT##-##AT## Firma kostete 3,5 Mio. Euro .',
                 'Der US ##AT##-##AT## Präsident sprach gestern .',
                 'Es ist &quot; gut &quot; und schnell .']
-  assert evaluate.moses_tokenize(HYPOTHESES, 'de') == [
+  assert bleu_lib.moses_tokenize(HYPOTHESES, 'de') == [
       h.replace(' ##AT##-##AT## ', '-') for h in hypotheses]
-  bleu = evaluate.compound_split_bleu(HYPOTHESES, REFERENCES, 'de')
+  bleu = bleu_lib.compound_split_bleu(HYPOTHESES, REFERENCES, 'de')
   expected = sacrebleu.corpus_bleu(hypotheses, [references], tokenize='none')
   assert bleu.score == pytest.approx(expected.score)
   assert 'compound split' in bleu.label and 'tok:none' in bleu.signature
@@ -56,10 +56,10 @@ def test_compound_split_bleu_is_sacrebleu_on_hand_tokenised_split_text():
 def test_tokenized_bleu_against_tokenised_references():
   references = ['die ein-mann-firma kostete 3,5 mio. euro .', 'der us-präsident sprach gestern .',
                 'es ist &quot; gut &quot; und schnell .']
-  plain = evaluate.tokenized_bleu(HYPOTHESES, references)
+  plain = bleu_lib.tokenized_bleu(HYPOTHESES, references)
   assert plain.score == pytest.approx(
       sacrebleu.corpus_bleu(HYPOTHESES, [references], tokenize='none').score)
-  full = evaluate.tokenized_bleu(HYPOTHESES, references, lowercase=True,
+  full = bleu_lib.tokenized_bleu(HYPOTHESES, references, lowercase=True,
                                  tokenize_hypotheses=True, lang='de')
   tokenised = ['Die Ein-Mann-Firma kostet 3,5 Mio. Euro .', 'Der US-Präsident sprach .',
                'Es ist &quot; gut &quot; &amp; schnell .']
@@ -71,24 +71,24 @@ def test_tokenized_bleu_against_tokenised_references():
 
 
 def test_exact_match_ignores_whitespace_only():
-  assert evaluate.exact_match(['a  b', 'c'], ['a b', 'd']) == 50.0
-  assert evaluate.exact_match([], []) == 0.0
+  assert bleu_lib.exact_match(['a  b', 'c'], ['a b', 'd']) == 50.0
+  assert bleu_lib.exact_match([], []) == 0.0
 
 
 def test_bleu_schedule_and_sentence_count_semantics():
   config = ml_collections.ConfigDict({'bleu_every': 3000, 'bleu_sentences': -1})
   assert [s for s in (1000, 2000, 3000, 4000, 6000, 6500)
-          if evaluate.bleu_sentences_due(s, 6500, config)] == [3000, 6000, 6500]
+          if bleu_lib.bleu_sentences_due(s, 6500, config)] == [3000, 6000, 6500]
   config.bleu_every, config.bleu_sentences = 0, 200
-  assert evaluate.bleu_sentences_due(1000, 6500, config) == 200
+  assert bleu_lib.bleu_sentences_due(1000, 6500, config) == 200
   config.bleu_sentences = 0
-  assert evaluate.bleu_sentences_due(6500, 6500, config) == 0
+  assert bleu_lib.bleu_sentences_due(6500, 6500, config) == 0
   # The last step decodes all, even with none while training; the others as configured.
   config.full_bleu_at_end = True
-  assert evaluate.bleu_sentences_due(6500, 6500, config) == -1
-  assert evaluate.bleu_sentences_due(6000, 6500, config) == 0
+  assert bleu_lib.bleu_sentences_due(6500, 6500, config) == -1
+  assert bleu_lib.bleu_sentences_due(6000, 6500, config) == 0
   config.bleu_sentences = 200
-  assert evaluate.bleu_sentences_due(6000, 6500, config) == 200
+  assert bleu_lib.bleu_sentences_due(6000, 6500, config) == 200
 
 
 class _CountingTranslator:
@@ -115,20 +115,20 @@ def test_validation_bleu_decodes_the_subset_or_the_override():
   config = ml_collections.ConfigDict({'bleu_sentences': 3, 'bleu_tokenize': 'none',
                                       'bleu_lowercase': False})
   translator = _CountingTranslator()
-  scores, _ = evaluate.validation_bleu(translator, None, split, vocab, config)
+  scores, _ = bleu_lib.validation_bleu(translator, None, split, vocab, config)
   assert translator.counts == [3] and scores['exact_match'] == 100.0
-  evaluate.validation_bleu(translator, None, split, vocab, config, sentences=-1)
-  evaluate.validation_bleu(translator, None, split, vocab, config, sentences=20)
+  bleu_lib.validation_bleu(translator, None, split, vocab, config, sentences=-1)
+  bleu_lib.validation_bleu(translator, None, split, vocab, config, sentences=20)
   assert translator.counts == [3, 10, 10]
 
 
 def test_best_bleu_file_keeps_the_best_step(tmp_path):
   def bleu(score):
-    return evaluate.Bleu(score, 'sacreBLEU', 'sig')
+    return bleu_lib.Bleu(score, 'sacreBLEU', 'sig')
 
-  assert evaluate.record_best_bleu(str(tmp_path), 10, bleu(5.0))
-  assert not evaluate.record_best_bleu(str(tmp_path), 20, bleu(3.0))
+  assert bleu_lib.record_best_bleu(str(tmp_path), 10, bleu(5.0))
+  assert not bleu_lib.record_best_bleu(str(tmp_path), 20, bleu(3.0))
   assert json.load(open(tmp_path / 'best_bleu.json'))['step'] == 10
-  assert evaluate.record_best_bleu(str(tmp_path), 30, bleu(7.5))
+  assert bleu_lib.record_best_bleu(str(tmp_path), 30, bleu(7.5))
   assert json.load(open(tmp_path / 'best_bleu.json')) == {
       'step': 30, 'bleu': 7.5, 'label': 'sacreBLEU', 'signature': 'sig'}

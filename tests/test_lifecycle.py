@@ -28,6 +28,7 @@ import pytest
 from conftest import saved_state_field
 from t2t_jax import cli
 from t2t_jax import NonFiniteLoss
+from t2t_jax import workdir_layout
 from t2t_jax.checkpoints import checkpoint
 from t2t_jax.training import lifecycle
 from t2t_jax.training import train
@@ -59,12 +60,12 @@ def _built_once():
   building does not read it."""
   built, build = {}, train.build
 
-  def cached(config, vocab_size, mesh=None):
+  def cached(config, vocab_size, mesh=None, objective=None):
     key = config.copy_and_resolve_references()
     key.train.step_timeout_seconds = 0.0
-    key = (key.to_json(), vocab_size)
+    key = (key.to_json(), vocab_size, objective)
     if key not in built:
-      built[key] = build(config, vocab_size, mesh)
+      built[key] = build(config, vocab_size, mesh, objective)
     return dataclasses.replace(built[key])
   with pytest.MonkeyPatch.context() as patch:
     patch.setattr(train, 'build', cached)
@@ -177,7 +178,7 @@ def test_a_signal_stops_the_run_saving_the_table_s_step(run, tiny_config, caplog
   assert error.exit_code == 128 + signum and error.step == saved and error.phase == phase
   assert disk['steps'] == steps
   _assert_whole(run.workdir, disk)
-  assert not os.path.exists(os.path.join(run.workdir, train.FINAL_JSON))
+  assert not os.path.exists(os.path.join(run.workdir, workdir_layout.FINAL_JSON))
   name = 'SIGTERM' if signum == signal.SIGTERM else 'Ctrl-C (SIGINT)'
   assert f'{name} received during ' in caplog.text
   if phase == lifecycle.EVALUATION:
@@ -373,7 +374,7 @@ def test_a_nan_loss(run, tiny_config, monkeypatch, phase):
   # An evaluation reports a NaN figure; training goes on; final.json holds null and why.
   how, figures, disk = run(_config(tiny_config), _nan_at(monkeypatch, evaluation=phase))
   assert how == 'finished' and disk['steps'] == [2, 4, 6], (how, figures)
-  final = json.load(open(os.path.join(run.workdir, train.FINAL_JSON)))
+  final = json.load(open(os.path.join(run.workdir, workdir_layout.FINAL_JSON)))
   if phase == lifecycle.FINAL_EVALUATION:
     assert final['eval_loss'] is None and final['null_reasons']['eval_loss'] == 'was nan'
   else:

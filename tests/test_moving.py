@@ -28,6 +28,7 @@ import pytest
 from conftest import ROOT, assert_moved_run_agrees, saved_state_field, scalar_events
 from t2t_jax import ConfigError
 from t2t_jax import exit_codes
+from t2t_jax import workdir_layout
 from t2t_jax.training import optim
 from t2t_jax.training import train
 
@@ -123,7 +124,7 @@ def _stopped_copy(workdir, step: int, destination):
   no event files: the straight run's first steps, for a moved run to resume on another shape.
   Its first launch would have trained those steps on the same shape, to the same bits."""
   shutil.copytree(workdir, destination, ignore=shutil.ignore_patterns(
-      'events.out.tfevents.*', train.FINAL_JSON))
+      'events.out.tfevents.*', workdir_layout.FINAL_JSON))
   later = [name for name in os.listdir(destination / 'checkpoints')
            if name.isdigit() and int(name) > step]
   assert later, later

@@ -224,8 +224,8 @@ def test_a_config_saved_before_the_keys_existed_means_the_paper_model():
 
 
 def test_a_config_saved_with_the_old_local_window_key_loads_under_the_new_name(tmp_path):
-  from t2t_jax import translate  # pylint: disable=g-import-not-at-top
   from t2t_jax.checkpoints import checkpoint  # pylint: disable=g-import-not-at-top
+  from t2t_jax.deploy import trained_run  # pylint: disable=g-import-not-at-top
   from configs import tiny  # pylint: disable=g-import-not-at-top
   config = tiny.get_config()
   config.model.local_half_width = 5
@@ -235,7 +235,7 @@ def test_a_config_saved_with_the_old_local_window_key_loads_under_the_new_name(t
   assert model_lib.TransformerConfig.from_config(legacy, VOCAB).local_half_width == 5
   assert checkpoint.config_differences(json.dumps(saved), config) == {}
   (tmp_path / 'config.json').write_text(json.dumps(saved))
-  assert translate.load_config(str(tmp_path)).model.local_half_width == 5
+  assert trained_run.load_config(str(tmp_path)).model.local_half_width == 5
   config.model.local_half_width = 6  # A real change is still reported, under the new name.
   assert checkpoint.config_differences(json.dumps(saved), config) == {
       'model.local_half_width': (5, 6)}

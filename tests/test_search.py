@@ -368,7 +368,7 @@ def test_the_budget_is_trials_or_hours_since_the_first_trial_began(tmp_path, tin
   args = argparse.Namespace(storage='', study='search', seeds=1, seeds_for_best=0)
   search = search_space.check({'params': {'opt.lr_scale': ('uniform', 1.0, 2.0)},
                                'metric': 'eval_loss', 'trials': 2, 'hours': 1.0})
-  runner = driver.Search(args, search, ['python'], str(tmp_path), tiny_config)
+  runner = driver.StudyDriver(args, search, ['python'], str(tmp_path), tiny_config)
   assert runner._budget_left(runner.study.get_trials())  # pylint: disable=protected-access
   for _ in range(2):
     runner.study.tell(runner.study.ask(), 1.0)

@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, write_lines
-from t2t_jax import evaluate
 from t2t_jax import plot
-from t2t_jax import translate
 from t2t_jax.checkpoints import checkpoint
 from t2t_jax.checkpoints import saved_params
+from t2t_jax.decoding import bleu as bleu_lib
+from t2t_jax.deploy import trained_run
 from t2t_jax.model import transformer as model_lib
 
 
@@ -47,13 +47,13 @@ def test_training_records_the_best_bleu_step(workdir):
 
 def test_the_best_bleu_record_keeps_the_first_highest_score(tmp_path):
   scores = {100: 12.5, 200: 31.0, 300: 30.9, 400: 31.0, 500: 7.0}
-  kept = [evaluate.record_best_bleu(str(tmp_path), step, evaluate.Bleu(score, 'sacreBLEU', 's'))
+  kept = [bleu_lib.record_best_bleu(str(tmp_path), step, bleu_lib.Bleu(score, 'sacreBLEU', 's'))
           for step, score in scores.items()]
   assert kept == [True, True, False, False, False]
   assert json.load(open(tmp_path / 'best_bleu.json')) == {
       'step': 200, 'bleu': 31.0, 'label': 'sacreBLEU', 'signature': 's'}
   # A resumed run that evaluates step 200 again replaces its own record, even lower.
-  assert evaluate.record_best_bleu(str(tmp_path), 200, evaluate.Bleu(30.0, 'sacreBLEU', 's'))
+  assert bleu_lib.record_best_bleu(str(tmp_path), 200, bleu_lib.Bleu(30.0, 'sacreBLEU', 's'))
   assert json.load(open(tmp_path / 'best_bleu.json'))['bleu'] == 30.0
 
 
@@ -63,7 +63,7 @@ def test_a_config_saved_before_eval_length_penalty_existed_loads_with_gnmts(tmp_
   saved = json.loads(config.to_json_best_effort())
   del saved['eval']['length_penalty']
   (tmp_path / 'config.json').write_text(json.dumps(saved))
-  assert translate.load_config(str(tmp_path)).eval.length_penalty == 'gnmt'
+  assert trained_run.load_config(str(tmp_path)).eval.length_penalty == 'gnmt'
   assert checkpoint.config_differences(json.dumps(saved), config) == {}  # A resume sees none.
   config.eval.length_penalty = 'length'
   assert checkpoint.config_differences(json.dumps(saved), config) == {
@@ -72,17 +72,17 @@ def test_a_config_saved_before_eval_length_penalty_existed_loads_with_gnmts(tmp_
 
 @pytest.mark.slow
 def test_restore_params_reads_the_checkpointed_parameters(workdir):
-  run = translate.load(workdir, checkpoint='10')
+  run = trained_run.load(workdir, checkpoint='10')
   state_dir = os.path.join(workdir, 'checkpoints', '10', 'state')
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
   saved = ocp.PyTreeCheckpointer().restore(state_dir)['params']  # Everything, unsharded.
   for restored, expected in zip(jax.tree.leaves(run.params), jax.tree.leaves(saved)):
     np.testing.assert_array_equal(np.asarray(restored), np.asarray(expected))
-  latest = translate.load(workdir)
+  latest = trained_run.load(workdir)
   assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(latest.params),
                                                       jax.tree.leaves(run.params)))
   with pytest.raises(checkpoint.CheckpointError, match=r'no checkpoint of step 7 .* \[10, 20\]'):
-    translate.load(workdir, checkpoint='7')
+    trained_run.load(workdir, checkpoint='7')
   with pytest.raises(checkpoint.CheckpointError, match='no checkpoint in'):
     saved_params.restore_params(os.path.join(workdir, 'nothing'), run.params)
 
@@ -100,8 +100,8 @@ def test_translate_cli_keeps_order_blank_lines_and_warns_on_truncation(workdir, 
   assert translations[1] == ''
   assert f'{source}:4: 40 tokens, truncated to the first 31' in result.stderr
   assert result.stderr.count('truncated') == 1  # Only line 4 is named.
-  run = translate.load(workdir, beam_size=2, alpha=0.6)
-  assert translate.translate_lines(run, lines)[0] == translations[:-1]
+  run = trained_run.load(workdir, beam_size=2, alpha=0.6)
+  assert trained_run.translate_lines(run, lines)[0] == translations[:-1]
   # stdin to stdout gives the same text.
   piped = _run('t2t_jax.translate', f'--workdir={workdir}', '--beam_size=2', '--alpha=0.6',
                stdin='\n'.join(lines) + '\n')
@@ -119,14 +119,14 @@ def test_translate_cli_names_a_bad_symbol_and_a_missing_run(workdir, tmp_path):
 
 @pytest.mark.slow
 def test_attention_pictures_one_per_decoder_layer(workdir, tmp_path):
-  run = translate.load(workdir)
-  translations, inputs, outputs = translate.translate_lines(run, ['3 1 4 1 5'])
-  weights = translate.cross_attention(run, inputs[0], translate._strip_to_eos(outputs[0]))
+  run = trained_run.load(workdir)
+  translations, inputs, outputs = trained_run.translate_lines(run, ['3 1 4 1 5'])
+  weights = trained_run.cross_attention(run, inputs[0], trained_run._strip_to_eos(outputs[0]))
   assert len(weights) == run.model_config.num_decoder_layers
   heads, queries, keys = weights[0].shape
   assert heads == run.model_config.num_heads and keys == len(inputs[0])
   np.testing.assert_allclose(weights[0].sum(-1), 1.0, atol=1e-5)
-  paths = translate.save_attention_pngs(run, inputs[0], outputs[0], str(tmp_path), 'line1')
+  paths = trained_run.save_attention_pngs(run, inputs[0], outputs[0], str(tmp_path), 'line1')
   assert [os.path.basename(p) for p in paths] == ['line1_layer1.png']
   with open(paths[0], 'rb') as f:
     assert f.read(8) == b'\x89PNG\r\n\x1a\n'
@@ -140,9 +140,9 @@ def test_attention_of_scanned_layers_is_that_of_unrolled_layers():
   params = nn.meta.unbox(model_lib.Transformer(config).init(jax.random.PRNGKey(0), tokens,
                                                             tokens)['params'])
   source, output = [3, 5, 2, 1], [4, 6, 1]
-  expected = translate.cross_attention(types.SimpleNamespace(model_config=config, params=params),
+  expected = trained_run.cross_attention(types.SimpleNamespace(model_config=config, params=params),
                                        source, output)
-  weights = translate.cross_attention(types.SimpleNamespace(
+  weights = trained_run.cross_attention(types.SimpleNamespace(
       model_config=scanned, params=model_lib.stack_layer_params(params, config)), source, output)
   assert len(weights) == 2 and weights[0].shape == (2, 3, 4)
   for actual, wanted in zip(weights, expected):
@@ -176,7 +176,7 @@ def test_evaluate_cli_needs_files_for_a_run_without_text_files(workdir, tmp_path
 
 @pytest.mark.slow
 def test_decoding_dtype_comes_from_the_flag_or_the_config(workdir):
-  assert translate.load(workdir, dtype='bfloat16').translator.config.dtype == jnp.bfloat16
-  assert translate.load(workdir, dtype='model').translator.config.dtype == jnp.float32
+  assert trained_run.load(workdir, dtype='bfloat16').translator.config.dtype == jnp.bfloat16
+  assert trained_run.load(workdir, dtype='model').translator.config.dtype == jnp.float32
   # config.eval.dtype 'auto': float32 on CPU, where bfloat16 arithmetic is slower.
-  assert translate.load(workdir).translator.config.dtype == jnp.float32
+  assert trained_run.load(workdir).translator.config.dtype == jnp.float32

@@ -30,8 +30,8 @@ from t2t_jax import as_asked
 from t2t_jax import CheckpointError
 from t2t_jax import ConfigError
 from t2t_jax.checkpoints import saved_params
-from t2t_jax.training import optim
 from t2t_jax.checkpoints.saved_params import CONFIG, STATE
+from t2t_jax import workdir_layout
 
 RNG, DATA = 'rng', 'data'  # Items of a training checkpoint beside STATE and CONFIG.
 # Config keys a resume may change: where, how often and how fast the run computes, what it
@@ -78,7 +78,7 @@ class Checkpointer:
   def __init__(self, workdir: str, ckpt_config):
     _drop_late_writer_callbacks()  # Library noise after a failed save: see there.
     self.workdir = os.path.abspath(workdir)
-    self.directory = os.path.join(self.workdir, 'checkpoints')
+    self.directory = workdir_layout.checkpoints_dir(self.workdir)
     self.every = ckpt_config.every
     policies = [checkpoint_managers.LatestN(n=ckpt_config.keep)]
     if ckpt_config.keep_every > 0:
@@ -200,7 +200,7 @@ class Checkpointer:
         logging.info('Restored checkpoint %s', path)
         for bad in damaged:  # Only now: an intact older one proves the reading code works.
           logging.warning('Moved damaged checkpoint %d to %s', bad, self._move_damaged(bad))
-        return Restored(step, _with_ema(target.replace(**restored[STATE]), abstract_state),
+        return Restored(step, target.replace(**restored[STATE]),
                         jnp.asarray(restored[RNG]['dropout']), restored[DATA], saved_config)
       damaged.append(step)
       fallback = (f'falling back to step {steps[index + 1]}' if index + 1 < len(steps) else
@@ -283,19 +283,13 @@ def saved_tree(state):
 
 def _without_missing_ema(path: str, abstract_state, arrays: dict):
   """`abstract_state` without its moving average if the checkpoint holds none (one written
-  with opt.ema_decay = 0): `_with_ema` starts the average from the restored params."""
+  with opt.ema_decay = 0): the restored state's `ema` is then None, and the training loop
+  starts the average from the restored params."""
   if abstract_state.ema is None or any(key.startswith('ema/') for key in arrays):
     return abstract_state
   logging.info('Checkpoint %s holds no moving average of the weights (written with '
                'opt.ema_decay=0): starting it from the restored params.', path)
   return abstract_state.replace(ema=None)
-
-
-def _with_ema(state, abstract_state):
-  """The restored state, its moving average started from its params if it had none."""
-  if abstract_state.ema is None or state.ema is not None:
-    return state
-  return state.replace(ema=optim.ema_init(state.params))
 
 
 def _drop_late_writer_callbacks() -> None:

@@ -8,6 +8,7 @@ import ml_collections
 
 from t2t_jax import as_asked
 from t2t_jax import CheckpointError
+from t2t_jax import workdir_layout
 from t2t_jax.data import pipeline
 from t2t_jax.data import tokenizer
 
@@ -15,7 +16,7 @@ from t2t_jax.data import tokenizer
 def load_config(workdir: str) -> ml_collections.ConfigDict:
   """The config training wrote to <workdir>/config.json, as asked (its values resolved for
   the training devices are for resuming; translation resolves for its own)."""
-  path = os.path.join(workdir, 'config.json')
+  path = os.path.join(workdir, workdir_layout.CONFIG_JSON)
   try:
     with open(path) as f:
       return ml_collections.ConfigDict(as_asked(json.load(f)))

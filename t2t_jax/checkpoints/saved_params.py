@@ -19,6 +19,7 @@ import orbax.checkpoint as ocp
 
 from t2t_jax import CheckpointError
 from t2t_jax import ConfigError
+from t2t_jax import workdir_layout
 
 STATE, CONFIG, PARAMS, INFO = 'state', 'config', 'params', 'info'  # Orbax item names.
 # Which weights of a training checkpoint to read: the params, or their moving average.
@@ -184,9 +185,9 @@ def _check_weights(path: str, weights: str, wrapped: bool, saved: dict) -> None:
                           'config.opt.ema_decay > 0.')
 
 
-def resolve(workdir: str, checkpoint: str | None = None) -> str:
+def checkpoint_path(workdir: str, checkpoint: str | None = None) -> str:
   """The directory named by `checkpoint`: None the latest step, digits a step, else a path."""
-  directory = os.path.join(os.path.abspath(workdir), 'checkpoints')
+  directory = workdir_layout.checkpoints_dir(workdir)
   if checkpoint and not checkpoint.isdigit():
     if not os.path.isdir(checkpoint):
       raise CheckpointError(f'checkpoint directory {checkpoint} does not exist')
@@ -211,7 +212,7 @@ def restore_params(workdir: str, abstract_params, checkpoint: str | None = None,
 
   Without an explicit checkpoint a damaged latest step is skipped with a warning.
   """
-  path = resolve(workdir, checkpoint)
+  path = checkpoint_path(workdir, checkpoint)
   if checkpoint is not None:
     return load_params(path, abstract_params, weights)
   steps = sorted((int(n) for n in os.listdir(os.path.dirname(path)) if n.isdigit()),

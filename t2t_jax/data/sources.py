@@ -17,14 +17,11 @@ from typing import Callable, Iterable, Iterator
 from absl import logging
 
 from t2t_jax import ConfigError
+from t2t_jax.errors import DataError  # Defined with the other user errors.
 
 SPLITS = ('train', 'eval', 'test')
 BAD_LINE_POLICIES = ('error', 'skip')
 SOURCES = ('synthetic', 'text', 'tsv', 'tfds', 'lm')  # config.data.source
-
-
-class DataError(ValueError):
-  """Bad input data, with the file and line at fault."""
 
 
 @dataclasses.dataclass(frozen=True)

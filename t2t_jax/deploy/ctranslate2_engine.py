@@ -22,7 +22,6 @@ import hashlib
 import json
 import os
 import shutil
-import socket
 import tempfile
 import time
 from typing import Callable, Sequence
@@ -32,16 +31,17 @@ import numpy as np
 
 from t2t_jax import ConfigError
 from t2t_jax import EOS_ID
-from t2t_jax import export
+from t2t_jax import workdir_lock
+from t2t_jax import workdir_layout
 from t2t_jax.checkpoints import saved_params
 from t2t_jax.decoding import translator as translator_lib
 from t2t_jax.decoding.decode import max_decode_length
 from t2t_jax.deploy import export_ctranslate2
+from t2t_jax.deploy import optional
 from t2t_jax.model.model_config import TransformerConfig
 
-CACHE_DIR = 'ctranslate2'  # Under the workdir.
 SOURCE_FILE = 'source.json'  # In each model directory: what it was exported from.
-PARTIAL_PREFIX = '.partial-'
+PARTIAL_STEM = '.partial'  # An export being written: workdir_lock.scratch_prefix's stem.
 # Compute types CTranslate2 can load a model in; which of them a CPU runs,
 # ctranslate2.get_supported_compute_types('cpu') says ('float32', 'int8', 'int8_float32' here).
 COMPUTE_TYPES = ('default', 'auto', 'float32', 'int8', 'int8_float32', 'int8_float16',
@@ -49,7 +49,7 @@ COMPUTE_TYPES = ('default', 'auto', 'float32', 'int8', 'int8_float32', 'int8_flo
 
 
 def _ctranslate2():
-  return export.import_needing_ctranslate2('ctranslate2', '--engine=ctranslate2')
+  return optional.import_needing_ctranslate2('ctranslate2', '--engine=ctranslate2')
 
 
 # The cache of exported models.
@@ -59,7 +59,7 @@ def model_name(workdir: str, checkpoint_path: str, weights: str = 'params') -> s
   """The cache entry's name of a checkpoint: `step_<N>` for the run's own steps."""
   checkpoint_path = os.path.abspath(checkpoint_path)
   parent, base = os.path.split(os.path.normpath(checkpoint_path))
-  if base.isdigit() and parent == os.path.join(os.path.abspath(workdir), 'checkpoints'):
+  if base.isdigit() and parent == workdir_layout.checkpoints_dir(workdir):
     name = f'step_{base}'
   else:
     name = f'{base}_{hashlib.sha256(checkpoint_path.encode()).hexdigest()[:8]}'
@@ -93,44 +93,21 @@ def _recorded_source(model_dir: str) -> dict | None:
     return None
 
 
-def _remove_abandoned(cache: str) -> None:
-  """Removes partial exports that processes of this host left behind when they died."""
-  mine = f'{PARTIAL_PREFIX}{socket.gethostname()}-'
-  for name in os.listdir(cache):
-    if not name.startswith(mine):
-      continue
-    pid = name[len(mine):].split('-', 1)[0]
-    if pid.isdigit() and not _running(int(pid)):
-      logging.info('Removing %s, an export its process (%s) left unfinished', name, pid)
-      shutil.rmtree(os.path.join(cache, name), ignore_errors=True)
-
-
-def _running(pid: int) -> bool:
-  try:
-    os.kill(pid, 0)
-  except ProcessLookupError:
-    return False
-  except PermissionError:  # Another user's process.
-    return True
-  return True
-
-
 def exported_model(config, vocab, workdir: str, checkpoint: str | None = None,
                    weights: str = 'params') -> tuple[str, bool]:
   """The cached CTranslate2 model of a checkpoint (default the latest), exported first when
   absent or out of date; returns its directory and whether it was exported now."""
-  checkpoint_path = saved_params.resolve(workdir, checkpoint)
-  cache = os.path.join(os.path.abspath(workdir), CACHE_DIR)
+  checkpoint_path = saved_params.checkpoint_path(workdir, checkpoint)
+  cache = workdir_layout.ctranslate2_dir(workdir)
   model_dir = os.path.join(cache, model_name(workdir, checkpoint_path, weights))
   source = export_source(config, vocab, checkpoint_path, weights)
   if _recorded_source(model_dir) == source:
     return model_dir, False
   os.makedirs(cache, exist_ok=True)
-  _remove_abandoned(cache)
-  partial = tempfile.mkdtemp(prefix=f'{PARTIAL_PREFIX}{socket.gethostname()}-{os.getpid()}-',
-                             dir=cache)
+  workdir_lock.remove_dead_scratch(cache, PARTIAL_STEM)  # Exports of processes that died.
+  partial = tempfile.mkdtemp(prefix=workdir_lock.scratch_prefix(PARTIAL_STEM), dir=cache)
   try:
-    written = export.export_ctranslate2(workdir, checkpoint_path,
+    written = optional.export_ctranslate2(workdir, checkpoint_path,
                                         os.path.join(partial, 'model'), weights=weights)
     with open(os.path.join(written, SOURCE_FILE), 'w') as f:
       json.dump(source, f, indent=1)
@@ -150,7 +127,7 @@ def exported_model(config, vocab, workdir: str, checkpoint: str | None = None,
 
 
 @dataclasses.dataclass(frozen=True)
-class Search:
+class Decoding:
   """The search CTranslate2 runs: beam size 1 is greedy search; beam scores are divided by
   length ** alpha ('length'; GNMT's ((5 + length) / 6) ** alpha only at alpha 0, where both
   are 1). `patience` None stops a sentence where t2t_jax's search would give the same output
@@ -206,13 +183,13 @@ class Translator:
   each output is at most its source length + `max_extra_len` tokens (capped by the model's
   max_len). Greedy search is t2t_jax's (the export keeps PAD out of the softmax, and greedy
   search never picks PAD anyway); so is beam search with `search.patience` None, up to the
-  scores' share of PAD and rounding (`Search.options`).
+  scores' share of PAD and rounding (`Decoding.options`).
   """
 
   engine = 'ctranslate2'
 
   def __init__(self, model_dir: str, vocab, model_config: TransformerConfig, batch_tokens: int,
-               max_extra_len: int, search: Search = Search(), compute_type: str = 'float32',
+               max_extra_len: int, search: Decoding = Decoding(), compute_type: str = 'float32',
                threads: int = 0):
     search.check()
     ctranslate2 = _ctranslate2()
@@ -328,7 +305,7 @@ def from_config(config, model_config: TransformerConfig, vocab, workdir: str,
   """The CTranslate2 translator of a run's checkpoint, decoding as its config.eval asks; the
   arguments given override the config's values. Exports the checkpoint first if its cached
   model is absent or out of date."""
-  search = Search(config.eval.beam_size if beam_size is None else beam_size,
+  search = Decoding(config.eval.beam_size if beam_size is None else beam_size,
                   config.eval.alpha if alpha is None else alpha,
                   config.eval.length_penalty if length_penalty is None else length_penalty,
                   patience)

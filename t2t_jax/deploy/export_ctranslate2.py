@@ -32,6 +32,7 @@ import numpy as np
 
 from t2t_jax import CheckpointError, ConfigError
 from t2t_jax import EOS_ID, PAD_ID
+from t2t_jax import workdir_layout
 from t2t_jax.checkpoints import saved_params
 from t2t_jax.data import tokenizer
 from t2t_jax.deploy import ctranslate2_decoder_only
@@ -151,9 +152,9 @@ def export(workdir: str, checkpoint_name: str | None = None, output: str = '',
   model_config = TransformerConfig.from_config(config.model, vocab.vocab_size,
                                                jax.devices()[0].platform)
   check_exportable(model_config)
-  path = saved_params.resolve(workdir, checkpoint_name)
+  path = saved_params.checkpoint_path(workdir, checkpoint_name)
   output = output or os.path.join(
-      os.path.abspath(workdir), 'export',
+      workdir_layout.export_dir(workdir),
       f'{os.path.basename(os.path.normpath(path))}{"_ema" if weights == "ema" else ""}'
       f'_ctranslate2_{quantization or "float32"}')
   if os.path.exists(output):

@@ -70,8 +70,10 @@ def abstract_params(model_config: TransformerConfig, mesh, axis_rules):
   return abstract_tree(init, mesh, axis_rules)[0]
 
 
-def build(config, vocab_size: int, mesh=None) -> Setup:
-  """Model, optimiser and the jitted init/train/eval with shardings from the logical axes."""
+def build(config, vocab_size: int, mesh=None, objective: Callable | None = None) -> Setup:
+  """Model, optimiser and the jitted init/train/eval with shardings from the logical axes;
+  the steps compute `objective` (a task's, training/task.py; None: step.model_metrics)."""
+  objective = objective or step.model_metrics
   mesh = mesh if mesh is not None else sharding.make_mesh(config.mesh)
   axis_rules = sharding.rules(config.mesh)
   model_config = TransformerConfig.from_config(config.model, vocab_size,
@@ -84,13 +86,13 @@ def build(config, vocab_size: int, mesh=None) -> Setup:
   batch_sharding = sharding.batch_sharding(mesh)
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   jit_init = jax.jit(lambda rng: nn.meta.unbox(init(rng)), out_shardings=shardings)
-  jit_train = jax.jit(train_step_of(config, model_config, optimizer),
+  jit_train = jax.jit(train_step_of(config, model_config, optimizer, objective=objective),
                       in_shardings=(shardings, batch_sharding, replicated),
                       out_shardings=(shardings, replicated), donate_argnums=0)
   jit_eval = jax.jit(
       functools.partial(step.eval_step, model=make_model(dataclasses.replace(
           model_config, deterministic=True)), label_smoothing=config.opt.label_smoothing,
-                        loss_chunk_tokens=config.opt.loss_chunk_tokens),
+                        loss_chunk_tokens=config.opt.loss_chunk_tokens, objective=objective),
       in_shardings=(shardings.params, batch_sharding), out_shardings=replicated)
   schedule = optim.learning_rate_schedule(config.opt, config.model.d_model,
                                           config.train.num_steps)

@@ -21,6 +21,7 @@ from jax.experimental import multihost_utils
 import numpy as np
 
 from t2t_jax import exit_codes
+from t2t_jax.errors import DiskFull  # Defined with the other user errors.
 from t2t_jax import workdir_lock
 
 STARTUP, STEP, SAVE, EVALUATION, FINAL_EVALUATION = (
@@ -55,11 +56,6 @@ class Interrupted(BaseException):
   """A signal arrived in an interruptible phase: its work is abandoned. Like KeyboardInterrupt
   it is not an Exception, so no `except Exception` on the way (a logging handler's, a
   library's) swallows it."""
-
-
-class DiskFull(RuntimeError):
-  """A write other than a checkpoint's failed for want of space (checkpoints say so in their
-  own CheckpointError)."""
 
 
 def _exit(status: int, cleanup) -> None:

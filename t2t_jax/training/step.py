@@ -3,7 +3,7 @@
 Shapes in names follow the package legend (t2t_jax/__init__.py).
 """
 
-from typing import Any
+from typing import Any, Callable
 
 import flax
 import flax.linen as nn
@@ -68,8 +68,12 @@ def train_step(state: TrainState, batch: dict, rng: jax.Array, *, model: nn.Modu
                optimizer: optax.GradientTransformation, label_smoothing: float,
                grad_accum_steps: int = 1, loss_chunk_tokens: int = 0,
                dropout_prng: str = 'threefry2x32', moe_aux_loss_weight: float = 0.0,
-               ema_decay: float = 0.0):
+               ema_decay: float = 0.0, objective: Callable = model_metrics):
   """One update on the loss per real target token of the whole (global) batch.
+
+  `objective` gives the batch's metric sums ('loss' and 'weight' among them) from the model,
+  the params, the batch, `label_smoothing` and `loss_chunk_tokens` (training/task.py); the
+  default is the token cross-entropy of `model_metrics`.
 
   With experts the objective is that loss plus `moe_aux_loss_weight` times the MoE layers'
   mean load-balancing loss; the 'loss' metric stays the token loss alone.
@@ -88,12 +92,12 @@ def train_step(state: TrainState, batch: dict, rng: jax.Array, *, model: nn.Modu
                      f'config.opt.grad_accum_steps={grad_accum_steps} equal micro-batches')
 
   def loss_sum_fn(params, micro_batch, micro_rng):
-    metrics = model_metrics(model, params, micro_batch, label_smoothing, loss_chunk_tokens,
-                            rngs={'dropout': micro_rng})
-    objective = metrics['loss']
+    metrics = objective(model, params, micro_batch, label_smoothing, loss_chunk_tokens,
+                        rngs={'dropout': micro_rng})
+    loss = metrics['loss']
     if 'moe_aux_loss' in metrics:  # Scaled by the tokens like the loss: the same division.
-      objective += moe_aux_loss_weight * metrics['moe_aux_loss']
-    return objective, metrics
+      loss += moe_aux_loss_weight * metrics['moe_aux_loss']
+    return loss, metrics
 
   grad_fn = jax.grad(loss_sum_fn, has_aux=True)
   if grad_accum_steps == 1:
@@ -129,6 +133,6 @@ def _split_rows(x_BL: jax.Array, parts: int) -> jax.Array:
 
 
 def eval_step(params, batch: dict, *, model: nn.Module, label_smoothing: float,
-              loss_chunk_tokens: int = 0):
-  """Metric sums of the deterministic model on one batch (no update)."""
-  return model_metrics(model, params, batch, label_smoothing, loss_chunk_tokens)
+              loss_chunk_tokens: int = 0, objective: Callable = model_metrics):
+  """The objective's metric sums of the deterministic model on one batch (no update)."""
+  return objective(model, params, batch, label_smoothing, loss_chunk_tokens)

@@ -9,7 +9,7 @@ import dataclasses
 import json
 import os
 import time
-from typing import Any
+from typing import Any, Sequence
 
 from absl import logging
 import jax
@@ -19,28 +19,32 @@ import tensorboardX
 
 from t2t_jax import CheckpointError
 from t2t_jax import cli
-from t2t_jax import evaluate
 from t2t_jax import runtime
 from t2t_jax import sharding
+from t2t_jax import workdir_layout
 from t2t_jax import workdir_lock
 from t2t_jax.checkpoints import checkpoint
 from t2t_jax.checkpoints import saved_params
 from t2t_jax.data import pipeline as data
-from t2t_jax.decoding import translator as translator_lib
 from t2t_jax.model import flops
 from t2t_jax.model import prng
 from t2t_jax.training import lifecycle
 from t2t_jax.training import metric_log
 from t2t_jax.training import optim
 from t2t_jax.training import resolve
+from t2t_jax.training import task as task_lib
+from t2t_jax.training import tasks
 from t2t_jax.training.build import Setup, build, count_params  # pylint: disable=unused-import
-from t2t_jax.tuning import trial_report
-
-FINAL_JSON = 'final.json'  # The final figures of a finished run, one strict JSON line.
 
 
-def train_and_evaluate(config, workdir: str, force_unlock: bool = False) -> dict[str, Any]:
+def train_and_evaluate(config, workdir: str, force_unlock: bool = False,
+                       reporters: Sequence[task_lib.Reporter] = (),
+                       task: task_lib.Task | None = None) -> dict[str, Any]:
   """Trains `config` in `workdir` (resuming if it holds a checkpoint); returns final figures.
+
+  `task`: what the run trains and how it is judged (task.py); None is the config's
+  (tasks.for_config). `reporters` hear each in-loop evaluation's figures and may stop the run;
+  a stopped run saves its step and raises task.Pruned.
 
   Process 0 holds the workdir's lock throughout: a second launch on it is refused, on every
   process, while this one lives (`force_unlock` takes the lock regardless). SIGTERM and Ctrl-C
@@ -53,9 +57,10 @@ def train_and_evaluate(config, workdir: str, force_unlock: bool = False) -> dict
                            config.train.step_timeout_seconds) as life:
     try:
       with workdir_lock.hold(workdir, force_unlock):
-        return _train_and_evaluate(config, resolved, workdir, life)
+        return _train_and_evaluate(config, resolved, workdir, life,
+                                   task or tasks.for_config(config), tuple(reporters))
     except lifecycle.Interrupted:  # Start-up, or the final evaluation of a resumed run.
-      raise life.stopped(None, os.path.join(os.path.abspath(workdir), 'checkpoints')) from None
+      raise life.stopped(None, workdir_layout.checkpoints_dir(workdir)) from None
 
 
 @dataclasses.dataclass
@@ -64,23 +69,24 @@ class _Launch:
   config: Any
   workdir: str
   setup: Setup
-  task: data.TaskData
+  splits: data.TaskData
   eval_batches: Any
   train_iter: Any
   state: Any  # step.TrainState
   dropout_rng: jax.Array
   resumed: bool
   checkpointer: checkpoint.Checkpointer
-  translator: translator_lib.Translator
+  evaluators: list  # task.Evaluator, made for this launch.
   writer: Any  # tensorboardX.SummaryWriter, or metric_log.NullWriter off process 0.
   config_json: str
-  pruned: str | None = None  # Why a search's pruner stopped the run (trial_report.py).
+  pruned: str | None = None  # Why a reporter stopped the run (task.py).
 
 
 def _train_and_evaluate(config, resolved: resolve.Resolved, workdir: str,
-                        life: lifecycle.Lifecycle) -> dict[str, Any]:
+                        life: lifecycle.Lifecycle, task: task_lib.Task,
+                        reporters: tuple) -> dict[str, Any]:
   with life.phase(lifecycle.STARTUP):
-    launch = _start(config, resolved, workdir)
+    launch = _start(config, resolved, workdir, task)
   life.remove_unfinished = launch.checkpointer.remove_unfinished
   start_step, train_start = int(launch.state.step), time.perf_counter()
   log = metric_log.MetricLog(launch.writer, launch.setup.schedule, config.train.num_steps,
@@ -88,9 +94,8 @@ def _train_and_evaluate(config, resolved: resolve.Resolved, workdir: str,
                                  list(launch.setup.mesh.devices.flat),
                                  launch.setup.model_config.dtype))
   logging.info('Training from step %d to %d', start_step, config.train.num_steps)
-  reporter = trial_report.from_environment() if jax.process_index() == 0 else None
   try:
-    results, preempted = _train(launch, log, life, reporter)
+    results, preempted = _train(launch, log, life, reporters)
   except Exception:  # NaN loss, full disk, ...: the save in flight (of a good step) finishes.
     _close_after_error(launch.checkpointer)
     raise
@@ -104,13 +109,14 @@ def _train_and_evaluate(config, resolved: resolve.Resolved, workdir: str,
     if preempted:
       raise life.stopped(step, launch.checkpointer.directory)
     if jax.process_index() == 0:
-      trial_report.record(workdir, step, launch.pruned)
-    raise trial_report.Pruned(step, launch.pruned)
+      for reporter in reporters:
+        reporter.record(workdir, step, launch.pruned)
+    raise task_lib.Pruned(step, launch.pruned)
   saved = _read_final(workdir, step) if not results else None
   if not results and not saved:  # Resumed at the end, figures unsaved: evaluate again.
     with life.phase(lifecycle.FINAL_EVALUATION, step):
-      results, _ = evaluate_state(launch.setup, launch.state, launch.task, launch.eval_batches,
-                                  config, launch.translator)
+      results = evaluate_state(launch.setup, launch.state, launch.eval_batches, config,
+                               launch.evaluators, step)
   with life.phase(lifecycle.SAVE, step):
     launch.checkpointer.close()
   launch.writer.close()
@@ -122,7 +128,7 @@ def _train_and_evaluate(config, resolved: resolve.Resolved, workdir: str,
              'train_seconds': round(time.perf_counter() - train_start, 1)}
   if jax.process_index() == 0:  # Sweep summaries and a resumed finished run read it back.
     with life.phase(lifecycle.FINAL_EVALUATION, step), open(
-        os.path.join(workdir, FINAL_JSON), 'w') as f:
+        os.path.join(workdir, workdir_layout.FINAL_JSON), 'w') as f:
       f.write(cli.json_line(figures) + '\n')
   return figures
 
@@ -136,7 +142,7 @@ def _close_after_error(checkpointer: checkpoint.Checkpointer) -> None:
     logging.warning('%s', e)
 
 
-def _start(config, resolved: resolve.Resolved, workdir: str) -> _Launch:
+def _start(config, resolved: resolve.Resolved, workdir: str, task: task_lib.Task) -> _Launch:
   """Mesh, data and jitted functions; the state restored from the workdir or initialised."""
   mesh = sharding.make_mesh(config.mesh)
   checkpointer = checkpoint.Checkpointer(workdir, config.ckpt)
@@ -144,12 +150,12 @@ def _start(config, resolved: resolve.Resolved, workdir: str) -> _Launch:
   if saved:  # A resume: refused before any work if it cannot go on as the run saved it.
     checkpoint.refuse_changes(*saved, config)
     resolved = resolve.for_saved_run(config, resolved, saved[1], saved[0])
-  task = _load_data(config, workdir)
-  train_batches, eval_batches = _batchers(config, task, resolved)
-  setup = build(config, data.vocab_size(config), mesh)
+  splits = _load_data(config, workdir)
+  train_batches, eval_batches = _batchers(config, splits, resolved)
+  setup = build(config, data.vocab_size(config), mesh, task.objective)
   logging.info('Model: %d parameters; mesh %s; %d train / %d eval pairs; %d batches per epoch',
-               count_params(setup.abstract_state.params), dict(mesh.shape), len(task.train),
-               len(task.eval), len(train_batches))
+               count_params(setup.abstract_state.params), dict(mesh.shape), len(splits.train),
+               len(splits.eval), len(train_batches))
   init_rng, dropout_rng = jax.random.split(jax.random.PRNGKey(config.seed))
   dropout_rng = prng.dropout_key(dropout_rng, config.model.dropout_prng)
   train_iter = data.train_iterator(train_batches)
@@ -158,6 +164,8 @@ def _start(config, resolved: resolve.Resolved, workdir: str) -> _Launch:
     resolve.check_resume(restored.config_json, config, resolved,
                          os.path.join(checkpointer.directory, str(restored.step)))
     state, dropout_rng = restored.state, restored.rng
+    if state.ema is None and setup.abstract_state.ema is not None:  # Saved without one.
+      state = state.replace(ema=optim.ema_init(state.params))
     train_iter.set_state(restored.data_state)
   else:
     state = setup.init(init_rng)
@@ -172,20 +180,20 @@ def _start(config, resolved: resolve.Resolved, workdir: str) -> _Launch:
   writer = (tensorboardX.SummaryWriter(workdir, purge_step=int(state.step) + 1 if restored
                                        else None)
             if jax.process_index() == 0 else metric_log.NullWriter())
-  return _Launch(config, workdir, setup, task, eval_batches, train_iter, state,
-                 dropout_rng, bool(restored), checkpointer, translator_lib.from_config(
-                     config, setup.model_config, setup.mesh, setup.axis_rules,
-                     dtype=resolved.eval_dtype), writer, config_json)
+  context = task_lib.EvalContext(config, setup, splits, workdir, resolved.eval_dtype)
+  return _Launch(config, workdir, setup, splits, eval_batches, train_iter, state, dropout_rng,
+                 bool(restored), checkpointer, [make(context) for make in task.evaluators],
+                 writer, config_json)
 
 
 def _train(launch: _Launch, log: metric_log.MetricLog, life: lifecycle.Lifecycle,
-           reporter: trial_report.Reporter | None = None) -> tuple[dict, bool]:
+           reporters: tuple = ()) -> tuple[dict, bool]:
   """Steps from the state's step to config.train.num_steps, saving and evaluating on the way.
 
   Returns the last evaluation's figures and whether a signal (SIGTERM, Ctrl-C) stopped the loop
-  after saving the step it arrived in. `launch.state` follows the steps. In a search's trial
-  (trial_report.py) each evaluation before the last is reported; where the pruner stops the
-  run, the step is saved and `launch.pruned` says why.
+  after saving the step it arrived in. `launch.state` follows the steps. Each evaluation's
+  figures go to the `reporters` (task.py); where one stops the run, the step is saved and
+  `launch.pruned` says why.
   """
   config, setup = launch.config, launch.setup
   num_steps, results, pending, seen_shapes = config.train.num_steps, {}, None, set()
@@ -223,7 +231,7 @@ def _train(launch: _Launch, log: metric_log.MetricLog, life: lifecycle.Lifecycle
           if not save_now:
             _save(launch, life, step)
       if evaluate_now and not preempted:
-        launch.pruned = trial_report.decide(reporter, step, results, is_last)
+        launch.pruned = task_lib.first_stop(reporters, step, results, is_last)
         if launch.pruned and not save_now:
           _save(launch, life, step)
     if preempted or launch.pruned:
@@ -246,19 +254,19 @@ def _evaluate(launch: _Launch, life: lifecycle.Lifecycle, step: int, saved_now: 
   config, setup = launch.config, launch.setup
   phase = (lifecycle.FINAL_EVALUATION if step == config.train.num_steps else
            lifecycle.EVALUATION)
-  sentences = evaluate.bleu_sentences_due(step, config.train.num_steps, config.eval)
   with life.phase(phase, step):
     logging.info('step %d: evaluating', step)
-    results, bleu = evaluate_state(setup, launch.state, launch.task, launch.eval_batches,
-                                   config, launch.translator, sentences)
-  if bleu and jax.process_index() == 0:  # A file write: not abandoned half-way by a signal.
-    evaluate.record_best_bleu(launch.workdir, step, bleu)
+    results = evaluate_state(setup, launch.state, launch.eval_batches, config,
+                             launch.evaluators, step)
+  if jax.process_index() == 0:  # File writes: not abandoned half-way by a signal.
+    for evaluator in launch.evaluators:
+      evaluator.record(launch.workdir, step)
   if config.eval.average_last and saved_now:
     averaged, steps = launch.checkpointer.average_last(config.eval.average_last,
                                                        setup.abstract_state.params)
     with life.phase(phase, step):
-      averaged_results, _ = run_evaluation(setup, averaged, launch.task, launch.eval_batches,
-                                           config, launch.translator, sentences)
+      averaged_results = run_evaluation(setup, averaged, launch.eval_batches, config,
+                                        launch.evaluators, step, primary=False)
     results.update({f'averaged_{name}': value for name, value in averaged_results.items()})
     logging.info('Averaged checkpoints %s', steps)
   for name, value in results.items():
@@ -267,11 +275,11 @@ def _evaluate(launch: _Launch, life: lifecycle.Lifecycle, step: int, saved_now: 
   return results
 
 
-def _batchers(config, task: data.TaskData, resolved: resolve.Resolved) -> tuple:
+def _batchers(config, splits: data.TaskData, resolved: resolve.Resolved) -> tuple:
   """(train, eval) batch plans; this process collates only its rows of each global batch."""
-  if not len(task.train):
+  if not len(splits.train):
     raise data.DataError('no training pairs are left after reading and filtering the data')
-  return data.make_batchers(config, task.train, task.eval, resolved.batch_shards,
+  return data.make_batchers(config, splits.train, splits.eval, resolved.batch_shards,
                             jax.process_index(), jax.process_count(),
                             resolved.train_row_multiple)
 
@@ -289,63 +297,50 @@ def _write_config(config, resolved: resolve.Resolved, workdir: str) -> str:
   """Writes the config as text, and as JSON with what it resolved to; returns the JSON."""
   config_json = resolve.config_json(config, resolved)
   if jax.process_index() == 0:
-    with open(os.path.join(workdir, 'config.txt'), 'w') as f:
+    with open(os.path.join(workdir, workdir_layout.CONFIG_TEXT), 'w') as f:
       f.write(f'{config}\n# resolved for these devices (config.json has both):\n'
               + ''.join(f'# {key}: {value}\n' for key, value in resolved.as_dict().items()))
-    with open(os.path.join(workdir, 'config.json'), 'w') as f:
+    with open(os.path.join(workdir, workdir_layout.CONFIG_JSON), 'w') as f:
       f.write(config_json)
   return config_json
 
 
-def evaluate_state(setup: Setup, state, task: data.TaskData, eval_batches, config,
-                   translator: translator_lib.Translator, bleu_sentences: int | None = None
-                   ) -> tuple[dict[str, float], evaluate.Bleu | None]:
+def evaluate_state(setup: Setup, state, eval_batches, config, evaluators, step: int
+                   ) -> dict[str, float]:
   """`run_evaluation` of the params and, if the state keeps one, of their moving average,
-  whose figures are named with an 'ema_' prefix (ema_eval_loss, ema_bleu, ...). The BLEU
-  returned is the params'.
+  whose figures are named with an 'ema_' prefix (ema_eval_loss, ema_bleu, ...).
 
   The average is evaluated in the params' dtype (config.model.param_dtype), as translate
   --weights=ema reads it.
   """
-  results, bleu = run_evaluation(setup, state.params, task, eval_batches, config, translator,
-                                 bleu_sentences)
+  results = run_evaluation(setup, state.params, eval_batches, config, evaluators, step)
   if state.ema is not None:
     ema = jax.tree.map(lambda e, p: e.astype(p.dtype), state.ema, state.params)
-    ema_results, _ = run_evaluation(setup, ema, task, eval_batches, config, translator,
-                                    bleu_sentences)
+    ema_results = run_evaluation(setup, ema, eval_batches, config, evaluators, step,
+                                 primary=False)
     results.update({f'ema_{name}': value for name, value in ema_results.items()})
-  return results, bleu
+  return results
 
 
-def run_evaluation(setup: Setup, params, task: data.TaskData, eval_batches, config,
-                   translator: translator_lib.Translator, bleu_sentences: int | None = None
-                   ) -> tuple[dict[str, float], evaluate.Bleu | None]:
-  """Eval loss/accuracy on the eval set, and BLEU and exact match of `bleu_sentences` decodes
-  (0 none, -1 all, N the first N; default `config.eval.bleu_sentences`)."""
+def run_evaluation(setup: Setup, params, eval_batches, config, evaluators, step: int,
+                   primary: bool = True) -> dict[str, float]:
+  """The objective's eval figures (loss, accuracy, perplexity) on the eval set, then each
+  evaluator's at `step` (a translation run's: BLEU and exact match of the sentences due);
+  `primary`: the run's own params."""
   sums = None
   for batch in data.eval_batches(eval_batches, config.eval.num_batches):
     metrics = jax.device_get(setup.eval_step(params, sharding.global_batch(batch, setup.mesh)))
     sums = metrics if sums is None else jax.tree.map(np.add, sums, metrics)
   if sums is None:
     logging.warning('The eval set is empty: no eval figures.')
-    return {}, None
+    return {}
   results = {f'eval_{k}': v for k, v in optim.summarize(sums).items()}
-  bleu = None
-  if bleu_sentences is None:
-    bleu_sentences = config.eval.bleu_sentences
-  if bleu_sentences and len(task.eval):
-    scores, bleu = evaluate.validation_bleu(translator, params, task.eval, task.vocab,
-                                            config.eval, config.eval.examples_to_print,
-                                            bleu_sentences)
-    results.update(scores)
-  return results, bleu
+  for evaluator in evaluators:
+    results.update(evaluator(params, step, primary))
+  return results
 
 
 def _read_final(workdir: str, step: int) -> dict[str, Any] | None:
   """The figures a finished run saved at `step`, or None (none saved, or of another step)."""
-  try:
-    with open(os.path.join(workdir, FINAL_JSON)) as f:
-      saved = json.load(f)
-  except (OSError, ValueError):
-    return None
-  return saved if saved.get('step') == step else None
+  saved = workdir_layout.read_final(workdir)
+  return saved if saved and saved.get('step') == step else None

@@ -203,11 +203,11 @@ def _hide_password(url: str) -> str:
 
 def reported_metrics(config) -> set[str]:
   """What the in-loop evaluations of a run of `config` report, at some step."""
-  from t2t_jax import evaluate  # pylint: disable=g-import-not-at-top
+  from t2t_jax.decoding import bleu as bleu_lib  # pylint: disable=g-import-not-at-top
   names = {'eval_loss', 'eval_accuracy', 'eval_perplexity'}
   num_steps, every = config.train.num_steps, config.train.eval_every
   steps = set(range(every, num_steps + 1, every)) if every > 0 else set()
-  if any(evaluate.bleu_sentences_due(step, num_steps, config.eval)
+  if any(bleu_lib.bleu_sentences_due(step, num_steps, config.eval)
          for step in steps | {num_steps}):
     names |= {'bleu', 'exact_match'}
   if config.opt.get('ema_decay', 0):

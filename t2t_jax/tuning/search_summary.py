@@ -3,13 +3,13 @@ trials best first with their overrides and the command that reproduces each, see
 standard deviation and spread, Optuna's parameter importances, the training pruning saved,
 and plots of the metric against each hyperparameter and of every trial's curve."""
 
-import json
 import os
 import statistics
 
 import numpy as np
 
 from t2t_jax import cli
+from t2t_jax import workdir_layout
 from t2t_jax.tuning.search_space import SearchError
 
 STATE_ORDER = ('COMPLETE', 'PRUNED', 'RUNNING', 'WAITING', 'FAIL')
@@ -19,26 +19,11 @@ def overrides_text(params: dict) -> str:
   return ' '.join(f'--config.{key}={value}' for key, value in params.items())
 
 
-def _read_json(path: str) -> dict | None:
-  try:
-    with open(path) as f:
-      text = f.read().strip()
-  except OSError:
-    return None
-  try:  # A JSON file, or JSON lines (final.json): the last record.
-    return json.loads(text)
-  except ValueError:
-    try:
-      return json.loads(text.splitlines()[-1])
-    except (ValueError, IndexError):
-      return None
-
-
 def load_study(root: str):
   """(study, record of <root>/search.json)."""
   import optuna  # pylint: disable=g-import-not-at-top
   from t2t_jax.tuning import search_space  # pylint: disable=g-import-not-at-top
-  record = _read_json(os.path.join(root, 'search.json'))
+  record = workdir_layout.read_json(os.path.join(root, 'search.json'))
   if record is None:
     raise SearchError(f'{root}: no search.json: not the --workdir of a search')
   optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -50,10 +35,10 @@ def load_study(root: str):
 def seed_values(root: str, number: int, metric: str, first) -> list[float]:
   """The metric of a trial's runs: the trial's own (`first`), then each finished repeat's."""
   values = [] if first is None else [float(first)]
-  prefix = f'trial_{number:04d}_seed'
+  prefix = workdir_layout.trial_name(number) + '_seed'
   for name in sorted(os.listdir(root)):
     if name.startswith(prefix):
-      final = _read_json(os.path.join(root, name, 'final.json'))
+      final = workdir_layout.read_final(os.path.join(root, name))
       if final and final.get(metric) is not None:
         values.append(float(final[metric]))
   return values
@@ -74,8 +59,10 @@ def rows(root: str, study, record: dict) -> list[dict]:
   out = []
   for trial in study.get_trials(deepcopy=False):
     steps = sorted(trial.intermediate_values)
-    run = _read_json(os.path.join(root, f'trial_{trial.number:04d}', 'search_trial.json')) or {}
-    final = _read_json(os.path.join(root, f'trial_{trial.number:04d}', 'final.json')) or {}
+    run = workdir_layout.read_json(os.path.join(root, workdir_layout.trial_name(trial.number),
+                                                 'search_trial.json')) or {}
+    final = workdir_layout.read_final(
+        os.path.join(root, workdir_layout.trial_name(trial.number))) or {}
     stats = aggregate(seed_values(root, trial.number, metric, trial.value)
                       if trial.state.name == 'COMPLETE' else [])
     out.append({'trial': trial.number, 'state': trial.state.name, 'value': trial.value,
@@ -96,7 +83,8 @@ def pruning_savings(root: str, table: list[dict]) -> str:
     return 'Pruning: no trial was pruned.'
   num_steps = {}
   for r in pruned:
-    config = _read_json(os.path.join(root, f'trial_{r["trial"]:04d}', 'config.json')) or {}
+    config = workdir_layout.read_json(os.path.join(
+        root, workdir_layout.trial_name(r['trial']), workdir_layout.CONFIG_JSON)) or {}
     num_steps[r['trial']] = config.get('train', {}).get('num_steps')
   done = [r for r in table if r['state'] == 'COMPLETE' and r['train_seconds'] and r['step']]
   skipped = sum(num_steps[r['trial']] - r['step'] for r in pruned if num_steps[r['trial']])

@@ -1,5 +1,6 @@
 """The training side of a hyperparameter search (launch/search.py): a run started as a trial
-reports its metric at each in-loop evaluation to the study, and stops when the pruner says so.
+reports its metric at each in-loop evaluation to the study, and stops when the pruner says so,
+through the reporter seam of the training loop (training/task.py).
 
 launch/search.py sets the environment variable T2T_JAX_TRIAL to a JSON object: the storage,
 the study's name, the trial's id, the metric and the pruner ('median', {...}). Without it
@@ -12,20 +13,13 @@ import os
 from absl import logging
 import numpy as np
 
+from t2t_jax import workdir_layout
+
 ENV = 'T2T_JAX_TRIAL'
-PRUNED_FILE = 'pruned.json'  # In the workdir of a pruned run: its step and why.
 
 
-class Pruned(Exception):
-  """The search's pruner stopped the run; its step is saved."""
-
-  def __init__(self, step: int, why: str):
-    super().__init__(f'{why}; step {step} is saved')
-    self.step, self.why = step, why
-
-
-class Reporter:
-  """Reports a run's evaluations to its trial and asks the pruner."""
+class _Study:
+  """Process 0's connection to the trial: reports its evaluations and asks the pruner."""
 
   def __init__(self, spec: dict):
     import optuna  # pylint: disable=g-import-not-at-top
@@ -64,26 +58,32 @@ class Reporter:
     return self.study.direction == optuna.study.StudyDirection.MAXIMIZE
 
 
-def from_environment() -> Reporter | None:
+class TrialReporter:
+  """A run as a search's trial: a reporter of the training loop (training/task.py)."""
+
+  def __init__(self, spec: dict):
+    import jax  # pylint: disable=g-import-not-at-top
+    self._study = _Study(spec) if jax.process_index() == 0 else None
+
+  def decide(self, step: int, results: dict, last: bool) -> str | None:
+    """Process 0's answer, on every process: why the run stops here, or None."""
+    import jax  # pylint: disable=g-import-not-at-top
+    why = self._study.report(step, results, last) if self._study else None
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+      stop = multihost_utils.broadcast_one_to_all(np.int32(why is not None))
+      if stop and why is None:
+        why = 'pruned by the search (process 0 logged why)'
+    return why
+
+  def record(self, workdir: str, step: int, why: str) -> None:
+    """Writes pruned.json, which the search reads if it missed the exit status."""
+    with open(os.path.join(workdir, workdir_layout.PRUNED_JSON), 'w') as f:
+      json.dump({'step': step, 'why': why}, f)
+    logging.warning('%s', why)
+
+
+def from_environment() -> TrialReporter | None:
+  """The trial's reporter where launch/search.py started this run (every process), else None."""
   text = os.environ.get(ENV)
-  return Reporter(json.loads(text)) if text else None
-
-
-def decide(reporter: Reporter | None, step: int, results: dict, last: bool) -> str | None:
-  """Process 0's answer, on every process: why the run stops here, or None."""
-  import jax  # pylint: disable=g-import-not-at-top
-  why = (reporter.report(step, results, last) if reporter and jax.process_index() == 0
-         else None)
-  if jax.process_count() > 1 and os.environ.get(ENV):
-    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-    stop = multihost_utils.broadcast_one_to_all(np.int32(why is not None))
-    if stop and why is None:
-      why = 'pruned by the search (process 0 logged why)'
-  return why
-
-
-def record(workdir: str, step: int, why: str) -> None:
-  """Writes pruned.json, which the search reads if it missed the exit status."""
-  with open(os.path.join(workdir, PRUNED_FILE), 'w') as f:
-    json.dump({'step': step, 'why': why}, f)
-  logging.warning('%s', why)
+  return TrialReporter(json.loads(text)) if text else None
