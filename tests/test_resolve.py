@@ -18,6 +18,7 @@ from t2t_jax import as_asked
 from t2t_jax import ConfigError
 from t2t_jax.compile import targets
 from t2t_jax.data import batching
+from t2t_jax.decoding import translator
 from t2t_jax.model import model_config as model_config_lib
 from t2t_jax.training import resolve
 from t2t_jax.training import train
@@ -118,7 +119,7 @@ def test_training_refuses_to_resume_where_auto_would_resolve_otherwise(tiny_run,
 
   def as_on_a_gpu(config, devices=None):  # What a GPU host resolves 'auto' to.
     return dataclasses.replace(real(config, devices), platform='gpu',
-                               eval_dtype=train.translator_lib.eval_dtype(
+                               eval_dtype=translator.eval_dtype(
                                    config.eval.dtype, 'float32', 'gpu'))
   monkeypatch.setattr(train.resolve, 'resolve', as_on_a_gpu)
   config = tiny.get_config()

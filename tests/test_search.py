@@ -18,6 +18,7 @@ import pytest
 
 from conftest import ROOT, assert_drawn, scalar_events
 from t2t_jax.tuning import search_space
+from t2t_jax.tuning import trial_report
 from t2t_jax.tuning import search_summary
 from t2t_jax.tuning.search_space import SearchError
 
@@ -359,6 +360,41 @@ def test_a_killed_driver_is_started_again_and_no_trial_completes_twice(tmp_path)
               if 'Training from step ' in line]
     assert len(starts) == 2 and starts[0].startswith('0 ') and not starts[1].startswith('0 ')
   assert 'trial_0001 resume' in output and 'trial_0002 killed (code=-9)' in output
+
+
+def test_a_trial_run_reports_to_its_study_and_is_pruned_below_the_median(tmp_path,
+                                                                           monkeypatch):
+  """The training side in process (tuning/trial_report.py): the reporter a trial's run gets from
+  T2T_JAX_TRIAL reports each evaluation to its trial in a real SQLite study, and stops the run
+  where the median pruner says so, never at the last step; pruned.json records why."""
+  url = f'sqlite:///{tmp_path}/study.db'
+  study = optuna.create_study(study_name='s', storage=url, direction='minimize')
+  for loss in (1.0, 2.0, 3.0):  # Completed trials at step 5: median 2, best 1.
+    done = study.ask()
+    done.report(loss, 5)
+    study.tell(done, loss)
+  monkeypatch.delenv(trial_report.ENV, raising=False)
+  assert trial_report.from_environment() is None  # Not a trial: the loop gets no reporter.
+
+  def new_trial_and_its_reporter():
+    trial = study.ask()
+    monkeypatch.setenv(trial_report.ENV, json.dumps({
+        'storage': url, 'study': 's', 'trial_id': trial._trial_id, 'metric': 'eval_loss',
+        'pruner': ['median', {'n_startup_trials': 0, 'n_warmup_steps': 0}]}))
+    return trial, trial_report.from_environment()
+
+  trial, reporter = new_trial_and_its_reporter()
+  assert reporter.decide(5, {'eval_loss': 1.5}, last=False) is None  # Better than the median.
+  assert reporter.decide(5, {'bleu': 9.0}, last=False) is None  # No metric: nothing reported.
+  assert study.trials[trial.number].intermediate_values == {5: 1.5}
+  _, reporter = new_trial_and_its_reporter()
+  assert reporter.decide(5, {'eval_loss': 2.5}, last=True) is None  # The last step: never.
+  trial, reporter = new_trial_and_its_reporter()
+  why = reporter.decide(5, {'eval_loss': 2.5}, last=False)
+  assert why == (f'trial {trial.number} pruned at step 5 by the median pruner: eval_loss 2.5; '
+                 'the 3 completed trials at this step: median 2, best 1')
+  reporter.record(str(tmp_path), 5, why)
+  assert json.loads((tmp_path / 'pruned.json').read_text()) == {'step': 5, 'why': why}
 
 
 def test_the_budget_is_trials_or_hours_since_the_first_trial_began(tmp_path, tiny_config):

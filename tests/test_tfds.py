@@ -153,8 +153,8 @@ def test_bad_tfds_examples_are_named_or_skipped(tiny_config, tmp_path, caplog, b
 def test_training_from_a_prepared_cache_needs_no_tensorflow(tiny_config, tmp_path, mock_wmt):
   config = _tfds_config(tiny_config, tmp_path)
   prepared = data.load(config, '')
-  code = ('import sys, json; from ml_collections import ConfigDict; from t2t_jax import data; '
-          'task = data.load(ConfigDict(json.loads(sys.argv[1])), ""); '
+  code = ('import sys, json; from ml_collections import ConfigDict; from t2t_jax.data import pipeline; '
+          'task = pipeline.load(ConfigDict(json.loads(sys.argv[1])), ""); '
           "print(len(task.train), len(task.eval), sorted(m for m in sys.modules "
           "if m.split('.')[0] in ('tensorflow', 'tensorflow_datasets')))")
   output = subprocess.run([sys.executable, '-c', code, config.to_json()], cwd=ROOT,

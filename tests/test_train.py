@@ -15,13 +15,15 @@ import numpy as np
 import optax
 import pytest
 
-from conftest import adam_moments, assert_adam_runs_agree, scalar_events, text_config
+from conftest import adam_moments, assert_adam_runs_agree, leaves_equal, saved_state_field
+from conftest import scalar_events, text_config
 from t2t_jax import plot
 from t2t_jax import sharding
 from t2t_jax.data import pipeline
 from t2t_jax.model import transformer as model_lib
 from t2t_jax.training import metric_log
 from t2t_jax.training import step as step_lib
+from t2t_jax.training import task as task_lib
 from t2t_jax.training import train
 
 
@@ -53,6 +55,69 @@ def test_train_and_evaluate_writes_events_config_and_checkpoint(tiny_config, tin
   # Launched again when finished: nothing trains; the saved figures, train_loss included.
   assert train.train_and_evaluate(tiny_config, workdir) == json.loads(saved)
   assert np.isfinite(json.loads(saved)['train_loss'])
+
+
+@pytest.mark.slow
+def test_a_task_handed_to_the_loop_is_what_it_trains_evaluates_and_reports_to(tiny_config,
+                                                                             tiny_run, tmp_path):
+  """The seam (training/task.py): a task and a reporter of the test's own, handed to the
+  unchanged loop. Its objective is the model's with the loss multiplied by zero: every
+  gradient is zero, so Adam (no weight decay in configs/tiny.py) leaves the weights as they
+  were initialised, where the default task's run of the same config (tiny_run) moves them; the
+  eval step computes it too (an eval loss of 0 beside the model's real perplexity). Its
+  evaluator's figures reach the logs, TensorBoard and the results; the reporter stops the run
+  at step 10, which is saved."""
+  assert tiny_config.opt.weight_decay == 0.0 and not tiny_config.opt.ema_decay
+
+  def untrainable(model, params, batch, label_smoothing, loss_chunk_tokens=0, **kwargs):
+    sums = step_lib.model_metrics(model, params, batch, label_smoothing, loss_chunk_tokens,
+                                  **kwargs)
+    return dict(sums, loss=0.0 * sums['loss'])
+
+  seen = []
+
+  class Counter:
+    """An evaluator: which parameters it was asked to judge, and a figure of its own."""
+
+    def __init__(self, context: task_lib.EvalContext):
+      assert context.workdir == str(tmp_path) and context.config.train.num_steps == 20
+      self.calls = 0
+
+    def __call__(self, params, step, primary):
+      self.calls += 1
+      seen.append((step, primary))
+      return {'evaluations_so_far': float(self.calls)}
+
+    def record(self, workdir, step):
+      (tmp_path / f'recorded_{step}').write_text('')
+
+  class StopAtTen:
+    def decide(self, step, results, last):
+      assert results['evaluations_so_far'] == step // 5 and not last
+      return 'ten is enough' if step == 10 else None
+
+    def record(self, workdir, step, why):
+      (tmp_path / 'stopped').write_text(f'{step}: {why}')
+
+  config = tiny_config
+  config.train.eval_every = config.ckpt.every = 5
+  task = task_lib.Task('untrainable', objective=untrainable, evaluators=(Counter,))
+  with pytest.raises(task_lib.Pruned) as stopped:
+    train.train_and_evaluate(config, str(tmp_path), reporters=(StopAtTen(),), task=task)
+  assert stopped.value.step == 10 and (tmp_path / 'stopped').read_text() == '10: ten is enough'
+  assert seen == [(5, True), (10, True)]
+  assert sorted(p.name for p in tmp_path.glob('recorded_*')) == ['recorded_10', 'recorded_5']
+  assert sorted(os.listdir(tmp_path / 'checkpoints')) == ['10', '5']
+  events = scalar_events(tmp_path)
+  assert events['evaluations_so_far'] == {5: 1.0, 10: 2.0}
+  assert events['eval/loss'] == {5: 0.0, 10: 0.0} and events['eval/perplexity'][10] > 1.0
+  assert 'bleu' not in events  # The default task's evaluator was not made.
+  # Zero gradients: the weights of step 10 are those of step 5 (and of the start), bit for bit;
+  # the default objective's run of the same config moved them between its saves.
+  assert leaves_equal(saved_state_field(tmp_path / 'checkpoints' / '5'),
+                      saved_state_field(tmp_path / 'checkpoints' / '10'))
+  assert not leaves_equal(saved_state_field(f'{tiny_run[0]}/checkpoints/10'),
+                          saved_state_field(f'{tiny_run[0]}/checkpoints/20'))
 
 
 def test_metric_log_reports_model_flops_and_mfu(monkeypatch):
