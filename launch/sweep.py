@@ -32,6 +32,7 @@ LAUNCH_DIR = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(LAUNCH_DIR))  # The checkout's t2t_jax, installed or not.
 from t2t_jax import cli  # pylint: disable=g-import-not-at-top,wrong-import-position
 from t2t_jax import exit_codes  # pylint: disable=g-import-not-at-top,wrong-import-position
+from t2t_jax import workdir_layout  # pylint: disable=g-import-not-at-top,wrong-import-position
 STATUS_FILE = 'sweep_status.json'  # Left by a SLURM array element that ended without success.
 PREEMPTED = exit_codes.PREEMPTED  # The element is requeued, not failed.
 SUMMARY_COLUMNS = ('step', 'bleu', 'eval_loss', 'train_loss', 'steps_per_second',
@@ -194,7 +195,7 @@ def _read_runs(root: str) -> tuple[list[str], list[dict], dict[str, str]]:
   for name in sorted(os.listdir(root)):
     workdir = os.path.join(root, name)
     point_path = os.path.join(workdir, 'sweep_point.json')
-    final_path = os.path.join(workdir, 'final.json')
+    final_path = os.path.join(workdir, workdir_layout.FINAL_JSON)
     if not (os.path.exists(point_path) or os.path.exists(final_path)):
       continue
     overrides, final, status = {}, None, None
@@ -202,8 +203,7 @@ def _read_runs(root: str) -> tuple[list[str], list[dict], dict[str, str]]:
       with open(point_path) as f:
         overrides = json.load(f)['overrides']
     if os.path.exists(final_path):
-      with open(final_path) as f:
-        final = json.loads(f.read().strip().splitlines()[-1])
+      final = workdir_layout.read_final(workdir)
     elif os.path.exists(os.path.join(workdir, STATUS_FILE)):
       with open(os.path.join(workdir, STATUS_FILE)) as f:
         status = json.load(f)

@@ -21,15 +21,15 @@ from t2t_jax import ConfigError
 from t2t_jax import EOS_ID
 from t2t_jax import sharding
 from t2t_jax.checkpoints import saved_params
+from t2t_jax.checkpoints.run_files import load_config, load_vocabulary
 from t2t_jax.data import tokenizer
+from t2t_jax.data.sources import DataError
 from t2t_jax.decoding import translator as translator_lib
+from t2t_jax.decoding.decode import LENGTH_PENALTIES
 from t2t_jax.deploy import ctranslate2_engine
+from t2t_jax.model.model_config import TransformerConfig
 from t2t_jax.model.transformer import Transformer
 from t2t_jax.training import build
-from t2t_jax.decoding.decode import LENGTH_PENALTIES
-from t2t_jax.checkpoints.run_files import load_config, load_vocabulary
-from t2t_jax.data.sources import DataError
-from t2t_jax.model.model_config import TransformerConfig
 
 FLAGS = flags.FLAGS
 
