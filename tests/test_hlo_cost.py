@@ -197,3 +197,81 @@ def test_fp8_arrays_have_one_byte_an_element_and_slice_sends_their_operand_once(
   assert hlo_text.total_bytes('(f8e4m3fn[4,8]{1,0}, f8e5m2[16]{0})') == 32 + 16
   send = hlo_cost.Collective('one-to-one', 1000.0, [], 1, 2)
   assert send.wire_bytes == 1000.0
+
+
+def test_an_asynchronous_slice_reads_only_its_slice():
+  """A TPU program prefetches pieces of a weight into on-chip memory with slice-start: the
+  piece is read from HBM, not the whole weight ((source alias), piece, context)."""
+  hlo = '''HloModule slices
+
+ENTRY %main (w: f32[512,8,64]) -> f32[512,2,64] {
+  %w = f32[512,8,64]{2,1,0} parameter(0)
+  %piece = ((f32[512,8,64]{2,1,0}), f32[512,2,64]{2,1,0:S(1)}, s32[]) slice-start(%w), slice={[0:512], [2:4], [0:64]}
+  %near = f32[512,2,64]{2,1,0:S(1)} slice-done(%piece)
+  ROOT %out = f32[512,2,64]{2,1,0} copy(%near)
+}
+'''
+  kernels = {k.name: k.hbm_bytes for k in hlo_cost.analyse(hlo, 1).kernels}
+  assert kernels['piece'] == 512 * 2 * 64 * 4  # A quarter of the weight, and nothing written.
+  assert kernels['out'] == 512 * 2 * 64 * 4  # The copy reads on-chip memory, writes HBM.
+
+
+@pytest.mark.parametrize('op_name, part', [
+    ('jit(train_step)/jvp(Transformer)/Transformer.encode/encoder_3/attention_block/norm/mul',
+     'layer norms'),
+    ('jit(train_step)/transpose(jvp(Transformer))/Transformer.decode/decoder_0/'
+     'cross_attention_block/cross_attention/dot_general', 'attention'),
+    ('jit(train_step)/jvp(Transformer)/Transformer.encode/encoder_5/ffn_block/ffn/wi/dot_general',
+     'feed-forward'),
+    ('jit(train_step)/transpose(jvp(Transformer))/Transformer.encode/source_embedder/embedding/'
+     'jit(_take)/scatter-add', 'embedding'),
+    ('jit(train_step)/jvp()/while/body/closed_call/transpose(jvp(Transformer.output_logits))/'
+     'embedding.attend/dot_general', 'loss'),
+    ('jit(train_step)/jvp()/loss/while/body/closed_call/reduce_sum', 'loss'),
+    ('jit(train_step)/optimizer/sqrt', 'optimiser'),
+    ('jit(train_step)/xor', 'other'), ('', 'other')])
+def test_a_kernel_belongs_to_the_part_its_op_name_names(op_name, part):
+  assert hlo_cost.part_of(op_name) == part
+
+
+def test_bytes_by_part_add_up_and_a_copy_is_charged_to_its_user():
+  """Each part's kernels are those its named scope made, a fused kernel with a matmul the
+  matmul's (the CPU fuses the loss into it); the parts' bytes add up to the program's; a
+  copy with no metadata of its own belongs to the kernel that uses it."""
+  def step(x, w):
+    with jax.named_scope('attention'):
+      h = jnp.tanh(x @ w)
+    with jax.named_scope('loss'):
+      loss = jnp.sum(h * h)
+    with jax.named_scope('optimizer'):
+      return loss, w - 0.1 * jnp.exp(w)
+  cost, _ = _cost(step, _f32(64, 128), _f32(128, 128))
+  target = targets.parse('gpu:h100x8')
+  parts = roofline.by_part(cost, target)
+  assert set(parts) <= set(hlo_cost.PARTS) and {'attention', 'optimiser'} <= set(parts)
+  assert sum(row['hbm_bytes'] for row in parts.values()) == pytest.approx(cost.hbm_bytes,
+                                                                           rel=1e-3)
+  # Its only matmul (the CPU fuses the loss into it: the kernel is the matmul's).
+  assert parts['attention']['flops'] == pytest.approx(2 * 64 * 128 * 128, rel=1e-3)
+  # The update reads and writes the weight at least once.
+  assert parts['optimiser']['hbm_bytes'] >= 2 * 128 * 128 * 4
+  heaviest = roofline.heaviest(cost, target, n=3)
+  assert len(heaviest) == min(3, len(cost.kernels))
+  assert [k['seconds'] for k in heaviest] == sorted((k['seconds'] for k in heaviest),
+                                                    reverse=True)
+  hlo = '''HloModule copies
+
+ENTRY %main (p: f32[256,256]) -> f32[256,256] {
+  %p = f32[256,256]{1,0} parameter(0)
+  %prefetch = (f32[256,256]{1,0:S(1)}, f32[256,256]{1,0}, u32[]) copy-start(%p)
+  %near = f32[256,256]{1,0:S(1)} copy-done(%prefetch)
+  ROOT %out = f32[256,256]{1,0} fusion(%near), kind=kLoop, calls=%f, metadata={op_name="jit(step)/ffn/wi/mul"}
+}
+
+%f (a: f32[256,256]) -> f32[256,256] {
+  %a = f32[256,256]{1,0:S(1)} parameter(0)
+  ROOT %m = f32[256,256]{1,0} multiply(%a, %a)
+}
+'''
+  kernels = {k.name: k.part for k in hlo_cost.analyse(hlo, 1).kernels}
+  assert kernels == {'prefetch': 'feed-forward', 'out': 'feed-forward'}

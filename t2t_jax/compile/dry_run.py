@@ -107,6 +107,12 @@ def _target_report(config, setup, named: targets.Target, train: 'Program', batch
   resident = shard_bytes(setup.abstract_state) - shard_bytes(setup.abstract_state.params)
   reports = {name: program.report(named.usable_memory_bytes, 0 if name == TRAIN else resident)
              for name, program in programs.items()}
+  for name, program in programs.items():
+    if program.cost is not None:  # Where each program's bytes and kernel time go.
+      reports[name]['cost_by_part'] = roofline.by_part(
+          program.cost, named, roofline.predict(program.cost, named, _granule_order(
+              named, setup)))
+      reports[name]['heaviest_kernels'] = roofline.heaviest(program.cost, named)
   return {'target': named.name, 'platform': named.platform,
           'compiler': compiler_version(named), 'device_memory_bytes': named.chip.memory_bytes,
           'usable_memory_bytes': named.usable_memory_bytes, 'programs': reports,
@@ -267,10 +273,14 @@ def _collectives(program: Program) -> dict:
           'kernels_per_step': sum(k.count for k in program.cost.kernels)}
 
 
-def _prediction(cost, target, setup, target_tokens: int, model_flops: float) -> dict:
+def _granule_order(target, setup) -> list[int]:
+  """The slice or host of each of the mesh's devices, in the program's device order."""
   granules = targets.granule_of(target, setup.mesh.devices.flat)
-  order = [granules[d.id] for d in setup.mesh.devices.flat]
-  prediction = roofline.predict(cost, target, order)
+  return [granules[d.id] for d in setup.mesh.devices.flat]
+
+
+def _prediction(cost, target, setup, target_tokens: int, model_flops: float) -> dict:
+  prediction = roofline.predict(cost, target, _granule_order(target, setup))
   rates = roofline.throughput(prediction, target_tokens, model_flops, target,
                               jnp.dtype(setup.model_config.dtype).name)
   return {'prediction': {**prediction.as_dict(), **rates,
@@ -351,6 +361,12 @@ def human_bytes(n: float) -> str:
   return f'{n:.0f} B'
 
 
+def _short_op_name(op_name: str, width: int = 90) -> str:
+  """The end of an op_name, which says most: '.../decoder_3/ffn_block/ffn/wo/dot_general'."""
+  name = op_name.removeprefix('jit(train_step)/')
+  return name if len(name) <= width else '...' + name[-width + 3:]
+
+
 def human_seconds(s: float) -> str:
   return f'{s * 1e3:.3g} ms' if s >= 1e-3 else f'{s * 1e6:.3g} us'
 
@@ -384,6 +400,18 @@ def table(result: dict) -> str:
     lines.append(f'FLOPs per step: XLA {result["flops_per_step"]:.3g} (before partitioning), '
                  f'analytic {result["analytic_flops_per_step"]:.3g}; compiled '
                  f'{result["compiled_flops_per_device"]:.3g} per device')
+  train = result['programs'].get(TRAIN, {})
+  if 'cost_by_part' in train:
+    lines.append(f'train step by part (per device, predicted): {"part":<12} {"HBM bytes":>10} '
+                 f'{"kernel time":>11} {"kernels":>8}')
+    for part, row in train['cost_by_part'].items():
+      lines.append(f'{"":<43}{part:<12} {human_bytes(row["hbm_bytes"]):>10} '
+                   f'{human_seconds(row["seconds"]):>11} {row["kernels"]:>8}')
+    lines.append('heaviest kernels of the train step (predicted time per step, all runs):')
+    for kernel in train['heaviest_kernels']:
+      lines.append(f'  {human_seconds(kernel["seconds"]):>9} {human_bytes(kernel["hbm_bytes"]):>10} '
+                   f'x{kernel["runs"]:<4} {kernel["part"]:<12} {kernel["kernel"]}: '
+                   f'{_short_op_name(kernel["op_name"])}')
   if 'prediction' in result:
     p = result['prediction']
     lines.append(f'predicted (a roofline, not a measurement): step '

@@ -36,6 +36,30 @@ _FREE_CUSTOM_CALLS = ('Bitcast', 'AllocateBuffer', 'AssumeGatherIndicesInBound',
                       'SPMDFullToShardShape', 'SPMDShardToFullShape', 'MoveToHost',
                       'MoveToDevice', 'Bitpacked')
 _SLICING = ('dynamic-slice', 'slice', 'gather')
+_OP_NAME = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')
+
+
+# The parts of a train step that the bytes by part name, in the order tables list them.
+PARTS = ('embedding', 'attention', 'feed-forward', 'layer norms', 'loss', 'optimiser', 'other')
+
+
+def part_of(op_name: str) -> str:
+  """The part of the model an instruction's metadata op_name says it came from: the first of
+  the loss (its scope in training/step.py, or the output projection), the optimiser (its
+  scope), layer norms, attention, feed-forward and embedding whose name a path segment holds.
+  (A fused kernel is named by its largest matmul, else by the instruction it is rooted at:
+  Kernel.op_name.)"""
+  segments = op_name.lower().split('/')
+  tests = (('loss', lambda s: s == 'loss' or 'output_logits' in s or s == 'logits'),
+           ('optimiser', lambda s: s == 'optimizer'),
+           ('layer norms', lambda s: 'norm' in s and 'normal' not in s),
+           ('attention', lambda s: 'attention' in s),
+           ('feed-forward', lambda s: 'ffn' in s or 'mlp' in s or 'moe' in s or 'expert' in s),
+           ('embedding', lambda s: 'embed' in s))
+  for part, test in tests:
+    if any(test(segment) for segment in segments):
+      return part
+  return 'other'
 
 
 @dataclasses.dataclass
@@ -47,6 +71,13 @@ class Kernel:
   hbm_bytes: float
   dtype: str  # Of its largest dot's inputs ('' without one): which peak FLOP/s applies.
   count: int = 1
+  # Its largest matmul's op_name, else its metadata's, or for an asynchronous copy (which
+  # has none) that of the first kernel using what it copies; '' where none says.
+  op_name: str = ''
+
+  @property
+  def part(self) -> str:
+    return part_of(self.op_name)
 
 
 @dataclasses.dataclass
@@ -112,6 +143,7 @@ class _Walker:
     self.computations, self.entry = hlo_text.parse_module(text)
     self.num_devices = num_devices
     self.kernels, self.collectives, self.unknown_trip_counts = [], [], 0
+    self._users = {}  # {computation: {instruction: the instructions using it}}, as needed.
 
   def run(self) -> ProgramCost:
     self._walk(self.entry, 1)
@@ -138,7 +170,67 @@ class _Walker:
       elif ins.opcode == 'send' and '_xla_megascale_transfer_type' in ins.attributes:
         self._slice_collective(ins, table, count)
       elif not self._free(ins):
-        self.kernels.append(self._kernel(ins, table, count))
+        kernel = self._kernel(ins, table, count)
+        kernel.op_name = self._op_name(ins, computation)
+        self.kernels.append(kernel)
+
+  def _largest_dot(self, computation: str) -> str:
+    """The op_name of the fused computation's dot or convolution with the most FLOPs."""
+    table, best, name = self.computations[computation], 0.0, ''
+    for inner in table.values():
+      if inner.opcode in ('fusion', 'call') and 'calls' in hlo_text.called(inner.attributes):
+        nested = self._largest_dot(hlo_text.called(inner.attributes)['calls'][0])
+        flops = self._fused_flops(hlo_text.called(inner.attributes)['calls'][0])[0]
+      elif inner.opcode in ('dot', 'convolution'):
+        flops, named = dot_flops(inner, table)[0], _OP_NAME.search(inner.attributes)
+        nested = named.group(1) if named else ''
+      else:
+        continue
+      if nested and flops > best:
+        best, name = flops, nested
+    return name
+
+  def _op_name(self, ins: hlo_text.Instruction, computation: str) -> str:
+    """The op_name of a fusion's largest matmul, else the instruction's own, else (an
+    asynchronous copy) its first named user's, followed through the instructions that only
+    pass the copy on, else its producer's."""
+    called = hlo_text.called(ins.attributes).get('calls', [])
+    if ins.opcode == 'fusion' and called:  # A kernel with a matmul is that matmul's.
+      dot = self._largest_dot(called[0])
+      if dot:
+        return dot
+    named = _OP_NAME.search(ins.attributes)
+    if named:
+      return named.group(1)
+    if computation not in self._users:
+      users = collections.defaultdict(list)
+      for inner in self.computations[computation].values():
+        for operand in inner.operands:
+          users[operand].append(inner)
+      self._users[computation] = users
+    users, frontier, seen = self._users[computation], [ins.name], set()
+    while frontier:
+      name = frontier.pop(0)
+      for user in users.get(name, []):
+        found = _OP_NAME.search(user.attributes)
+        if found and not self._free(user):
+          return found.group(1)
+        if user.name not in seen and (self._free(user) or user.opcode.endswith('-done')):
+          seen.add(user.name)
+          frontier.append(user.name)
+    # No kernel uses it here (an eviction of a result): the kernel that made what it copies.
+    table, frontier = self.computations[computation], list(ins.operands)
+    while frontier:
+      producer = table.get(frontier.pop(0))
+      if producer is None or producer.name in seen:
+        continue
+      seen.add(producer.name)
+      found = _OP_NAME.search(producer.attributes)
+      if found and not self._free(producer):
+        return found.group(1)
+      if self._free(producer):
+        frontier.extend(producer.operands)
+    return ''
 
   @staticmethod
   def _free(ins: hlo_text.Instruction) -> bool:
@@ -197,6 +289,10 @@ class _Walker:
       writes = hlo_text.hbm_bytes(ins.shape)
       if ins.opcode == 'copy-start':  # (destination, source alias, context): the destination.
         writes = hlo_text.hbm_bytes(hlo_text.tuple_elements(ins.shape)[0])
+      elif ins.opcode == 'slice-start':  # ((source alias), slice, context): only the slice moves.
+        piece = hlo_text.tuple_elements(ins.shape)[1]
+        reads = min(reads, hlo_text.total_bytes(piece))
+        writes = hlo_text.hbm_bytes(piece)
       elif ins.opcode.endswith('-start'):  # (operand aliases, outputs..., context).
         writes = sum(hlo_text.hbm_bytes(e) for e in hlo_text.tuple_elements(ins.shape)[1:])
       elif ins.opcode == 'dynamic-update-slice':  # In place: the update is read and written.

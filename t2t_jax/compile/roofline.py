@@ -74,6 +74,44 @@ def predict(cost: hlo_cost.ProgramCost, target: targets.Target,
   return Prediction(compute, memory, kernels, collectives, network)
 
 
+def kernel_seconds(kernel: hlo_cost.Kernel, chip: targets.Chip) -> float:
+  """One run of a kernel on the roofline: the longer of its FLOPs at peak and its bytes."""
+  flop_seconds = kernel.flops / peak(chip, kernel.dtype) if kernel.flops else 0.0
+  return max(flop_seconds, kernel.hbm_bytes / chip.memory_bandwidth)
+
+
+def by_part(cost: hlo_cost.ProgramCost, target: targets.Target,
+            prediction: Prediction | None = None) -> dict[str, dict]:
+  """{part: HBM bytes, FLOPs, kernel launches and predicted kernel seconds per step} for the
+  parts of hlo_cost.PARTS that have kernels, and 'collectives' (the bytes of their operands;
+  seconds from `prediction`) where the program has any."""
+  table = {}
+  for kernel in cost.kernels:
+    row = table.setdefault(kernel.part, {'hbm_bytes': 0.0, 'flops': 0.0, 'kernels': 0,
+                                         'seconds': 0.0})
+    row['hbm_bytes'] += kernel.hbm_bytes * kernel.count
+    row['flops'] += kernel.flops * kernel.count
+    row['kernels'] += kernel.count
+    row['seconds'] += kernel_seconds(kernel, target.chip) * kernel.count
+  ordered = {part: table[part] for part in hlo_cost.PARTS if part in table}
+  if cost.collectives:
+    ordered['collectives'] = {
+        'hbm_bytes': sum(c.operand_bytes * c.count for c in cost.collectives), 'flops': 0.0,
+        'kernels': sum(c.count for c in cost.collectives),
+        'seconds': prediction.collective_seconds if prediction else 0.0}
+  return {part: {key: (value if key == 'kernels' else float(f'{value:.4g}'))
+                 for key, value in row.items()} for part, row in ordered.items()}
+
+
+def heaviest(cost: hlo_cost.ProgramCost, target: targets.Target, n: int = 10) -> list[dict]:
+  """The `n` kernels with the most predicted time per step (all their runs), heaviest first."""
+  timed = sorted(cost.kernels, key=lambda k: -kernel_seconds(k, target.chip) * k.count)
+  return [{'kernel': k.name, 'opcode': k.opcode, 'part': k.part, 'runs': k.count,
+           'seconds': float(f'{kernel_seconds(k, target.chip) * k.count:.4g}'),
+           'hbm_bytes': k.hbm_bytes * k.count, 'flops': k.flops * k.count,
+           'op_name': k.op_name} for k in timed[:n]]
+
+
 def throughput(prediction: Prediction, target_tokens: int, model_flops: float,
                target: targets.Target, dtype) -> dict:
   """Tokens/s and MFU that the predicted step time implies for the whole target."""

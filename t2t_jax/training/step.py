@@ -46,17 +46,21 @@ def model_metrics(model: nn.Module, params, batch: dict, label_smoothing: float,
   with_experts = bool(model.config.moe_experts)
   if with_experts:
     kwargs['mutable'] = [moe.COLLECTION]
+  # The loss over the vocabulary (the output projection with it) under the scope 'loss': the
+  # dry run's bytes by part read it from the compiled program's metadata.
   if not loss_chunk_tokens:
     output = apply_model(model, params, batch, **kwargs)
     logits_BLV, sown = output if with_experts else (output, None)
-    metrics = optim.compute_metrics(logits_BLV, batch['targets'], label_smoothing)
+    with jax.named_scope('loss'):
+      metrics = optim.compute_metrics(logits_BLV, batch['targets'], label_smoothing)
   else:
     output = apply_model(model, params, batch, return_hidden=True, **kwargs)
     hidden_BLE, sown = output if with_experts else (output, None)
     def project(weights, hidden_NE):
       return model.apply({'params': weights}, hidden_NE, method='output_logits')
-    metrics = optim.chunked_metrics(project, output_params(params, model.config), hidden_BLE,
-                                    batch['targets'], label_smoothing, loss_chunk_tokens)
+    with jax.named_scope('loss'):
+      metrics = optim.chunked_metrics(project, output_params(params, model.config), hidden_BLE,
+                                      batch['targets'], label_smoothing, loss_chunk_tokens)
   if with_experts:  # Outside the (chunked) token loss: the experts' loss is not from logits.
     sums = moe.metrics(sown[moe.COLLECTION])
     metrics.update(moe_aux_loss=sums['aux_loss'] * metrics['weight'],
@@ -114,10 +118,13 @@ def train_step(state: TrainState, batch: dict, rng: jax.Array, *, model: nn.Modu
         grad_fn, state.params, jax.tree.map(lambda x: x[0], micro_batches), dropout_rng))
     (grad_sums, metrics), _ = jax.lax.scan(
         accumulate, zeros, (jnp.arange(grad_accum_steps), micro_batches))
-  grads = jax.tree.map(lambda g: g / jnp.maximum(metrics['weight'], 1.0), grad_sums)
-  updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-  params = optax.apply_updates(state.params, updates)
-  ema = None if state.ema is None else optim.ema_update(state.ema, params, ema_decay)
+  # The scope names the update's kernels in the compiled program's metadata: the dry run's
+  # bytes by part (compile/hlo_cost.py) read it.
+  with jax.named_scope('optimizer'):
+    grads = jax.tree.map(lambda g: g / jnp.maximum(metrics['weight'], 1.0), grad_sums)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    ema = None if state.ema is None else optim.ema_update(state.ema, params, ema_decay)
   return state.replace(step=state.step + 1, params=params, opt_state=opt_state,
                        ema=ema), metrics
 
