@@ -409,8 +409,8 @@ def table(result: dict) -> str:
                    f'{human_seconds(row["seconds"]):>11} {row["kernels"]:>8}')
     lines.append('heaviest kernels of the train step (predicted time per step, all runs):')
     for kernel in train['heaviest_kernels']:
-      lines.append(f'  {human_seconds(kernel["seconds"]):>9} {human_bytes(kernel["hbm_bytes"]):>10} '
-                   f'x{kernel["runs"]:<4} {kernel["part"]:<12} {kernel["kernel"]}: '
+      lines.append(f'  {human_seconds(kernel["seconds"]):>9} '
+                   f'{human_bytes(kernel["hbm_bytes"]):>10} x{kernel["runs"]:<4} {kernel["part"]:<12} {kernel["kernel"]}: '
                    f'{_short_op_name(kernel["op_name"])}')
   if 'prediction' in result:
     p = result['prediction']

@@ -49,7 +49,8 @@ def part_of(op_name: str) -> str:
   scope), layer norms, attention, feed-forward and embedding whose name a path segment holds.
   (A fused kernel is named by its largest matmul, else by the instruction it is rooted at:
   Kernel.op_name.)"""
-  segments = op_name.lower().split('/')
+  # 'jvp(loss)', 'transpose(jvp(Transformer.output_logits))': the name inside the transforms.
+  segments = [re.sub(r'^(?:\w+\()+|\)+$', '', s) for s in op_name.lower().split('/')]
   tests = (('loss', lambda s: s == 'loss' or 'output_logits' in s or s == 'logits'),
            ('optimiser', lambda s: s == 'optimizer'),
            ('layer norms', lambda s: 'norm' in s and 'normal' not in s),
@@ -74,10 +75,21 @@ class Kernel:
   # Its largest matmul's op_name, else its metadata's, or for an asynchronous copy (which
   # has none) that of the first kernel using what it copies; '' where none says.
   op_name: str = ''
+  # Its HBM bytes (one run) by the op_name of what read or wrote them: inside a fusion, an
+  # operand's first user and a result's root (a weight gradient's kernel may update Adam's
+  # moments too); {} means all of them are op_name's.
+  bytes_by_op_name: dict[str, float] = dataclasses.field(default_factory=dict)
 
   @property
   def part(self) -> str:
     return part_of(self.op_name)
+
+  def bytes_by_part(self) -> dict[str, float]:
+    """Its HBM bytes (one run) by the part that read or wrote them."""
+    parts = collections.Counter()
+    for op_name, size in (self.bytes_by_op_name or {self.op_name: self.hbm_bytes}).items():
+      parts[part_of(op_name)] += size
+    return dict(parts)
 
 
 @dataclasses.dataclass
@@ -172,6 +184,11 @@ class _Walker:
       elif not self._free(ins):
         kernel = self._kernel(ins, table, count)
         kernel.op_name = self._op_name(ins, computation)
+        if kernel.bytes_by_op_name:  # A fusion: what has no name of its own is the kernel's.
+          named = collections.Counter()
+          for op_name, size in kernel.bytes_by_op_name.items():
+            named[op_name or kernel.op_name] += size
+          kernel.bytes_by_op_name = dict(named)
         self.kernels.append(kernel)
 
   def _largest_dot(self, computation: str) -> str:
@@ -212,6 +229,10 @@ class _Walker:
     while frontier:
       name = frontier.pop(0)
       for user in users.get(name, []):
+        if user.opcode == 'fusion' and 'calls' in hlo_text.called(user.attributes):
+          inside = self._parameter_user(user, user.operands.index(name))
+          if inside:
+            return inside
         found = _OP_NAME.search(user.attributes)
         if found and not self._free(user):
           return found.group(1)
@@ -278,8 +299,13 @@ class _Walker:
     called = hlo_text.called(ins.attributes).get('calls', [])
     if ins.opcode == 'fusion' and called:
       flops, dtype = self._fused_flops(called[0])
-      reads = self._fusion_reads(ins, table, called[0])
-      writes = self._fusion_writes(ins, called[0])
+      read = self._fusion_reads(ins, table, called[0])
+      written = self._fusion_writes(ins, called[0])
+      by_op_name = collections.Counter()
+      for op_name, size in read + written:
+        by_op_name[op_name] += size
+      return Kernel(ins.name, ins.opcode, flops, sum(size for _, size in read + written), dtype,
+                    count, bytes_by_op_name=dict(by_op_name))
     else:
       if ins.opcode in ('dot', 'convolution'):
         flops, dtype = dot_flops(ins, table)
@@ -317,15 +343,17 @@ class _Walker:
         largest, dtype = f, d
     return flops, dtype
 
-  def _fusion_reads(self, ins: hlo_text.Instruction, table, computation: str) -> float:
-    """Operand bytes in HBM; an operand the fused code only slices counts as its slices."""
+  def _fusion_reads(self, ins: hlo_text.Instruction, table,
+                    computation: str) -> list[tuple[str, float]]:
+    """(op_name of its first user inside, bytes) of each operand in HBM; an operand the fused
+    code only slices counts as its slices."""
     body = self.computations[computation]
     parameters = {int(p.arguments): p.name for p in body.values() if p.opcode == 'parameter'}
     users = collections.defaultdict(list)
     for inner in body.values():
       for operand in inner.operands:
         users[operand].append(inner)
-    total = 0.0
+    read = []
     for index, name in enumerate(ins.operands):
       if name not in table:
         continue
@@ -337,27 +365,52 @@ class _Walker:
         continue  # The buffer updated in place: not read.
       if full and uses and all(u.opcode in _SLICING and u.operands[0] == parameter
                                for u in uses):
-        total += min(full, sum(hlo_text.total_bytes(u.shape) for u in uses))
+        size = min(full, sum(hlo_text.total_bytes(u.shape) for u in uses))
       else:
-        total += full
-    return total
+        size = full
+      read.append((self._first_named(uses, body), size))
+    return read
 
-  def _fusion_writes(self, ins: hlo_text.Instruction, computation: str) -> float:
-    """Result bytes in HBM; a root that updates a buffer in place counts as the update."""
+  def _parameter_user(self, fusion: hlo_text.Instruction, index: int) -> str:
+    """The op_name of the first instruction inside `fusion` that uses its operand `index`."""
+    body = self.computations[hlo_text.called(fusion.attributes)['calls'][0]]
+    parameter = next((p.name for p in body.values()
+                      if p.opcode == 'parameter' and p.arguments == str(index)), None)
+    return self._first_named([u for u in body.values() if parameter in u.operands], body)
+
+  def _first_named(self, uses: list[hlo_text.Instruction], body) -> str:
+    """The op_name of the first of `uses` (or of their users, breadth first) that has one."""
+    frontier, seen = list(uses), set()
+    while frontier:
+      inner = frontier.pop(0)
+      found = _OP_NAME.search(inner.attributes)
+      if found:
+        return found.group(1)
+      if inner.name not in seen:
+        seen.add(inner.name)
+        frontier.extend(u for u in body.values() if inner.name in u.operands)
+    return ''
+
+  def _fusion_writes(self, ins: hlo_text.Instruction,
+                     computation: str) -> list[tuple[str, float]]:
+    """(op_name of the root that made it, bytes) of each result in HBM; a root that updates a
+    buffer in place counts as the update."""
     body = self.computations[computation]
     root = hlo_text.root_of(body)
     roots = [body[name] for name in root.operands] if root.opcode == 'tuple' else [root]
     outputs = hlo_text.tuple_elements(ins.shape)
-    total = 0.0
+    written = []
     for i, element in enumerate(outputs):
       inner = roots[i] if i < len(roots) else None
+      named = _OP_NAME.search(inner.attributes) if inner is not None else None
       if inner is not None and inner.opcode == 'dynamic-update-slice' and \
           inner.operands[1] in body:
         update = body[inner.operands[1]].shape
-        total += min(hlo_text.hbm_bytes(element), hlo_text.total_bytes(update))
+        size = min(hlo_text.hbm_bytes(element), hlo_text.total_bytes(update))
       else:
-        total += hlo_text.hbm_bytes(element)
-    return total
+        size = hlo_text.hbm_bytes(element)
+      written.append((named.group(1) if named else '', size))
+    return written
 
 
 def _collective_kind(opcode: str) -> str | None:

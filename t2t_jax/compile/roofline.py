@@ -84,15 +84,28 @@ def by_part(cost: hlo_cost.ProgramCost, target: targets.Target,
             prediction: Prediction | None = None) -> dict[str, dict]:
   """{part: HBM bytes, FLOPs, kernel launches and predicted kernel seconds per step} for the
   parts of hlo_cost.PARTS that have kernels, and 'collectives' (the bytes of their operands;
-  seconds from `prediction`) where the program has any."""
+  seconds from `prediction`) where the program has any.
+
+  A kernel's bytes go to the parts that read or wrote them (Kernel.bytes_by_part); its FLOPs
+  and launches to its own part (its largest matmul's); its time, where its bytes bound it, is
+  shared as its bytes are, else is its own part's."""
   table = {}
+
+  def row(part):
+    return table.setdefault(part, {'hbm_bytes': 0.0, 'flops': 0.0, 'kernels': 0,
+                                   'seconds': 0.0})
   for kernel in cost.kernels:
-    row = table.setdefault(kernel.part, {'hbm_bytes': 0.0, 'flops': 0.0, 'kernels': 0,
-                                         'seconds': 0.0})
-    row['hbm_bytes'] += kernel.hbm_bytes * kernel.count
-    row['flops'] += kernel.flops * kernel.count
-    row['kernels'] += kernel.count
-    row['seconds'] += kernel_seconds(kernel, target.chip) * kernel.count
+    seconds = kernel_seconds(kernel, target.chip) * kernel.count
+    memory_bound = kernel.hbm_bytes / target.chip.memory_bandwidth * kernel.count >= seconds
+    main = row(kernel.part)  # Its matmul's part: its FLOPs, its launches, a compute-bound time.
+    main['flops'] += kernel.flops * kernel.count
+    main['kernels'] += kernel.count
+    if not memory_bound or not kernel.hbm_bytes:
+      main['seconds'] += seconds
+    for part, size in kernel.bytes_by_part().items():
+      row(part)['hbm_bytes'] += size * kernel.count
+      if memory_bound and kernel.hbm_bytes:  # Its time shared as its bytes are.
+        row(part)['seconds'] += seconds * size / kernel.hbm_bytes
   ordered = {part: table[part] for part in hlo_cost.PARTS if part in table}
   if cost.collectives:
     ordered['collectives'] = {

@@ -47,7 +47,35 @@ def attention_weights(q_xQHD: Array, logits_xHQK: Array, mask_x1QK: Array | None
     logits_xHQK += bias_xHQK
   if mask_x1QK is not None:
     logits_xHQK = jnp.where(mask_x1QK, logits_xHQK, NEG_INF)
-  return jax.nn.softmax(logits_xHQK).astype(q_xQHD.dtype)
+  if q_xQHD.dtype == jnp.float32:
+    return jax.nn.softmax(logits_xHQK)
+  return narrow_softmax(logits_xHQK, q_xQHD.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def narrow_softmax(logits_xK: Array, dtype) -> Array:
+  """softmax(logits) over the last axis, computed in float32 and returned in `dtype`, whose
+  backward reads the returned (narrow) weights instead of keeping the float32 ones: in
+  bfloat16, the [..., Q, K] array an attention layer keeps for its backward is half as many
+  bytes. The gradient is y (g - sum(y g)) in float32 from those weights.
+  """
+  return jax.nn.softmax(logits_xK.astype(jnp.float32)).astype(dtype)
+
+
+def _narrow_softmax_forward(logits_xK, dtype):
+  weights_xK = narrow_softmax(logits_xK, dtype)
+  return weights_xK, (weights_xK, jnp.zeros((0,), logits_xK.dtype))  # (And the logits' dtype.)
+
+
+def _narrow_softmax_backward(dtype, residuals, grad_xK):
+  del dtype  # The weights' dtype: the residual has it.
+  weights_xK, logits_dtype = residuals
+  y_xK, g_xK = weights_xK.astype(jnp.float32), grad_xK.astype(jnp.float32)
+  return ((y_xK * (g_xK - jnp.sum(y_xK * g_xK, axis=-1, keepdims=True))).astype(
+      logits_dtype.dtype),)
+
+
+narrow_softmax.defvjp(_narrow_softmax_forward, _narrow_softmax_backward)
 
 
 def dense_attention(q_xQHD: Array, k_xKHD: Array, v_xKHD: Array, mask_x1QK: Array | None,

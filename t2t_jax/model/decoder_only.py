@@ -202,6 +202,6 @@ class DecoderOnly(nn.Module):
     self.cache_index.value = current + count
     return current
 
-  def output_logits(self, y_BLE: Array) -> Array:
-    """Output softmax logits in float32 for final states [..., E]; see `model.output_logits`."""
-    return output_logits(self, y_BLE)
+  def output_logits(self, y_BLE: Array, float32: bool = True) -> Array:
+    """Output softmax logits for final states [..., E]; see `transformer.output_logits`."""
+    return output_logits(self, y_BLE, float32)

@@ -197,9 +197,11 @@ def _embedding(cfg: TransformerConfig, name: str) -> nn.Embed:
       name=name)
 
 
-def output_logits(module: nn.Module, y_BLE: Array) -> Array:
-  """`module`'s float32 output logits for final states [..., E] (any leading axes): the tied
-  target embedding or its `output_projection`, as `module.config.tie_output` says.
+def output_logits(module: nn.Module, y_BLE: Array, float32: bool = True) -> Array:
+  """`module`'s output logits for final states [..., E] (any leading axes): the tied target
+  embedding or its `output_projection`, as `module.config.tie_output` says; in float32, or
+  with `float32=False` in the compute dtype (the chunked loss reads them so and reduces in
+  float32: half the bytes of a [tokens, vocab] array in bfloat16).
 
   The first axis is split like the batch, so a flat [N, E] chunk of tokens stays spread over
   the devices; the vocabulary axis may be split over 'tensor'.
@@ -210,7 +212,7 @@ def output_logits(module: nn.Module, y_BLE: Array) -> Array:
     logits_BLV = module.output_projection(y_BLE)
   names = ('batch',) + ('length',) * (y_BLE.ndim - 2) + ('vocab',)
   logits_BLV = nn.with_logical_constraint(logits_BLV, names)
-  return logits_BLV.astype(jnp.float32)
+  return logits_BLV.astype(jnp.float32) if float32 else logits_BLV
 
 
 def make_embeddings(cfg: TransformerConfig) -> tuple[nn.Embed, nn.Embed]:
@@ -306,9 +308,9 @@ class Transformer(nn.Module):
       y_BLE = self.decoder_norm(y_BLE)
     return y_BLE if return_hidden else self.output_logits(y_BLE)
 
-  def output_logits(self, y_BLE: Array) -> Array:
-    """Output softmax logits in float32 for final decoder states [..., E] (any leading axes)."""
-    return output_logits(self, y_BLE)
+  def output_logits(self, y_BLE: Array, float32: bool = True) -> Array:
+    """Output softmax logits (float32 unless asked not) for final decoder states [..., E]."""
+    return output_logits(self, y_BLE, float32)
 
   def __call__(self, inputs_BK: Array, targets_BL: Array,
                inputs_positions_BK: Array | None = None,

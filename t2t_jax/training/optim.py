@@ -93,8 +93,13 @@ def chunked_metrics(project, weights, hidden_BLE: jax.Array, targets_BL: jax.Arr
   projected twice. The sums equal the full path's up to float32 rounding; only 'loss' is
   differentiable.
 
+  The logits may come in a narrower dtype than float32 (bfloat16: half the bytes of the
+  [T, V] arrays the projection writes and its backward reads); the softmax, the sums and the
+  logits' gradient are computed in float32 from them, and that gradient is handed to the
+  projection's backward in the logits' dtype.
+
   Args:
-    project: (weights, hidden_TE) -> float32 logits_TV, the model's output layer.
+    project: (weights, hidden_TE) -> logits_TV, the model's output layer.
     weights: the parameters `project` reads (a pytree).
   """
   tokens, width = targets_BL.size, hidden_BLE.shape[-1]
@@ -131,7 +136,8 @@ def _chunked_sums_forward(project, label_smoothing, weights, hidden_UTE, targets
     hidden_TE, targets_T = chunk
     logits_TV, project_vjp = jax.vjp(project, weights, hidden_TE)
     metrics, logits_grad_TV = metrics_and_logits_grad(logits_TV, targets_T, label_smoothing)
-    chunk_weights_grad, hidden_grad_TE = project_vjp(logits_grad_TV)
+    # In the logits' dtype, as the projection's backward matmuls read it.
+    chunk_weights_grad, hidden_grad_TE = project_vjp(logits_grad_TV.astype(logits_TV.dtype))
     carry = (jax.tree.map(jnp.add, sums, metrics),
              jax.tree.map(jnp.add, weights_grad, chunk_weights_grad))
     return carry, hidden_grad_TE

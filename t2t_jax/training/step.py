@@ -56,8 +56,8 @@ def model_metrics(model: nn.Module, params, batch: dict, label_smoothing: float,
   else:
     output = apply_model(model, params, batch, return_hidden=True, **kwargs)
     hidden_BLE, sown = output if with_experts else (output, None)
-    def project(weights, hidden_NE):
-      return model.apply({'params': weights}, hidden_NE, method='output_logits')
+    def project(weights, hidden_NE):  # In the compute dtype: the loss reduces in float32.
+      return model.apply({'params': weights}, hidden_NE, float32=False, method='output_logits')
     with jax.named_scope('loss'):
       metrics = optim.chunked_metrics(project, output_params(params, model.config), hidden_BLE,
                                       batch['targets'], label_smoothing, loss_chunk_tokens)
