@@ -16,6 +16,8 @@ a program that imports t2t_jax gets the same set-up, as far as a running process
   it off.
 - **XLA flags on NVIDIA GPUs** (`GPU_XLA_FLAGS`), added to XLA_FLAGS where a CUDA backend may
   start, never over a flag the user set; T2T_JAX_XLA_FLAGS=0 adds none.
+- **libtpu on a machine without a TPU** (`apply_libtpu_env`): told it is one host, this one, so
+  that JAX's attempt at a TPU backend fails for its real reason (no TPU) without an error line.
 - **The persistent compilation cache** (`compilation_cache`).
 - **The search's compiler options** (`jit_search`): beam and greedy search compile only
   through it, so no caller forgets them.
@@ -110,10 +112,15 @@ def _accelerator_possible(environ) -> str | None:
     return next((p for p in platforms if p != 'cpu'), None)
   if cuda_plugin_installed() and glob.glob('/dev/nvidia[0-9]*'):
     return 'gpu'
-  if importlib.util.find_spec('libtpu') and (glob.glob('/dev/accel*') or
-                                             glob.glob('/dev/vfio/[0-9]*')):
+  if importlib.util.find_spec('libtpu') and _tpu_device_files():
     return 'tpu'
   return None
+
+
+def _tpu_device_files() -> bool:
+  """Whether this machine has the device files a TPU is opened through (/dev/accel* on TPU v2 to
+  v4, /dev/vfio/N on v5 and later)."""
+  return bool(glob.glob('/dev/accel*') or glob.glob('/dev/vfio/[0-9]*'))
 
 
 def _libc_version() -> str | None:
@@ -159,6 +166,43 @@ def apply_xla_flags(environ=os.environ, flags: tuple[str, ...] = GPU_XLA_FLAGS
   return tuple(merged.split()[len(existing.split()):])
 
 
+# What libtpu reads about the slice it runs in, from the environment or else a TPU VM's metadata
+# server. Where the user set any of them, t2t_jax sets none.
+_LIBTPU_TOPOLOGY_VARIABLES = ('TPU_WORKER_HOSTNAMES', 'TPU_PROCESS_ADDRESSES', 'TPU_WORKER_ID',
+                              'TPU_ACCELERATOR_TYPE', 'TPU_HOST_BOUNDS',
+                              'TPU_CHIPS_PER_HOST_BOUNDS', 'TPU_TOPOLOGY')
+# A machine without a TPU, described to libtpu: one host, and that host is this one.
+NO_TPU_LIBTPU_ENV = {'TPU_WORKER_HOSTNAMES': 'localhost', 'TPU_HOST_BOUNDS': '1,1,1'}
+
+
+def apply_libtpu_env(environ=os.environ) -> tuple[str, ...]:
+  """Sets `NO_TPU_LIBTPU_ENV` in environ where libtpu is installed, JAX may try a TPU backend
+  and this machine has no TPU; returns the names set.
+
+  With libtpu installed, JAX tries a TPU backend before it falls back to the CPU. On a machine
+  without TPU chips JAX sets TPU_SKIP_MDS_QUERY=1 (jax/_src/cloud_tpu_init.py), so libtpu does
+  not ask the GCE metadata server for the slice; it then takes its "WARNING: could not
+  determine ..." text as the worker hostnames and accelerator type, and prints two errors
+  parsing them ("unexpected worker hostname", "Failed to find host bounds") before failing for
+  the real reason, no TPU device, which JAX logs at INFO. Told one host, this one, it fails for
+  that reason alone. Compiling for a TPU target (`compile/targets.py`) is unchanged: its topology
+  comes from the target. libtpu reads the variables when JAX starts its backend: call this
+  before. Where JAX_PLATFORMS is set, JAX_FORCE_TPU_INIT asks for a TPU, or the user set any
+  of libtpu's topology variables, it sets nothing.
+  """
+  if (environ.get('JAX_PLATFORMS') or 'JAX_FORCE_TPU_INIT' in environ
+      or any(name in environ for name in _LIBTPU_TOPOLOGY_VARIABLES)
+      or not _libtpu_installed(environ) or _tpu_device_files()):
+    return ()
+  environ.update(NO_TPU_LIBTPU_ENV)
+  return tuple(NO_TPU_LIBTPU_ENV)
+
+
+def _libtpu_installed(environ) -> bool:
+  """Whether JAX would find a libtpu to load (jax/_src/cloud_tpu_init.get_tpu_library_path)."""
+  return bool(environ.get('TPU_LIBRARY_PATH')) or importlib.util.find_spec('libtpu') is not None
+
+
 # JAX's own variable for the shortest compile worth keeping: where it is set, it wins over
 # t2t_jax's default (the test suite sets 0.5 for the commands it starts, as for itself).
 MIN_COMPILE_SECONDS_VARIABLE = 'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'
@@ -197,8 +241,13 @@ def _start_once() -> None:
       logging.warning('JAX started its backend before t2t_jax.runtime.start(), so the XLA '
                       'flags t2t_jax sets on GPUs (%s) are not in effect: call start() before '
                       'the first JAX computation', ' '.join(GPU_XLA_FLAGS))
-  elif added := apply_xla_flags():
-    logging.info('XLA flags for NVIDIA GPUs added to XLA_FLAGS: %s', ' '.join(added))
+  else:
+    if added := apply_xla_flags():
+      logging.info('XLA flags for NVIDIA GPUs added to XLA_FLAGS: %s', ' '.join(added))
+    if told := apply_libtpu_env():
+      logging.info('No TPU on this machine: libtpu is told it is one host (%s), so that JAX '
+                   'falls back to the CPU without libtpu errors (docs/accelerators.md)',
+                   ' '.join(f'{name}={os.environ[name]}' for name in told))
   if os.environ.get(_SET_BY_US) == '1' and HUGE_PAGE_TUNABLE in os.environ.get(
       'GLIBC_TUNABLES', ''):
     logging.info('malloc takes transparent huge pages on this CPU run (GLIBC_TUNABLES=%s, '
