@@ -176,8 +176,9 @@ def test_a_cpu_run_with_libtpu_installed_starts_without_an_error_line(libtpu, ta
   """As on a CPU machine with the `tpu` extra: JAX_PLATFORMS unset, so JAX tries libtpu; the
   compile-only TPU target still compiles."""
   del libtpu
-  if runtime._tpu_device_files():  # pylint: disable=protected-access
-    pytest.skip('this machine has a TPU: the run would open it')
+  accelerator = runtime._accelerator_possible({})  # pylint: disable=protected-access
+  if accelerator:
+    pytest.skip(f'this machine has a {accelerator}: the run would open it')
   env = {k: v for k, v in os.environ.items()
          if k != 'JAX_PLATFORMS' and k not in runtime.NO_TPU_LIBTPU_ENV}
   # Where JAX's CUDA plugin is installed without the CUDA runtime (the `gpu-compile` extra), its
