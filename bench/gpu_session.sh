@@ -3,6 +3,7 @@
 #
 #   bench/gpu_session.sh tests      # one device call (under 10 minutes): the suite's GPU part
 #   bench/gpu_session.sh bench      # a second call: bench/accelerator.py, about 8 minutes
+#   bench/gpu_session.sh profile    # a third (about 2 minutes): a profile of 3 speedrun steps
 # on the GPU machine, from the repository root, $OUT set (the device tool's limit is 10
 # minutes a call, so the two halves are two calls).
 #
@@ -12,11 +13,12 @@
 # and, since ../shared does not travel to the GPU machine, copy the data and the reference in:
 #   mkdir -p .carry && cp -r ../shared/data/multi30k ../shared/anchor/flax_wmt .carry/
 # then run it with carry=['.whl', '.carry'] (both listed in .git/info/exclude).
-# Writes under $OUT: the suite's GPU tests (pytest log), bench/accelerator.py's lines, and
-# the environment; at most 8 files come back.
+# Writes under $OUT: the suite's GPU tests (pytest log), bench/accelerator.py's lines, the
+# profile (its run's log and its trace folder as one .tgz), and the environment; at most 8
+# files come back.
 set -uo pipefail
 : "${OUT:?set OUT to the folder whose files come back}"
-part=${1:?say tests or bench}
+part=${1:?say tests, bench or profile}
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
 
@@ -32,6 +34,22 @@ if [[ $part == tests ]]; then
 T2T_TEST_GPU=1 timeout 300 python3 -m pytest -q -rs -m gpu tests 2>&1 | tee "$OUT/pytest_gpu.log"
 timeout 300 python3 -m pytest -q -rs tests/test_attention.py tests/test_runtime.py \
   tests/test_flops.py 2>&1 | tail -5 | tee "$OUT/pytest_cpu.log"
+  exit 0
+fi
+
+if [[ $part == profile ]]; then
+# configs/multi30k.py:speedrun through the training loop for 30 updates, steps 21 to 23 traced
+# (accelerator.py's speedrun part times updates after 20 warm-up ones): the trace shows what
+# those updates/s are made of (docs/performance.md, "A profile of chosen steps"). No BLEU, no
+# cooldown (3,000 steps in the recipe, more than the run), one device as in the speedrun part.
+rm -rf /tmp/t2t_profile_run
+timeout 300 python3 -m t2t_jax.main --config=configs/multi30k.py:speedrun \
+  --workdir=/tmp/t2t_profile_run --config.data.data_dir=.carry/multi30k \
+  --config.mesh.shape='(1, 1, 1)' --config.train.num_steps=30 --config.train.eval_every=30 \
+  --config.train.log_every=10 --config.opt.cooldown_steps=0 --config.eval.bleu_sentences=0 \
+  --config.ckpt.every=0 --config.train.profile_steps='(21, 23)' > "$OUT/profile_run.log" 2>&1
+echo "profile run exit $?" | tee -a "$OUT/profile_run.log"
+tar -czf "$OUT/profile.tgz" -C /tmp/t2t_profile_run profile && ls -l "$OUT/profile.tgz"
   exit 0
 fi
 

@@ -127,6 +127,8 @@ def get_config():
   train.log_every = 100  # Steps between training-metric logs.
   train.eval_every = 1000  # Steps between evaluations (also run at the last step).
   train.step_timeout_seconds = 1800.0  # A slower step dumps all thread stacks and exits; 0: off.
+  # (first, last): a jax.profiler trace of these steps, inclusive, in <workdir>/profile; (): none.
+  train.profile_steps = ()
 
   evaluation = config.eval = ml_collections.ConfigDict()
   evaluation.num_batches = 0  # Eval-loss batches per evaluation; 0 uses the whole eval set.

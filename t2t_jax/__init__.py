@@ -18,7 +18,7 @@ EOS_ID = 1
 RENAMED_KEYS = {'model.local_window': 'model.local_half_width'}
 # Config keys added later: dotted key -> the value that does what the code did before it. A
 # config saved without the key (config.json, checkpoints) loads with that value.
-ADDED_KEYS = {'eval.length_penalty': 'gnmt'}
+ADDED_KEYS = {'eval.length_penalty': 'gnmt', 'train.profile_steps': []}
 
 
 # The errors most modules raise, defined in errors.py, importable from the package too.

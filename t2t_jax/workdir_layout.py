@@ -10,6 +10,8 @@ their names and readers from here.
   <workdir>/averaged/NAME    averaged checkpoints (python -m t2t_jax.average)
   <workdir>/export/NAME      exported parameters (python -m t2t_jax.export)
   <workdir>/ctranslate2/     CTranslate2 models exported for translate --engine=ctranslate2
+  <workdir>/profile/         jax.profiler traces of config.train.profile_steps
+                             (plugins/profile/<time>/<host>.xplane.pb, .trace.json.gz)
   <root>/trial_NNNN[_seedK]  a hyperparameter search's trials (launch/search.py)
 """
 
@@ -25,6 +27,7 @@ CHECKPOINTS = 'checkpoints'
 AVERAGED = 'averaged'
 EXPORT = 'export'
 CTRANSLATE2 = 'ctranslate2'
+PROFILE = 'profile'
 
 
 def checkpoints_dir(workdir: str) -> str:
@@ -41,6 +44,10 @@ def export_dir(workdir: str) -> str:
 
 def ctranslate2_dir(workdir: str) -> str:
   return os.path.join(os.path.abspath(workdir), CTRANSLATE2)
+
+
+def profile_dir(workdir: str) -> str:
+  return os.path.join(os.path.abspath(workdir), PROFILE)
 
 
 def trial_name(number: int, seed: int = 0) -> str:

@@ -67,3 +67,26 @@ def test_mesh_false_leaves_out_only_the_device_check(tiny_config):
   tiny_config.train.num_steps = 0  # Everything else is still checked.
   with pytest.raises(ConfigError, match='config.train.num_steps=0'):
     config_check.check(tiny_config, mesh=False)
+
+
+@pytest.mark.parametrize('steps, message', [
+    ((5,), 'must be (first, last), two whole steps with 1 <= first <= last'),
+    ((5, 6, 7), 'must be (first, last)'),
+    ((0, 3), 'config.train.profile_steps=(0, 3) must be (first, last)'),
+    ((6, 5), 'config.train.profile_steps=(6, 5) must be (first, last)'),
+    ((2.5, 4), 'must be (first, last)'),
+    (('',), "config.train.profile_steps=('',) must be"),  # --config.train.profile_steps=''
+    ((5, 21), 'config.train.profile_steps=(5, 21) ends after config.train.num_steps=20'),
+])
+def test_profile_steps_are_a_window_of_the_run(tiny_config, steps, message):
+  tiny_config.train.profile_steps = steps
+  with pytest.raises(ConfigError) as error:
+    config_check.check(tiny_config)
+  assert message in str(error.value)
+  assert str(error.value).count('config.train.profile_steps=(') == 1  # One problem, said once.
+
+
+@pytest.mark.parametrize('steps', [(), (1, 1), (3, 20)])
+def test_profile_steps_off_or_inside_the_run_pass(tiny_config, steps):
+  tiny_config.train.profile_steps = steps
+  config_check.check(tiny_config)

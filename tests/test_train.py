@@ -1,16 +1,18 @@
-"""The training loop end to end on the tiny config, resume and NaN handling (dry runs:
-test_dry_run.py)."""
+"""The training loop end to end on the tiny config, resume and NaN handling, a profile of chosen
+steps (dry runs: test_dry_run.py)."""
 
 import collections
 import gc
 import glob
 import json
+import logging
 import math
 import os
 import shutil
 import types
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -22,6 +24,7 @@ from t2t_jax import sharding
 from t2t_jax.data import pipeline
 from t2t_jax.model import transformer as model_lib
 from t2t_jax.training import metric_log
+from t2t_jax.training import profiling
 from t2t_jax.training import step as step_lib
 from t2t_jax.training import task as task_lib
 from t2t_jax.training import train
@@ -261,6 +264,64 @@ def test_non_finite_loss_stops_with_the_step(tiny_config, tmp_path):
   tiny_config.ckpt.every = 0
   with pytest.raises(FloatingPointError, match=r'training loss is (nan|inf) at step \d+'):
     train.train_and_evaluate(tiny_config, str(tmp_path))
+
+
+def _traced(directory) -> tuple[set[int], set[str]]:
+  """The steps annotated in the one trace under `directory`, and the programs it ran."""
+  traces = glob.glob(os.path.join(directory, 'plugins', 'profile', '*', '*.xplane.pb'))
+  assert len(traces) == 1, traces
+  steps, programs = set(), set()
+  for plane in jax.profiler.ProfileData.from_file(traces[0]).planes:
+    for line in plane.lines:
+      for event in line.events:
+        stats = dict(event.stats)
+        if event.name == 'train' and 'step_num' in stats:
+          steps.add(stats['step_num'])
+        if 'hlo_module' in stats:
+          programs.add(stats['hlo_module'])
+  return steps, programs
+
+
+@pytest.mark.slow
+def test_a_profile_of_chosen_steps_is_written_into_the_workdir(tiny_config, tmp_path, caplog):
+  tiny_config.train.num_steps = 4
+  tiny_config.train.eval_every = 4
+  tiny_config.eval.bleu_sentences = 0
+  tiny_config.train.profile_steps = (2, 3)
+  with caplog.at_level(logging.INFO):
+    train.train_and_evaluate(tiny_config, str(tmp_path))
+  directory = str(tmp_path / 'profile')
+  steps, programs = _traced(directory)
+  assert steps == {2, 3}  # Each step annotated for the viewers' step views; none other.
+  assert 'jit_train_step' in programs  # The compiled step's kernels, not only the host's calls.
+  assert 'jit_eval_step' not in programs  # Step 4's evaluation came after the window.
+  assert glob.glob(os.path.join(directory, 'plugins', 'profile', '*', 'perfetto_trace.json.gz'))
+  said = [r.getMessage() for r in caplog.records if 'Profile of steps' in r.getMessage()]
+  assert said == [f'Profile of steps 2 to 3 written to {directory} (docs/performance.md, '
+                  '"A profile of chosen steps")']
+
+
+def test_a_profile_is_written_where_the_run_ends_inside_its_window(tmp_path):
+  @jax.jit
+  def add_one(x):
+    return x + 1
+
+  x = jnp.zeros(())
+  with pytest.raises(RuntimeError, match='stopped at step 3'):
+    with profiling.window((2, 5), str(tmp_path)) as profile:
+      for step in range(1, 6):
+        profile.before(step)
+        with profiling.annotate(step):
+          x = add_one(x)
+        profile.after(step, x)
+        if step == 3:
+          raise RuntimeError('stopped at step 3')
+  steps, programs = _traced(str(tmp_path))
+  assert steps == {2, 3} and programs == {'jit_add_one'}
+  with profiling.window((), str(tmp_path / 'off')) as profile:  # No window: no trace.
+    profile.before(1)
+    profile.after(1, x)
+  assert not os.path.exists(tmp_path / 'off')
 
 
 def test_bad_mesh_is_refused(tiny_config, tmp_path):

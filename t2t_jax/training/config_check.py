@@ -136,6 +136,7 @@ def check(config, mesh: bool = True, devices=None) -> None:
     problems.append(f'config.data.vocab_size={config.data.vocab_size} must exceed the '
                     f'{tokenizer.RESERVED_IDS} reserved ids (pad, EOS, unknown)')
   problems += _decoder_only_problems(config)
+  problems += _profile_problems(config.train)
   if config.model.attention_impl == 'cudnn' and config.data.batching == 'packed':
     problems.append("config.model.attention_impl='cudnn' cannot read packed rows "
                     "(config.data.batching='packed'): cuDNN is given sequence lengths, which "
@@ -194,6 +195,22 @@ def _batch_problems(config, devices=None) -> list[str]:
           f'the {shards} data shards of the mesh (config.mesh.shape={tuple(config.mesh.shape)})'
           f'{accumulation}: raise config.data.batch_tokens to at least {parts * length}, or '
           'put fewer devices on the batch axes of config.mesh']
+
+
+def _profile_problems(train) -> list[str]:
+  """config.train.profile_steps: () for no profile, or (first, last), steps of the run."""
+  steps = tuple(train.profile_steps or ())
+  if not steps:
+    return []
+  if not (len(steps) == 2 and all(isinstance(s, int) and not isinstance(s, bool) for s in steps)
+          and 1 <= steps[0] <= steps[1]):
+    return [f'config.train.profile_steps={steps!r} must be (first, last), two whole steps with '
+            '1 <= first <= last, e.g. --config.train.profile_steps="(10, 12)", or () for no '
+            'profile']
+  if steps[1] > train.num_steps:
+    return [f'config.train.profile_steps={steps!r} ends after config.train.num_steps='
+            f'{train.num_steps}, the last step the run trains: end the window by then']
+  return []
 
 
 def _decoder_only_problems(config) -> list[str]:

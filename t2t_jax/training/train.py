@@ -31,6 +31,7 @@ from t2t_jax.model import prng
 from t2t_jax.training import lifecycle
 from t2t_jax.training import metric_log
 from t2t_jax.training import optim
+from t2t_jax.training import profiling
 from t2t_jax.training import resolve
 from t2t_jax.training import task as task_lib
 from t2t_jax.training import tasks
@@ -193,49 +194,55 @@ def _train(launch: _Launch, log: metric_log.MetricLog, life: lifecycle.Lifecycle
   Returns the last evaluation's figures and whether a signal (SIGTERM, Ctrl-C) stopped the loop
   after saving the step it arrived in. `launch.state` follows the steps. Each evaluation's
   figures go to the `reporters` (task.py); where one stops the run, the step is saved and
-  `launch.pruned` says why.
+  `launch.pruned` says why. The steps config.train.profile_steps names are traced
+  (profiling.py).
   """
   config, setup = launch.config, launch.setup
   num_steps, results, pending, seen_shapes = config.train.num_steps, {}, None, set()
   preempted = False
-  for step in range(int(launch.state.step) + 1, num_steps + 1):
-    with life.phase(lifecycle.STEP, step):
-      with log.waiting('input'):
-        host_batch = next(launch.train_iter)
-      if host_batch['targets'].shape not in seen_shapes:  # Compiles the step: not guarded.
-        seen_shapes.add(host_batch['targets'].shape)
-        life.disarm()
-      launch.state, metrics = setup.train_step(
-          launch.state, sharding.global_batch(host_batch, setup.mesh), launch.dropout_rng)
-      launch.checkpointer.check()  # A save that failed in the background stops the run here.
-      if pending:  # Read the previous step's metrics only now, so the device never waits.
-        log.add(*pending)
-      pending = (step, metrics, metric_log.step_flops(setup.model_config, host_batch))
-      is_last, preempted = step == num_steps, life.requested(step)
-      evaluate_now = is_last or step % config.train.eval_every == 0
-      save_now = is_last or preempted or launch.checkpointer.should_save(step)
-      if is_last or evaluate_now or save_now or step % config.train.log_every == 0:
-        log.add(*pending)  # A NaN loss stops the run here, before its step is saved.
-        pending = None
-        log.write(step)
-    with log.waiting('save_and_evaluation'):
-      if save_now:
-        _save(launch, life, step)
-      if evaluate_now and not preempted:
-        try:
-          results = _evaluate(launch, life, step, save_now)
-        except lifecycle.Interrupted as signal_name:
-          logging.warning('%s during %s: evaluation abandoned, saving step %d',
-                          signal_name, life.where(), step)
-          preempted = True
-          if not save_now:
-            _save(launch, life, step)
-      if evaluate_now and not preempted:
-        launch.pruned = task_lib.first_stop(reporters, step, results, is_last)
-        if launch.pruned and not save_now:
+  with profiling.window(config.train.profile_steps,
+                        workdir_layout.profile_dir(launch.workdir)) as profile:
+    for step in range(int(launch.state.step) + 1, num_steps + 1):
+      profile.before(step)
+      with life.phase(lifecycle.STEP, step):
+        with profiling.annotate(step):
+          with log.waiting('input'):
+            host_batch = next(launch.train_iter)
+          if host_batch['targets'].shape not in seen_shapes:  # Compiles the step: not guarded.
+            seen_shapes.add(host_batch['targets'].shape)
+            life.disarm()
+          launch.state, metrics = setup.train_step(
+              launch.state, sharding.global_batch(host_batch, setup.mesh), launch.dropout_rng)
+        profile.after(step, (launch.state, metrics))  # The step's annotation ended: traced.
+        launch.checkpointer.check()  # A save that failed in the background stops the run here.
+        if pending:  # Read the previous step's metrics only now, so the device never waits.
+          log.add(*pending)
+        pending = (step, metrics, metric_log.step_flops(setup.model_config, host_batch))
+        is_last, preempted = step == num_steps, life.requested(step)
+        evaluate_now = is_last or step % config.train.eval_every == 0
+        save_now = is_last or preempted or launch.checkpointer.should_save(step)
+        if is_last or evaluate_now or save_now or step % config.train.log_every == 0:
+          log.add(*pending)  # A NaN loss stops the run here, before its step is saved.
+          pending = None
+          log.write(step)
+      with log.waiting('save_and_evaluation'):
+        if save_now:
           _save(launch, life, step)
-    if preempted or launch.pruned:
-      break
+        if evaluate_now and not preempted:
+          try:
+            results = _evaluate(launch, life, step, save_now)
+          except lifecycle.Interrupted as signal_name:
+            logging.warning('%s during %s: evaluation abandoned, saving step %d',
+                            signal_name, life.where(), step)
+            preempted = True
+            if not save_now:
+              _save(launch, life, step)
+        if evaluate_now and not preempted:
+          launch.pruned = task_lib.first_stop(reporters, step, results, is_last)
+          if launch.pruned and not save_now:
+            _save(launch, life, step)
+      if preempted or launch.pruned:
+        break
   return results, preempted
 
 
