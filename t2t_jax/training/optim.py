@@ -60,12 +60,16 @@ def metrics_and_logits_grad(logits_TV: jax.Array, targets_T: jax.Array,
   """
   vocab_size = logits_TV.shape[-1]
   confidence, low, entropy = _smoothed_target(vocab_size, label_smoothing)
-  logits_TV = logits_TV.astype(jnp.float32)
-  shifted_TV = logits_TV - logits_TV.max(-1, keepdims=True)
+  # Every [T, V] pass reads the logits as they came (bfloat16: half the bytes) and widens
+  # them itself; the target's logit is gathered from them too, so no float32 [T, V] array
+  # is needed by two passes and written out between them.
+  max_T = logits_TV.max(-1).astype(jnp.float32)
+  shifted_TV = logits_TV.astype(jnp.float32) - max_T[:, None]
   exp_TV = jnp.exp(shifted_TV)
   sum_exp_T = exp_TV.sum(-1)
   log_sum_T = jnp.log(sum_exp_T)
-  target_T = jnp.take_along_axis(shifted_TV, targets_T[:, None], -1)[:, 0]
+  target_T = (jnp.take_along_axis(logits_TV, targets_T[:, None], -1)[:, 0].astype(jnp.float32)
+              - max_T)
   weights_T = (targets_T != PAD_ID).astype(jnp.float32)
   nll_T = log_sum_T - target_T
   sum_log_probs_T = shifted_TV.sum(-1) - vocab_size * log_sum_T
