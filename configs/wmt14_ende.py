@@ -31,7 +31,10 @@ def get_config(variant='base'):
   config.data.batch_tokens = 25_000
   config.opt.warmup_steps = 4000
   config.model.dtype = 'auto'  # bfloat16 activations on GPU/TPU, float32 on CPU.
-  config.opt.loss_chunk_tokens = 4096  # Fewer, larger chunks for accelerators.
+  # One chunk for the paper's 25k-token batch: the output layer's [V, E] gradient is read and
+  # written once per chunk, which costs more bytes than a few hundred tokens' logits do
+  # (docs/scaling.md). On a CPU (float32) a smaller chunk holds less memory.
+  config.opt.loss_chunk_tokens = 32_768
   config.train.num_steps = 100_000 if variant == 'base' else 300_000
   config.train.eval_every = 5000
   config.ckpt.every = 5000

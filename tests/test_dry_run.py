@@ -158,6 +158,27 @@ def test_tiny_compiles_for_a_tpu_slice(libtpu, tiny_config):
   assert 4 * result['params'] <= reduced <= 4 * result['params'] * 1.01 + 1024
   table = dry_run_lib.table(result)
   assert 'tpu:v5e-8' in table and 'train_step' in table and 'predicted' in table
+  _check_by_part(result, table)
+
+
+def _check_by_part(result, table):
+  """The train step's bytes by part add up to its bytes; every part of the model has some;
+  the optimiser writes each weight and both of Adam's moments; the collectives' row is the
+  gradients' all-reduce; the heaviest kernels come heaviest first."""
+  train = result['programs']['train_step']
+  parts = train['cost_by_part']
+  assert {'embedding', 'attention', 'feed-forward', 'layer norms', 'loss', 'optimiser'} <= set(
+      parts)
+  kernel_bytes = sum(row['hbm_bytes'] for part, row in parts.items() if part != 'collectives')
+  assert kernel_bytes == pytest.approx(result['hbm_bytes_per_device'], rel=1e-3)
+  assert parts['optimiser']['hbm_bytes'] >= 3 * 4 * result['params']
+  assert parts['collectives']['hbm_bytes'] == pytest.approx(
+      sum(row['bytes'] for row in result['collectives'].values()), rel=1e-3)
+  assert sum(row['seconds'] for part, row in parts.items() if part != 'collectives') == \
+      pytest.approx(result['prediction']['kernel_seconds'], rel=1e-2)
+  heaviest = train['heaviest_kernels']
+  assert len(heaviest) == 10 and heaviest[0]['seconds'] >= heaviest[-1]['seconds'] > 0
+  assert 'by part' in table and heaviest[0]['kernel'] in table
 
 
 @pytest.mark.slow
