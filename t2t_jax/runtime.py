@@ -198,6 +198,27 @@ def apply_libtpu_env(environ=os.environ) -> tuple[str, ...]:
   return tuple(NO_TPU_LIBTPU_ENV)
 
 
+# JAX's CUDA plugin checks, when JAX starts, that the CUDA libraries it was built against load.
+CUDA_CHECK_SWITCH = 'JAX_SKIP_CUDA_CONSTRAINTS_CHECK'
+
+
+def apply_cuda_env(environ=os.environ) -> tuple[str, ...]:
+  """Sets CUDA_CHECK_SWITCH=1 in environ where a CUDA plugin is installed but this machine has
+  no NVIDIA GPU (no /dev/nvidiaN); returns the names set.
+
+  The plugin's check needs the CUDA runtime, which the `gpu-compile` extra (compiling for GPU
+  targets on a CPU) leaves out: it fails, JAX logs the failure as an error at every start and
+  leaves the plugin out, so a GPU target's compile-only devices are refused as if the plugin
+  were missing. With no GPU there is nothing for the check to guard. Where the user set the
+  variable, it is left as it is. Read when JAX starts its backends: call this before.
+  """
+  if (CUDA_CHECK_SWITCH in environ or not cuda_plugin_installed()
+      or glob.glob('/dev/nvidia[0-9]*')):
+    return ()
+  environ[CUDA_CHECK_SWITCH] = '1'
+  return (CUDA_CHECK_SWITCH,)
+
+
 def _libtpu_installed(environ) -> bool:
   """Whether JAX would find a libtpu to load (jax/_src/cloud_tpu_init.get_tpu_library_path)."""
   return bool(environ.get('TPU_LIBRARY_PATH')) or importlib.util.find_spec('libtpu') is not None
@@ -244,6 +265,9 @@ def _start_once() -> None:
   else:
     if added := apply_xla_flags():
       logging.info('XLA flags for NVIDIA GPUs added to XLA_FLAGS: %s', ' '.join(added))
+    if apply_cuda_env():
+      logging.info('No NVIDIA GPU on this machine: %s=1, so JAX\'s CUDA plugin loads for '
+                   'compiling without the CUDA runtime (docs/accelerators.md)', CUDA_CHECK_SWITCH)
     if told := apply_libtpu_env():
       logging.info('No TPU on this machine: libtpu is told it is one host (%s), so that JAX '
                    'falls back to the CPU without libtpu errors (docs/accelerators.md)',

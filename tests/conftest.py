@@ -18,6 +18,9 @@ if GPU_RUN:
   runtime.apply_xla_flags()
 else:  # Subprocesses inherit it: they too see only the CPU.
   os.environ['JAX_PLATFORMS'] = 'cpu'
+  # The GPU compile tests' plugin without the CUDA runtime, as the commands set it.
+  from t2t_jax import runtime  # pylint: disable=g-import-not-at-top
+  runtime.apply_cuda_env()
 
 CACHE_DIR = os.path.expanduser(os.environ.get('T2T_JAX_TEST_CACHE', '~/.cache/t2t_jax/xla'))
 # The same persistent compilation cache for every process the tests start (they inherit the

@@ -167,6 +167,21 @@ def test_libtpu_is_told_one_host_only_where_it_would_otherwise_fail_loudly(monke
       runtime.NO_TPU_LIBTPU_ENV)
 
 
+def test_the_cuda_plugins_check_is_skipped_only_without_a_gpu(monkeypatch):
+  monkeypatch.setattr(runtime, 'cuda_plugin_installed', lambda: True)
+  monkeypatch.setattr(runtime.glob, 'glob', lambda pattern: [])  # No /dev/nvidiaN.
+  environ = {'PATH': '/bin'}
+  assert runtime.apply_cuda_env(environ) == (runtime.CUDA_CHECK_SWITCH,)
+  assert environ == {'PATH': '/bin', runtime.CUDA_CHECK_SWITCH: '1'}
+  mine = {runtime.CUDA_CHECK_SWITCH: '0'}  # The user's own setting stays.
+  assert runtime.apply_cuda_env(mine) == () and mine == {runtime.CUDA_CHECK_SWITCH: '0'}
+  monkeypatch.setattr(runtime.glob, 'glob', lambda pattern: ['/dev/nvidia0'])  # A GPU host.
+  assert runtime.apply_cuda_env({}) == ()
+  monkeypatch.setattr(runtime.glob, 'glob', lambda pattern: [])
+  monkeypatch.setattr(runtime, 'cuda_plugin_installed', lambda: False)
+  assert runtime.apply_cuda_env({}) == ()
+
+
 _ERROR_LINE = re.compile(r'^E\d{4} ', re.MULTILINE)  # glog's error lines: E<month><day> ...
 
 
@@ -179,11 +194,12 @@ def test_a_cpu_run_with_libtpu_installed_starts_without_an_error_line(libtpu, ta
   accelerator = runtime._accelerator_possible({})  # pylint: disable=protected-access
   if accelerator:
     pytest.skip(f'this machine has a {accelerator}: the run would open it')
+  # As a user's shell has it: none of what the suite or t2t_jax sets for the run. Where JAX's
+  # CUDA plugin is installed without the CUDA runtime (the `gpu-compile` extra), the command
+  # itself turns off the plugin's check, which would otherwise log an error at every start.
   env = {k: v for k, v in os.environ.items()
-         if k != 'JAX_PLATFORMS' and k not in runtime.NO_TPU_LIBTPU_ENV}
-  # Where JAX's CUDA plugin is installed without the CUDA runtime (the `gpu-compile` extra), its
-  # version check logs an error of its own at every start (docs/accelerators.md); not this test's.
-  env['JAX_SKIP_CUDA_CONSTRAINTS_CHECK'] = '1'
+         if k not in ('JAX_PLATFORMS', runtime.CUDA_CHECK_SWITCH)
+         and k not in runtime.NO_TPU_LIBTPU_ENV}
   command = [sys.executable, '-m', 't2t_jax.main', '--config=configs/tiny.py', '--dry_run']
   run = subprocess.run(command + ([f'--dry_run_target={target}'] if target else []), cwd=ROOT,
                        env=env, capture_output=True, text=True, timeout=300, check=False)
@@ -191,6 +207,7 @@ def test_a_cpu_run_with_libtpu_installed_starts_without_an_error_line(libtpu, ta
   assert '"compiled_flops_per_device"' in run.stdout.splitlines()[-1]
   assert not _ERROR_LINE.findall(run.stderr), run.stderr[-3000:]
   assert 'could not determine' not in run.stderr, run.stderr[-3000:]  # libtpu's placeholders.
+  assert 'plugin configuration error' not in run.stderr, run.stderr[-3000:]  # CUDA's check.
 
 
 def test_start_after_the_backend_warns_that_gpu_flags_missed_it(monkeypatch, caplog):
