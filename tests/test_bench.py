@@ -266,3 +266,26 @@ def test_the_accelerator_table_shows_each_rows_latest_result_in_target_order(tmp
   assert ' 20 ms ' in lines[0] and '0.6 h (paper: 12 h' in lines[0]  # The recheck's row.
   assert lines[0].endswith('| b |') and lines[1].endswith('| a |')
   assert 'nothing fits' in lines[2]
+
+
+def test_bytes_by_part_reads_a_kept_program_as_the_dry_run_does(tmp_path):
+  """HLO text kept from a compile (here a CPU one, scopes named as the train step's) is read
+  by this commit's cost model: every byte in some part, the parts' seconds the kernels'."""
+  bytes_by_part = _load('bytes_by_part')
+
+  def step(x, w):
+    with jax.named_scope('attention'):
+      h = jnp.tanh(x @ w)
+    with jax.named_scope('optimizer'):
+      return jnp.sum(h), w - 0.1 * jnp.exp(w)
+  shape = jax.ShapeDtypeStruct((64, 128), jnp.float32)
+  weights = jax.ShapeDtypeStruct((128, 128), jnp.float32)
+  text = jax.jit(step).lower(shape, weights).compile().as_text()
+  result = bytes_by_part.report(text, 1, 'tpu:v5e-8')
+  parts = result['cost_by_part']
+  assert {'attention', 'optimiser'} <= set(parts)
+  assert sum(row['hbm_bytes'] for row in parts.values()) == pytest.approx(
+      result['hbm_bytes_per_device'], rel=1e-3)
+  assert sum(row['seconds'] for row in parts.values()) == pytest.approx(
+      result['prediction']['kernel_seconds'], rel=1e-2)
+  assert 'attention' in bytes_by_part.table(result)
