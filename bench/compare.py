@@ -37,6 +37,7 @@ What differs unavoidably (it is the example's model and step):
 """
 
 import dataclasses
+import functools
 import os
 import statistics
 import sys
@@ -177,8 +178,23 @@ def t2t_side(config, shape: common.Shape, batch: dict, rows: int, length: int) -
               lambda metrics: float(metrics['nll']) / float(metrics['weight']))
 
 
-def reference_side(reference, config, shape: common.Shape, batch: dict, rows: int,
-                   length: int) -> Side:
+@dataclasses.dataclass
+class ReferenceStep:
+  """The reference's model config, optimiser and train step for a t2t_jax config."""
+  model_config: object  # The reference's models.TransformerConfig (deterministic=False).
+  optimizer: optax.GradientTransformation
+  step: object  # (state, batch, rng) -> (state, metrics), its 'batch' axis bound (size 1).
+
+  def init_state(self, reference, rng, length: int):
+    """A fresh TrainState of the reference (traceable: jax.eval_shape gives the abstract one)."""
+    tokens = jnp.ones((1, length), jnp.int32)
+    params = reference.models.Transformer(self.model_config.replace(deterministic=True)).init(
+        rng, tokens, tokens)['params']
+    return reference.train.TrainState.create(apply_fn=None, params=params, tx=self.optimizer,
+                                             dynamic_scale=None)
+
+
+def reference_step(reference, config, shape: common.Shape) -> ReferenceStep:
   """The reference's train_step with the t2t_jax config's optimiser, smoothing and sharing."""
   model, opt = config.model, config.opt
   model_config = reference.models.TransformerConfig(
@@ -193,11 +209,6 @@ def reference_side(reference, config, shape: common.Shape, batch: dict, rows: in
   schedule = reference.train.create_learning_rate_schedule(peak_rate, opt.warmup_steps)
   optimizer = optax.adamw(schedule, b1=opt.b1, b2=opt.b2, eps=opt.eps,
                           weight_decay=opt.weight_decay)
-  tokens = jnp.ones((1, length), jnp.int32)
-  params = jax.jit(reference.models.Transformer(model_config.replace(deterministic=True)).init)(
-      jax.random.PRNGKey(0), tokens, tokens)['params']
-  state = reference.train.TrainState.create(apply_fn=None, params=params, tx=optimizer,
-                                            dynamic_scale=None)
 
   def step(state, batch, rng):
     return reference.train.train_step(state, batch, model_config, schedule,
@@ -206,8 +217,18 @@ def reference_side(reference, config, shape: common.Shape, batch: dict, rows: in
   # The example runs its step under pmap, whose 'batch' axis its pmean and psum name. A vmap
   # of size 1 over nothing binds that name with no collective in the program, as one device
   # needs none.
-  jitted = jax.jit(jax.vmap(step, in_axes=None, out_axes=None, axis_name='batch', axis_size=1),
-                   donate_argnums=0)
+  return ReferenceStep(model_config, optimizer, jax.vmap(
+      step, in_axes=None, out_axes=None, axis_name='batch', axis_size=1))
+
+
+def reference_side(reference, config, shape: common.Shape, batch: dict, rows: int,
+                   length: int) -> Side:
+  """The reference's step (reference_step) compiled for the first device, with its state."""
+  setup = reference_step(reference, config, shape)
+  model_config = setup.model_config
+  state = jax.jit(functools.partial(setup.init_state, reference, length=length))(
+      jax.random.PRNGKey(0))
+  jitted = jax.jit(setup.step, donate_argnums=0)
   device = jax.devices()[0]
   reference_batch = jax.device_put({_REFERENCE_KEYS[k]: v for k, v in batch.items()}, device)
   rng = jax.random.PRNGKey(1)
@@ -220,7 +241,7 @@ def reference_side(reference, config, shape: common.Shape, batch: dict, rows: in
       vocab_size=model_config.output_vocab_size, source_tokens=rows * length,
       target_tokens=rows * length, source_length=length, target_length=length)
   return Side('reference', compiled, state, reference_batch, rng, compile_seconds,
-              common.xla_flops(compiled), model_flops, train.count_params(params),
+              common.xla_flops(compiled), model_flops, train.count_params(state.params),
               lambda metrics: float(metrics['loss']) / float(metrics['denominator']))
 
 

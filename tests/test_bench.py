@@ -1,6 +1,7 @@
 """bench/: compare.py end to end on a tiny shape against the reference (if it is here), the
 helpers it shares, its flags, no bench module named as one of the reference's, accelerator.py
-in its CPU mode and its table. The import graph, bench/ included: tests/test_architecture.py."""
+in its CPU mode and its table, accelerator_compare.py at its tiny size. The import graph,
+bench/ included: tests/test_architecture.py."""
 
 import importlib.util
 import json
@@ -244,6 +245,69 @@ def test_accelerator_command_measures_flags_decoding_reference_and_speedrun_on_c
   assert math.isclose(speedrun['target_tokens_per_second'] * speedrun['seconds'],
                       speedrun['target_tokens'], rel_tol=1e-9)
   assert speedrun['target_tokens'] > 0
+
+
+# bench/accelerator_compare.py at --size=tiny: both train steps compiled for one chip of a
+# TPU and of a GPU (when JAX's CUDA plugin is here), read by t2t_jax's cost model.
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isfile(os.path.join(REFERENCE_DIR, 'models.py')),
+                    reason=f"Flax's WMT example (the reference) is not at {REFERENCE_DIR}")
+@pytest.mark.parametrize('target, compiler', [('tpu:v5e-1', 'libtpu'),
+                                              ('gpu:h100x1', 'cuda_compiler')])
+def test_accelerator_compare_reads_both_steps_with_one_cost_model(target, compiler, request,
+                                                                  tmp_path):
+  request.getfixturevalue(compiler)  # Skips, with the reason, where the compiler is missing.
+  out = tmp_path / 'results' / 'compare.jsonl'
+  env = dict(os.environ, PYTHONPATH=ROOT)
+  env.pop('XLA_FLAGS', None)
+  process = subprocess.run([sys.executable, os.path.join(ROOT, 'bench', 'accelerator_compare.py'),
+                            '--size=tiny', f'--targets={target}', f'--out={out}',
+                            f'--reference_dir={REFERENCE_DIR}'], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=300, check=False)
+  assert process.returncode == 0, process.stderr[-3000:]
+  lines = [json.loads(line) for line in out.read_text().splitlines()]
+  assert [json.loads(line) for line in process.stdout.splitlines()
+          if line.startswith('{')] == lines
+  t2t, reference, ratio = lines
+  assert [line['implementation'] for line in lines] == ['t2t_jax', 'reference', 'ratio']
+  assert {(line['target'], line['model'], line['rows'], line['length']) for line in lines} == {
+      (target, 'tiny', 4, 16)}
+  # The tiny shape (d 32, FFN 64, 1+1 layers, vocab 128), 4 x 16 tokens a side, by hand.
+  d, ff, vocab, tokens, length = 32, 64, 128, 64, 16
+  by_hand = (6 * tokens * ((4 * d * d + 2 * d * ff) + 2 * d * d + (6 * d * d + 2 * d * ff)
+                           + d * vocab) + 3 * 4 * d * (tokens * length + tokens * 2 * length))
+  for line in (t2t, reference):
+    assert line['hbm_bytes_per_step'] > 0 and line['kernels_per_step'] > 0
+    assert line['analytic_flops_per_step'] == by_hand
+    # The cost model counts the matrix products, which are the analytic count.
+    assert line['flops_per_step'] == pytest.approx(by_hand, rel=0.02)
+    assert 0 < line['mfu'] < 1 and line['predicted_step_seconds'] > 0
+    # Each kernel takes the longer of its compute and its memory time.
+    compute, memory = line['compute_seconds'], line['memory_seconds']
+    assert (max(compute, memory) * (1 - 1e-9) <= line['predicted_step_seconds']
+            <= (compute + memory) * (1 + 1e-9))
+    compiler_cost = line['compiler_cost_analysis']
+    if target.startswith('tpu'):
+      assert compiler_cost['flops'] > 0 and compiler_cost['bytes_accessed'] > 0
+      assert line['gaps']['flops'] == round(line['flops_per_step'] / compiler_cost['flops'] - 1,
+                                            4)
+      # Every gap above 20% (at tiny dims: all three) carries its explanation.
+      explained = {note.split(':')[0] for note in line['gap_notes']}
+      assert explained == {key.split('_')[0] for key, gap in line['gaps'].items()
+                           if gap is not None and abs(gap) > 0.2}
+      rebuilt = line['bytes_rebuilt']
+      assert rebuilt['hbm'] == line['hbm_bytes_per_step'] and rebuilt['other_memory'] > 0
+    else:  # The GPU compiler gives no cost analysis without a GPU: null, with the reason.
+      assert set(compiler_cost.values()) == {None}
+      assert 'compile-only' in line['null_reasons']['compiler_flops']
+  assert math.isclose(ratio['tokens_per_second_ratio'],
+                      t2t['predicted_target_tokens_per_second']
+                      / reference['predicted_target_tokens_per_second'], rel_tol=1e-12)
+  assert math.isclose(ratio['hbm_bytes_ratio'],
+                      t2t['hbm_bytes_per_step'] / reference['hbm_bytes_per_step'], rel_tol=1e-12)
+  assert f'{target:<11} tiny  ratio' in process.stdout  # The table.
 
 
 def test_the_accelerator_table_shows_each_rows_latest_result_in_target_order(tmp_path):

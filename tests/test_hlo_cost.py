@@ -193,27 +193,30 @@ ENTRY %main (p: f32[256,256], q: f32[128,128]) -> (f32[256,256], f32[128,128]) {
   assert kernels['evict'] == 128 * 128 * 4  # Read elsewhere, written to HBM.
 
 
+def test_an_asynchronous_slice_reads_its_slice_and_every_memory_counts_the_on_chip_bytes():
+  """A TPU's slice-start fetches one piece of a weight into VMEM (S(1)): it reads that piece
+  from HBM, not the whole weight. With every_memory (as XLA's TPU 'bytes accessed') its write
+  to VMEM and the on-chip add count too."""
+  hlo = '''HloModule slices
+
+ENTRY %main (w: f32[512,8,64]) -> f32[512,2,64] {
+  %w = f32[512,8,64]{0,2,1} parameter(0)
+  %start = ((f32[512,8,64]{0,2,1}), f32[512,2,64]{0,2,1:S(1)}, s32[]{:S(2)}) slice-start(%w), slice={[0:512], [6:8], [0:64]}
+  %piece = f32[512,2,64]{0,2,1:S(1)} slice-done(%start)
+  ROOT %sum = f32[512,2,64]{0,2,1} add(%piece, %piece)
+}
+'''
+  piece = 512 * 2 * 64 * 4
+  kernels = {k.name: k.hbm_bytes for k in hlo_cost.analyse(hlo, 1).kernels}
+  assert kernels == {'start': piece, 'sum': piece}  # The add writes HBM, reads VMEM.
+  every = {k.name: k.hbm_bytes for k in hlo_cost.analyse(hlo, 1, every_memory=True).kernels}
+  assert every == {'start': 2 * piece + 4, 'sum': 3 * piece}  # And the s32 context.
+
+
 def test_fp8_arrays_have_one_byte_an_element_and_slice_sends_their_operand_once():
   assert hlo_text.total_bytes('(f8e4m3fn[4,8]{1,0}, f8e5m2[16]{0})') == 32 + 16
   send = hlo_cost.Collective('one-to-one', 1000.0, [], 1, 2)
   assert send.wire_bytes == 1000.0
-
-
-def test_an_asynchronous_slice_reads_only_its_slice():
-  """A TPU program prefetches pieces of a weight into on-chip memory with slice-start: the
-  piece is read from HBM, not the whole weight ((source alias), piece, context)."""
-  hlo = '''HloModule slices
-
-ENTRY %main (w: f32[512,8,64]) -> f32[512,2,64] {
-  %w = f32[512,8,64]{2,1,0} parameter(0)
-  %piece = ((f32[512,8,64]{2,1,0}), f32[512,2,64]{2,1,0:S(1)}, s32[]) slice-start(%w), slice={[0:512], [2:4], [0:64]}
-  %near = f32[512,2,64]{2,1,0:S(1)} slice-done(%piece)
-  ROOT %out = f32[512,2,64]{2,1,0} copy(%near)
-}
-'''
-  kernels = {k.name: k.hbm_bytes for k in hlo_cost.analyse(hlo, 1).kernels}
-  assert kernels['piece'] == 512 * 2 * 64 * 4  # A quarter of the weight, and nothing written.
-  assert kernels['out'] == 512 * 2 * 64 * 4  # The copy reads on-chip memory, writes HBM.
 
 
 @pytest.mark.parametrize('op_name, part', [

@@ -151,9 +151,11 @@ class ProgramCost:
 class _Walker:
   """Walks the computations a program runs, multiplying by loop trip counts."""
 
-  def __init__(self, text: str, num_devices: int):
+  def __init__(self, text: str, num_devices: int, every_memory: bool = False):
     self.computations, self.entry = hlo_text.parse_module(text)
     self.num_devices = num_devices
+    # The bytes of a shape that count as memory traffic.
+    self.memory_bytes = hlo_text.total_bytes if every_memory else hlo_text.hbm_bytes
     self.kernels, self.collectives, self.unknown_trip_counts = [], [], 0
     self._users = {}  # {computation: {instruction: the instructions using it}}, as needed.
 
@@ -311,18 +313,18 @@ class _Walker:
         flops, dtype = dot_flops(ins, table)
       elif ins.opcode == 'custom-call':
         flops, dtype = library_call_flops(ins, table)
-      reads = sum(hlo_text.hbm_bytes(table[name].shape) for name in ins.operands if name in table)
-      writes = hlo_text.hbm_bytes(ins.shape)
+      reads = sum(self.memory_bytes(table[name].shape) for name in ins.operands if name in table)
+      writes = self.memory_bytes(ins.shape)
       if ins.opcode == 'copy-start':  # (destination, source alias, context): the destination.
-        writes = hlo_text.hbm_bytes(hlo_text.tuple_elements(ins.shape)[0])
+        writes = self.memory_bytes(hlo_text.tuple_elements(ins.shape)[0])
       elif ins.opcode == 'slice-start':  # ((source alias), slice, context): only the slice moves.
-        piece = hlo_text.tuple_elements(ins.shape)[1]
-        reads = min(reads, hlo_text.total_bytes(piece))
-        writes = hlo_text.hbm_bytes(piece)
+        outputs = hlo_text.tuple_elements(ins.shape)[1:]
+        reads = min(reads, hlo_text.total_bytes(outputs[0]))
+        writes = sum(self.memory_bytes(e) for e in outputs)
       elif ins.opcode.endswith('-start'):  # (operand aliases, outputs..., context).
-        writes = sum(hlo_text.hbm_bytes(e) for e in hlo_text.tuple_elements(ins.shape)[1:])
+        writes = sum(self.memory_bytes(e) for e in hlo_text.tuple_elements(ins.shape)[1:])
       elif ins.opcode == 'dynamic-update-slice':  # In place: the update is read and written.
-        reads = writes = hlo_text.hbm_bytes(table[ins.operands[1]].shape)
+        reads = writes = self.memory_bytes(table[ins.operands[1]].shape)
     return Kernel(ins.name, ins.opcode, flops, reads + writes, dtype, count)
 
   def _fused_flops(self, computation: str) -> tuple[float, str]:
@@ -357,7 +359,7 @@ class _Walker:
     for index, name in enumerate(ins.operands):
       if name not in table:
         continue
-      full = hlo_text.hbm_bytes(table[name].shape)
+      full = self.memory_bytes(table[name].shape)
       parameter = parameters.get(index, '')
       uses = users.get(parameter, [])
       if uses and all(u.opcode == 'dynamic-update-slice' and u.operands[0] == parameter
@@ -406,9 +408,9 @@ class _Walker:
       if inner is not None and inner.opcode == 'dynamic-update-slice' and \
           inner.operands[1] in body:
         update = body[inner.operands[1]].shape
-        size = min(hlo_text.hbm_bytes(element), hlo_text.total_bytes(update))
+        size = min(self.memory_bytes(element), hlo_text.total_bytes(update))
       else:
-        size = hlo_text.hbm_bytes(element)
+        size = self.memory_bytes(element)
       written.append((named.group(1) if named else '', size))
     return written
 
@@ -515,6 +517,10 @@ def library_call_flops(ins: hlo_text.Instruction, table) -> tuple[float, str]:
   return 2.0 * out_elements * math.prod(lhs[0][1][d] for d in dims), lhs[0][0]
 
 
-def analyse(hlo_text: str, num_devices: int) -> ProgramCost:
-  """The per-device kernels and collectives of one step of a compiled (SPMD) program."""
-  return _Walker(hlo_text, num_devices).run()
+def analyse(hlo_text: str, num_devices: int, every_memory: bool = False) -> ProgramCost:
+  """The per-device kernels and collectives of one step of a compiled (SPMD) program.
+
+  `every_memory`: count traffic in every memory space as `hbm_bytes` (a TPU's on-chip VMEM,
+  S(1), too), as XLA's TPU cost analysis counts its 'bytes accessed'; not a roofline's input.
+  """
+  return _Walker(hlo_text, num_devices, every_memory).run()
