@@ -168,7 +168,7 @@ def apply_xla_flags(environ=os.environ, flags: tuple[str, ...] = GPU_XLA_FLAGS
 
 # What libtpu reads about the slice it runs in, from the environment or else a TPU VM's metadata
 # server. Where the user set any of them, t2t_jax sets none.
-_LIBTPU_TOPOLOGY_VARIABLES = ('TPU_WORKER_HOSTNAMES', 'TPU_PROCESS_ADDRESSES', 'TPU_WORKER_ID',
+LIBTPU_TOPOLOGY_VARIABLES = ('TPU_WORKER_HOSTNAMES', 'TPU_PROCESS_ADDRESSES', 'TPU_WORKER_ID',
                               'TPU_ACCELERATOR_TYPE', 'TPU_HOST_BOUNDS',
                               'TPU_CHIPS_PER_HOST_BOUNDS', 'TPU_TOPOLOGY')
 # A machine without a TPU, described to libtpu: one host, and that host is this one.
@@ -191,7 +191,7 @@ def apply_libtpu_env(environ=os.environ) -> tuple[str, ...]:
   of libtpu's topology variables, it sets nothing.
   """
   if (environ.get('JAX_PLATFORMS') or 'JAX_FORCE_TPU_INIT' in environ
-      or any(name in environ for name in _LIBTPU_TOPOLOGY_VARIABLES)
+      or any(name in environ for name in LIBTPU_TOPOLOGY_VARIABLES)
       or not _libtpu_installed(environ) or _tpu_device_files()):
     return ()
   environ.update(NO_TPU_LIBTPU_ENV)

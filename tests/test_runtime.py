@@ -197,9 +197,13 @@ def test_a_cpu_run_with_libtpu_installed_starts_without_an_error_line(libtpu, ta
   # As a user's shell has it: none of what the suite or t2t_jax sets for the run. Where JAX's
   # CUDA plugin is installed without the CUDA runtime (the `gpu-compile` extra), the command
   # itself turns off the plugin's check, which would otherwise log an error at every start.
+  # Nor what an earlier test's TPU compile left in this worker's environment
+  # (targets.prepare_libtpu sets libtpu's topology variables, which the run would then take
+  # as the user's own and leave alone).
   env = {k: v for k, v in os.environ.items()
-         if k not in ('JAX_PLATFORMS', runtime.CUDA_CHECK_SWITCH)
-         and k not in runtime.NO_TPU_LIBTPU_ENV}
+         if k not in ('JAX_PLATFORMS', runtime.CUDA_CHECK_SWITCH, 'TPU_SKIP_MDS_QUERY',
+                      'ALLOW_MULTIPLE_LIBTPU_LOAD')
+         and k not in runtime.NO_TPU_LIBTPU_ENV and k not in runtime.LIBTPU_TOPOLOGY_VARIABLES}
   command = [sys.executable, '-m', 't2t_jax.main', '--config=configs/tiny.py', '--dry_run']
   run = subprocess.run(command + ([f'--dry_run_target={target}'] if target else []), cwd=ROOT,
                        env=env, capture_output=True, text=True, timeout=300, check=False)
