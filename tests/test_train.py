@@ -311,7 +311,7 @@ def test_a_profile_is_written_where_the_run_ends_inside_its_window(tmp_path):
     with profiling.window((2, 5), str(tmp_path)) as profile:
       for step in range(1, 6):
         profile.before(step)
-        with profiling.annotate(step):
+        with profile.annotate(step):
           x = add_one(x)
         profile.after(step, x)
         if step == 3:

@@ -39,6 +39,14 @@ class StepProfile:
       jax.block_until_ready(outputs)
       self.stop()
 
+  def annotate(self, step: int):
+    """Marks the host's dispatch of `step` as a training step in the trace (TensorBoard's and
+    XProf's step views group by it); nothing outside a trace, so the loop pays nothing for
+    the steps no one profiles."""
+    if self.started is None:
+      return contextlib.nullcontext()
+    return jax.profiler.StepTraceAnnotation('train', step_num=step)
+
   def stop(self) -> None:
     """Writes the trace, if one is running."""
     if self.started is not None:
@@ -57,9 +65,3 @@ def window(steps: Sequence[int], directory: str) -> Iterator[StepProfile]:
     yield profile
   finally:
     profile.stop()
-
-
-def annotate(step: int):
-  """Marks the host's dispatch of `step` as a training step in the trace (TensorBoard's and
-  XProf's step views group by it); next to free outside a trace."""
-  return jax.profiler.StepTraceAnnotation('train', step_num=step)

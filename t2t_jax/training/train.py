@@ -205,7 +205,7 @@ def _train(launch: _Launch, log: metric_log.MetricLog, life: lifecycle.Lifecycle
     for step in range(int(launch.state.step) + 1, num_steps + 1):
       profile.before(step)
       with life.phase(lifecycle.STEP, step):
-        with profiling.annotate(step):
+        with profile.annotate(step):
           with log.waiting('input'):
             host_batch = next(launch.train_iter)
           if host_batch['targets'].shape not in seen_shapes:  # Compiles the step: not guarded.
