@@ -130,10 +130,7 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
 
 def parse_flags(argv: list[str]) -> flags.FlagValues:
   """`argv` (flags only) parsed into flag values of their own, absl's global ones untouched."""
-  flag_values = flags.FlagValues()
-  define_flags(flag_values)
-  flag_values(['accelerator_compare.py', *argv])
-  return flag_values
+  return common.own_flags(define_flags, 'accelerator_compare.py', argv)
 
 
 def model_shape(name: str) -> common.Shape:

@@ -12,6 +12,7 @@ import statistics
 import tempfile
 import time
 
+from absl import flags
 import jax
 import jax.numpy as jnp
 
@@ -177,3 +178,12 @@ def op_profile(fn) -> dict:
           'matmul_op_seconds': round(matmul, 4),
           'matmul_share_of_wall': round(matmul / wall, 3),
           'top_op_kinds': {k: round(v, 4) for k, v in kinds.most_common(5)}}
+
+
+def own_flags(define_flags, program: str, argv: list[str]) -> flags.FlagValues:
+  """`argv` (flags only) parsed by the flags `define_flags(flag_values)` defines, into flag
+  values of their own: absl's global ones stay untouched."""
+  flag_values = flags.FlagValues()
+  define_flags(flag_values)
+  flag_values([program, *argv])
+  return flag_values

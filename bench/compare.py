@@ -103,10 +103,7 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
 
 def parse_flags(argv: list[str]) -> flags.FlagValues:
   """`argv` (flags only) parsed into flag values of their own, absl's global ones untouched."""
-  flag_values = flags.FlagValues()
-  define_flags(flag_values)
-  flag_values(['compare.py', *argv])
-  return flag_values
+  return common.own_flags(define_flags, 'compare.py', argv)
 
 
 def shape_config(shape: common.Shape, args):
