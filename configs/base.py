@@ -10,8 +10,10 @@ def get_config():
   config.seed = 0  # Seeds parameter init, dropout and data shuffling.
 
   data = config.data = ml_collections.ConfigDict()
-  # 'synthetic' (built-in task), 'text' (two files), 'tsv', 'tfds', or 'lm': language modelling
-  # on one text file (train_text/eval_text below; needs model.kind='decoder_only').
+  # 'synthetic' (built-in task), 'text' (two files), 'tsv', 'tfds', 'lm': language modelling on
+  # text files (train_text/eval_text below; model.kind='decoder_only', or 'encoder_only' for
+  # masked-LM pre-training), or 'labelled': text and labels for a classifier (train_tsv and
+  # eval_tsv below: text, optional text2, label; model.kind='encoder_only').
   data.source = 'synthetic'
   data.task = 'reverse'  # Synthetic task: 'copy', 'reverse', 'sort' or 'addition'.
   data.num_symbols = 16  # Synthetic: distinct symbols for copy/reverse/sort.
@@ -26,7 +28,7 @@ def get_config():
   data.eval_tgt = ''  # Text: evaluation target (reference) file.
   data.train_tsv = ''  # TSV: training file of 'source<TAB>target' lines.
   data.eval_tsv = ''  # TSV: evaluation file of 'source<TAB>target' lines.
-  data.train_text = ''  # LM: training text file, one sequence per line.
+  data.train_text = ''  # LM: training text file(s), comma-separated, one sequence per line.
   data.eval_text = ''  # LM: evaluation text file, one sequence per line.
   data.tfds_name = 'wmt14_translate/de-en'  # TFDS: dataset/config, e.g. 'wmt17_translate/de-en'.
   data.tfds_eval_name = ''  # TFDS: dataset of the eval and test splits; '' means tfds_name.
@@ -54,6 +56,11 @@ def get_config():
   # Rows of every train batch are a multiple of this, so a run may resume on any mesh whose
   # batch shards x opt.grad_accum_steps divide it; 0: those of the mesh the run starts on.
   data.row_multiple = 0
+  data.mlm_rate = 0.15  # Masked LM: fraction of each row's tokens chosen (80% [MASK], 10% random).
+  data.whole_word_masking = False  # Masked LM: choose whole words (SentencePiece word starts).
+  # Labelled: the label names in order; () reads them from the training file (sorted) and the
+  # run saves them here. A regression head (model.head) has none.
+  data.labels = ()
 
   model = config.model = ml_collections.ConfigDict()
   model.d_model = 512  # Width of embeddings and of every residual stream.
@@ -81,7 +88,13 @@ def get_config():
   model.attention_impl = 'auto'
   # 'encoder_decoder' (the paper) or 'decoder_only' (Transformer-D, Liu et al. 2018: one stack
   # of num_decoder_layers over source + target; num_encoder_layers is ignored).
+  # 'encoder_only' (BERT: one bidirectional stack of num_encoder_layers and one head).
   model.kind = 'encoder_decoder'
+  # Encoder-only head: 'mlm' (masked-LM pre-training), 'classification' or 'regression'.
+  model.head = 'mlm'
+  model.num_labels = 0  # Encoder-only classification: labels (set from data.labels when 0).
+  model.type_vocab_size = 0  # Encoder-only: token-type (segment) embeddings (BERT: 2); 0: none.
+  model.pooling = 'cls'  # Encoder-only heads read the first ([CLS]) token's state, or its 'mean'.
   # Decoder-only: 'causal' (every position sees only earlier ones) or 'full' (the source part
   # also sees later source positions: a prefix LM). Target positions are causal either way.
   model.prefix_attention = 'causal'
@@ -117,6 +130,10 @@ def get_config():
   opt.eps = 1e-9  # Adam epsilon.
   opt.grad_clip = 0.0  # Clip gradients to this global norm; 0 disables clipping.
   opt.weight_decay = 0.0  # Decoupled weight decay (AdamW); 0 gives plain Adam as in the paper.
+  opt.decay_vectors = True  # Weight decay on biases and norms too; False: matrices only (BERT).
+  # Layer-wise learning-rate decay (fine-tuning): encoder layer i of n learns at decay^(n - i),
+  # the embeddings at decay^(n + 1), the head at 1; 1.0: off.
+  opt.layer_lr_decay = 1.0
   opt.label_smoothing = 0.1  # Mass spread uniformly over the other vocabulary entries.
   opt.grad_accum_steps = 1  # Micro-batches per update; data.batch_tokens stays the whole batch.
   opt.loss_chunk_tokens = 512  # Output softmax + loss over chunks of this many tokens; 0: whole.
@@ -146,13 +163,19 @@ def get_config():
   evaluation.dtype = 'auto'
   evaluation.examples_to_print = 3  # Example translations logged after each evaluation.
   evaluation.average_last = 0  # Also evaluate the mean of the last N checkpoints; 0: off.
+  # Classifiers: the figure whose best step's parameters are kept in <workdir>/best_params:
+  # 'accuracy', 'macro_f1' or 'mcc' (regression: 'pearson' or 'spearman').
+  evaluation.best_metric = 'accuracy'
 
   ckpt = config.ckpt = ml_collections.ConfigDict()
   ckpt.every = 1000  # Steps between checkpoints (the last step is always saved); 0 disables.
   ckpt.keep = 5  # Most recent checkpoints kept.
   ckpt.keep_every = 0  # Also keep every checkpoint whose step is a multiple of this; 0: none.
   ckpt.preemption_grace_seconds = 25.0  # After SIGTERM: save, then exit within this many seconds.
-  ckpt.init_from = ''  # Fresh runs start from these params (a step or averaged/exported dir).
+  # Fresh runs start from these params (a step or averaged/exported dir). An encoder-only run
+  # whose head differs from theirs (fine-tuning a pre-trained encoder) takes the arrays both
+  # have and starts its head fresh.
+  ckpt.init_from = ''
 
   mesh = config.mesh = ml_collections.ConfigDict()
   # Devices along ('data', 'fsdp', 'tensor', 'expert'); -1 takes what is left; 3 sizes: expert=1.

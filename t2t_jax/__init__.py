@@ -18,7 +18,11 @@ EOS_ID = 1
 RENAMED_KEYS = {'model.local_window': 'model.local_half_width'}
 # Config keys added later: dotted key -> the value that does what the code did before it. A
 # config saved without the key (config.json, checkpoints) loads with that value.
-ADDED_KEYS = {'eval.length_penalty': 'gnmt', 'train.profile_steps': []}
+ADDED_KEYS = {'eval.length_penalty': 'gnmt', 'train.profile_steps': [],
+              'data.mlm_rate': 0.15, 'data.whole_word_masking': False, 'data.labels': [],
+              'model.head': 'mlm', 'model.num_labels': 0, 'model.type_vocab_size': 0,
+              'model.pooling': 'cls', 'opt.decay_vectors': True, 'opt.layer_lr_decay': 1.0,
+              'eval.best_metric': 'accuracy'}
 
 
 # The errors most modules raise, defined in errors.py, importable from the package too.

@@ -6,6 +6,8 @@ their names and readers from here.
   <workdir>/final.json       a finished run's final figures, one strict JSON line
   <workdir>/pruned.json      a run a search's pruner stopped: its step and why
   <workdir>/best_bleu.json   the step with the best validation BLEU
+  <workdir>/best_eval.json   a classifier's step with the best eval.best_metric, and its figures
+  <workdir>/best_params/     that step's parameters (a params-only checkpoint)
   <workdir>/checkpoints/N    training checkpoints, by step
   <workdir>/averaged/NAME    averaged checkpoints (python -m t2t_jax.average)
   <workdir>/export/NAME      exported parameters (python -m t2t_jax.export)
@@ -23,6 +25,8 @@ CONFIG_TEXT = 'config.txt'
 FINAL_JSON = 'final.json'
 PRUNED_JSON = 'pruned.json'
 BEST_BLEU_JSON = 'best_bleu.json'
+BEST_EVAL_JSON = 'best_eval.json'
+BEST_PARAMS = 'best_params'
 CHECKPOINTS = 'checkpoints'
 AVERAGED = 'averaged'
 EXPORT = 'export'

@@ -13,6 +13,7 @@ import numpy as np
 
 from t2t_jax import ConfigError
 from t2t_jax import EOS_ID
+from t2t_jax.data import classification
 from t2t_jax.data import sources
 from t2t_jax.data import token_cache
 from t2t_jax.data import tokenizer
@@ -151,12 +152,47 @@ def vocab_path(config, workdir: str) -> str:
 
 
 def load_vocab(config, workdir: str) -> tokenizer.Vocabulary:
-  """The vocabulary of `config`, trained on a sample of the training split on first use."""
+  """The vocabulary of `config`, trained on a sample of the training split on first use; an
+  encoder-only model's has [CLS], [SEP] and [MASK] (tokenizer.SPECIAL_PIECES)."""
   if config.data.source == 'synthetic':
     return synthetic_vocabulary(config.data)
   train_source = sources.open_split(config.data, 'train')
   texts = lambda: (text for pair in train_source.read() for text in pair if text)
-  return tokenizer.load_or_train(vocab_path(config, workdir), texts, config.data, config.seed)
+  return tokenizer.load_or_train(vocab_path(config, workdir), texts, config.data, config.seed,
+                                 special=config.model.kind == 'encoder_only')
+
+
+def _masked_lm_split(split: Split, vocab) -> Split:
+  """A masked-LM split: each sentence (in 'targets') after [CLS], and in 'inputs' each token's
+  word-start flag (2 at a word's first piece, [CLS] and EOS; 1 at its later pieces), laid out
+  alike by every batching mode (training/encoder_tasks.py reads both)."""
+  lengths = split.targets.lengths + 1
+  starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(split.targets.starts.dtype)
+  tokens = np.empty(int(lengths.sum()), np.int32)
+  tokens[starts] = tokenizer.CLS_ID
+  body = np.ones(len(tokens), bool)
+  body[starts] = False
+  old = split.targets
+  tokens[body] = np.concatenate([old.tokens[s:s + n] for s, n in zip(old.starts, old.lengths)]
+                                ) if len(old) else np.zeros(0, np.int32)
+  targets = Ragged(tokens, starts, lengths)
+  flags = np.where(tokenizer.word_start_table(vocab)[tokens], 2, 1).astype(np.int32)
+  return Split(Ragged(flags, starts, lengths), targets, split.sources, split.references)
+
+
+def _load_labelled(config, workdir: str) -> TaskData:
+  """A classifier's train and eval splits from labelled TSV files; the label set is
+  config.data.labels (the task fills it from the training file, training/tasks.py)."""
+  vocab = load_vocab(config, workdir)
+  regression = config.model.head == 'regression'
+  names = list(config.data.labels)
+  splits = []
+  for split in ('train', 'eval'):
+    labelled = classification.read_tsv(sources.in_data_dir(config.data, f'{split}_tsv'),
+                                       config.data.bad_lines)
+    encoded = classification.encode(vocab, labelled, names, regression, config.data.max_len)
+    splits.append(Split(encoded.inputs, encoded.targets, encoded.texts, encoded.labels))
+  return TaskData(vocab, *splits)
 
 
 def load_split(config, workdir: str, split: str, vocab=None) -> tuple[Split, bool]:
@@ -174,6 +210,8 @@ def load_split(config, workdir: str, split: str, vocab=None) -> tuple[Split, boo
   if config.data.source == 'lm':  # The cache holds a lone EOS per empty source: no source.
     inputs = Ragged(inputs.tokens, inputs.starts, np.zeros_like(inputs.lengths))
   full = Split(inputs, cached.targets, cached.sources, cached.references)
+  if config.data.source == 'lm' and config.model.kind == 'encoder_only':
+    full = _masked_lm_split(full, vocab)
   return _filter(full, config, split), cached.built
 
 
@@ -186,6 +224,8 @@ def load(config, workdir: str) -> TaskData:
     return TaskData(vocab, _encode(vocab, train_text, config, 'train'),
                     _encode(vocab, eval_text, config, 'eval'))
   sources.open_split(data_config, 'train')  # Refuses an unknown source before any work.
+  if data_config.source == 'labelled':
+    return _load_labelled(config, workdir)
   vocab = load_vocab(config, workdir)
   return TaskData(vocab, load_split(config, workdir, 'train', vocab)[0],
                   load_split(config, workdir, 'eval', vocab)[0])

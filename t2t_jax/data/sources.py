@@ -21,7 +21,7 @@ from t2t_jax.errors import DataError  # Defined with the other user errors.
 
 SPLITS = ('train', 'eval', 'test')
 BAD_LINE_POLICIES = ('error', 'skip')
-SOURCES = ('synthetic', 'text', 'tsv', 'tfds', 'lm')  # config.data.source
+SOURCES = ('synthetic', 'text', 'tsv', 'tfds', 'lm', 'labelled')  # config.data.source
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,20 +147,33 @@ def tsv(path: str, bad_lines: str) -> Source:
   return Source(path, {'kind': 'tsv', 'file': _file_key(path), 'bad_lines': bad_lines}, reader)
 
 
-def monolingual_text(path: str, bad_lines: str) -> Source:
-  """One file of text for language modelling: pairs ('', line), a line being one sequence."""
-  if not path:
+def monolingual_text(paths: str | list[str], bad_lines: str) -> Source:
+  """Text files for language modelling or masked-LM pre-training, read in turn: pairs
+  ('', line), a line being one sequence. Of a labelled file ('.tsv': text, then other
+  columns) the first column is read, and a header line (its last column 'label') skipped."""
+  paths = [paths] if isinstance(paths, str) else list(paths)
+  if not paths or not all(paths):
     raise DataError("a language-modelling data path is empty: set config.data.train_text and "
                     'eval_text')
 
   def reader(skipped):
-    with _open(path) as f:
-      for number, raw in enumerate(f, start=1):
-        text = _clean(raw, f'{path}:{number}', bad_lines, skipped)
-        if text is not None:
-          yield '', text
+    for path in paths:
+      labelled = path.endswith('.tsv')
+      with _open(path) as f:
+        for number, raw in enumerate(f, start=1):
+          if labelled:  # Labelled text: its first column, without a header line.
+            fields = raw.rstrip(b'\r\n').split(b'\t')
+            if number == 1 and fields[-1].strip().lower() == b'label':
+              continue
+            raw = fields[0]
+          text = _clean(raw, f'{path}:{number}', bad_lines, skipped)
+          if text is not None:
+            yield '', text
 
-  return Source(path, {'kind': 'lm', 'file': _file_key(path), 'bad_lines': bad_lines}, reader)
+  files = [_file_key(path) for path in paths]
+  key = ({'kind': 'lm', 'file': files[0], 'bad_lines': bad_lines} if len(paths) == 1 else
+         {'kind': 'lm', 'files': files, 'bad_lines': bad_lines})  # One file: keys as before.
+  return Source(' + '.join(paths), key, reader)
 
 
 def _tfds_split_name(data_config, split: str) -> tuple[str, str]:
@@ -217,6 +230,31 @@ def in_data_dir(data_config, key: str) -> str:
   return path
 
 
+def in_data_dir_list(data_config, key: str) -> list[str]:
+  """config.data[key] as a comma-separated list of paths, each read from data_dir when relative."""
+  paths = [path.strip() for path in data_config[key].split(',')]
+  if data_config.get('data_dir'):
+    paths = [os.path.join(os.path.expanduser(data_config.data_dir), path) if path else path
+             for path in paths]
+  return paths
+
+
+def labelled_placeholder(path: str) -> Source:
+  """A labelled TSV file (data/classification.py reads it): its identity, and its text without
+  labels for training a vocabulary (the first column; a header line is read as text too)."""
+  if not path:
+    raise DataError("a labelled data path is empty: set config.data.train_tsv and eval_tsv")
+
+  def reader(skipped):
+    with _open(path) as f:
+      for number, raw in enumerate(f, start=1):
+        text = _clean(raw.split(b'\t')[0], f'{path}:{number}', 'skip', skipped)
+        if text is not None:
+          yield '', text
+
+  return Source(path, {'kind': 'labelled', 'file': _file_key(path)}, reader)
+
+
 def open_split(data_config, split: str) -> Source:
   """The source of `split` ('train', 'eval' or 'test') named by `config.data`."""
   if data_config.bad_lines not in BAD_LINE_POLICIES:
@@ -236,5 +274,8 @@ def open_split(data_config, split: str) -> Source:
   if kind == 'tsv':
     return tsv(in_data_dir(data_config, f'{split}_tsv'), data_config.bad_lines)
   if kind == 'lm':
-    return monolingual_text(in_data_dir(data_config, f'{split}_text'), data_config.bad_lines)
+    return monolingual_text(in_data_dir_list(data_config, f'{split}_text'),
+                            data_config.bad_lines)
+  if kind == 'labelled':
+    return labelled_placeholder(in_data_dir(data_config, f'{split}_tsv'))
   raise ConfigError(f'config.data.source must be one of {SOURCES}, got {kind!r}')

@@ -1,6 +1,7 @@
 """Vocabularies: a shared SentencePiece model for text, a fixed symbol table for synthetic tasks.
 
-Both map text to ids without EOS and back, and agree on PAD_ID = 0 and EOS_ID = 1.
+Both map text to ids without EOS and back, and agree on PAD_ID = 0 and EOS_ID = 1. A
+SentencePiece model for an encoder-only model also reserves [CLS], [SEP] and [MASK] at ids 3-5.
 """
 
 import heapq
@@ -11,6 +12,7 @@ import tempfile
 from typing import Callable, Iterable, Protocol, Sequence
 
 from absl import logging
+import numpy as np
 import sentencepiece as spm
 
 from t2t_jax import ConfigError
@@ -19,6 +21,11 @@ from t2t_jax import workdir_lock
 
 UNK_ID = 2
 RESERVED_IDS = 3  # pad, EOS and unknown: a vocabulary needs more ids than these.
+# The encoder-only model's pieces, trained in as user-defined symbols so that they take the ids
+# after the reserved ones and the text '[MASK]' encodes to MASK_ID.
+SPECIAL_PIECES = ('[CLS]', '[SEP]', '[MASK]')
+CLS_ID, SEP_ID, MASK_ID = 3, 4, 5
+WORD_START = '\u2581'  # SentencePiece's mark of a piece that begins a word.
 MODEL_TYPES = ('unigram', 'bpe')  # config.data.vocab_type
 
 
@@ -93,20 +100,23 @@ class SentencePieceVocabulary:
 
 
 def train_sentencepiece(sentences: Iterable[str], path: str, vocab_size: int,
-                        model_type: str = 'unigram') -> None:
+                        model_type: str = 'unigram', special: bool = False) -> None:
   """Trains a model on `sentences` and writes it to `path` atomically.
 
   The model is trained in memory: a file-based model would record its temporary path, so the
-  same sentences would give different bytes (and token-cache keys) on every run.
+  same sentences would give different bytes (and token-cache keys) on every run. `special`
+  reserves SPECIAL_PIECES at CLS_ID, SEP_ID and MASK_ID; without it the trainer gets exactly
+  the options it always had, so a vocabulary trained before is trained again byte for byte.
   """
   directory = os.path.dirname(os.path.abspath(path))
   os.makedirs(directory, exist_ok=True)
   model = io.BytesIO()
+  options = {'user_defined_symbols': list(SPECIAL_PIECES)} if special else {}
   try:
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(sentences), model_writer=model, vocab_size=vocab_size,
         model_type=model_type, character_coverage=1.0, pad_id=PAD_ID, eos_id=EOS_ID,
-        unk_id=UNK_ID, bos_id=-1, num_threads=os.cpu_count() or 1, minloglevel=2)
+        unk_id=UNK_ID, bos_id=-1, num_threads=os.cpu_count() or 1, minloglevel=2, **options)
   except RuntimeError as e:
     raise ConfigError(f'training a SentencePiece vocabulary of {vocab_size} ({model_type}) '
                       f'failed: {str(e).rstrip(".")}. A small corpus needs a smaller '
@@ -137,9 +147,13 @@ def sample_texts(texts: Iterable[str], max_chars: int, seed: int) -> list[str]:
   return [text for _, _, text in sorted(heap, key=lambda entry: entry[1])]
 
 
-def load_or_train(path: str, texts: Callable[[], Iterable[str]], data_config,
-                  seed: int) -> SentencePieceVocabulary:
-  """Loads the vocabulary at `path`, first training it on a sample of `texts()` if absent."""
+def load_or_train(path: str, texts: Callable[[], Iterable[str]], data_config, seed: int,
+                  special: bool = False) -> SentencePieceVocabulary:
+  """Loads the vocabulary at `path`, first training it on a sample of `texts()` if absent.
+
+  `special` (an encoder-only model) trains SPECIAL_PIECES in, and refuses a vocabulary at
+  `path` that lacks them: its ids 3-5 are ordinary pieces the model would take for markers.
+  """
   # A run killed between writing the model and removing its scratch folder left that folder.
   workdir_lock.remove_dead_scratch(os.path.dirname(os.path.abspath(path)), '.vocab')
   if not os.path.exists(path):
@@ -147,12 +161,38 @@ def load_or_train(path: str, texts: Callable[[], Iterable[str]], data_config,
     logging.info('Training a %d-piece %s SentencePiece vocabulary on %d sampled sentences '
                  '(%d characters) -> %s', data_config.vocab_size, data_config.vocab_type,
                  len(sample), sum(map(len, sample)), path)
-    train_sentencepiece(sample, path, data_config.vocab_size, data_config.vocab_type)
+    train_sentencepiece(sample, path, data_config.vocab_size, data_config.vocab_type, special)
   else:
     logging.info('Reusing the vocabulary %s', path)
   vocab = SentencePieceVocabulary(path)
+  if special and _special_pieces(vocab) != SPECIAL_PIECES:
+    raise ConfigError(f'{path} has no [CLS]/[SEP]/[MASK] at ids 3-5: it was not trained for an '
+                      "encoder-only model (config.model.kind='encoder_only'); point "
+                      "config.data.vocab_path at the pre-training run's vocabulary or delete it "
+                      'to train a new one')
   if vocab.vocab_size != data_config.vocab_size:
     raise ConfigError(f'{path} has {vocab.vocab_size} pieces but config.data.vocab_size is '
                       f'{data_config.vocab_size}: use the matching size or another vocab_path '
                       '(or delete the file to train a new one).')
   return vocab
+
+
+def _special_pieces(vocab: Vocabulary) -> tuple[str, ...]:
+  """The pieces at CLS_ID, SEP_ID and MASK_ID (fewer when the vocabulary is that small)."""
+  return tuple(vocab.piece(i) for i in range(CLS_ID, min(MASK_ID + 1, vocab.vocab_size)))
+
+
+def word_start_table(vocab: Vocabulary) -> np.ndarray:
+  """Whether each id begins a word: [vocab_size] bool, for masking whole words.
+
+  A SentencePiece piece begins a word when it starts with WORD_START. Pad, EOS, unknown and
+  the special pieces count as words of their own; ids 3-5 of a vocabulary trained without
+  SPECIAL_PIECES are ordinary pieces and are judged by their text. Every symbol of a
+  SymbolVocabulary is a word.
+  """
+  if isinstance(vocab, SymbolVocabulary):
+    return np.ones(vocab.vocab_size, bool)
+  own_word = RESERVED_IDS + (len(SPECIAL_PIECES) if _special_pieces(vocab) == SPECIAL_PIECES
+                             else 0)
+  return np.array([token_id < own_word or vocab.piece(token_id).startswith(WORD_START)
+                   for token_id in range(vocab.vocab_size)], bool)

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from t2t_jax import PAD_ID
 from t2t_jax.model import moe
 from t2t_jax.model.attention import SelfMask, attention_kinds, attention_mask
+from t2t_jax.model.encoder_only import EncoderOnly
 from t2t_jax.model.model_config import TransformerConfig
 from t2t_jax.model.positions import Embedder
 from t2t_jax.model.transformer import DecoderLayer, LayerNorm, Transformer, dense_init
@@ -22,7 +23,9 @@ Array = jax.Array
 
 
 def make_model(config: TransformerConfig) -> nn.Module:
-  """The model assembly `config.kind` names: `Transformer` or `DecoderOnly`."""
+  """The model assembly `config.kind` names: `Transformer`, `DecoderOnly` or `EncoderOnly`."""
+  if config.kind == 'encoder_only':
+    return EncoderOnly(config)
   return DecoderOnly(config) if config.kind == 'decoder_only' else Transformer(config)
 
 

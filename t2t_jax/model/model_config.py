@@ -54,8 +54,12 @@ class TransformerConfig:
   attention_pattern: str = 'full'
   local_half_width: int = 256
   compression_stride: int = 3
-  kind: str = 'encoder_decoder'  # Or 'decoder_only' (`DecoderOnly`); `make_model` picks.
+  kind: str = 'encoder_decoder'  # Or 'decoder_only', 'encoder_only'; `make_model` picks.
   prefix_attention: str = 'causal'  # Decoder-only: how the source attends ('causal', 'full').
+  head: str = 'mlm'  # Encoder-only: 'mlm', 'classification' or 'regression' (encoder_only.py).
+  num_labels: int = 0  # Encoder-only classification: the label set's size (config.data.labels).
+  type_vocab_size: int = 0  # Encoder-only: token-type (segment) embeddings; 0: none.
+  pooling: str = 'cls'  # Encoder-only heads: the first token's state ('cls') or the 'mean'.
   moe_experts: int = 0  # Mixture of experts (moe.py); 0: dense feed-forward layers.
   moe_top_k: int = 2
   moe_capacity_factor: float = 1.25
@@ -90,6 +94,8 @@ class TransformerConfig:
                         f'one of {PREFIX_ATTENTION}')
     if kwargs.get('kind') == 'decoder_only':  # One stack: the encoder's depth does not apply.
       kwargs['num_encoder_layers'] = 0
+    if kwargs.get('kind') == 'encoder_only':  # One stack: the decoder's depth does not apply.
+      kwargs['num_decoder_layers'] = 0
     kwargs['attention_impl'] = resolve_attention_impl(
         model_config.attention_impl, kwargs['dtype'],
         model_config.d_model // model_config.num_heads, model_config.attention_dropout, platform)
@@ -158,7 +164,9 @@ def _log_once(message: str) -> None:
   logging.info('%s', message)
 
 
-MODEL_KINDS = ('encoder_decoder', 'decoder_only')  # config.model.kind
+MODEL_KINDS = ('encoder_decoder', 'decoder_only', 'encoder_only')  # config.model.kind
+HEADS = ('mlm', 'classification', 'regression')  # config.model.head (encoder-only)
+POOLING = ('cls', 'mean')  # config.model.pooling (encoder-only heads)
 PREFIX_ATTENTION = ('causal', 'full')  # config.model.prefix_attention
 
 
@@ -221,7 +229,24 @@ def check_family(config) -> None:
                       f"positions) needs 'full' layers, and {pattern} asks for others, which "
                       "are causal throughout the decoder-only stack: set prefix_attention to "
                       "'causal' or attention_pattern to 'full'.")
+  if config.kind == 'encoder_only':
+    check_encoder_only(config)
   if config.scan_layers and len(set(kinds)) > 1:
     raise ConfigError(f'config.model.scan_layers=True compiles one layer for a whole stack, so '
                       f'every layer needs the same kind, but {pattern} mixes them: set '
                       'scan_layers=False or use one kind.')
+
+
+def check_encoder_only(config) -> None:
+  """Raises ConfigError when an encoder-only model's head cannot be built."""
+  if config.head not in HEADS:
+    raise ConfigError(f'config.model.head={config.head!r} must be one of {HEADS}')
+  if config.pooling not in POOLING:
+    raise ConfigError(f'config.model.pooling={config.pooling!r} must be one of {POOLING}')
+  if config.head == 'classification' and config.num_labels < 2:
+    raise ConfigError(f'a classifier needs at least 2 labels, and config.data.labels has '
+                      f'{config.num_labels}: read them from a training file with 2 or more, '
+                      'or list them in config.data.labels')
+  if config.type_vocab_size < 0:
+    raise ConfigError(f'config.model.type_vocab_size={config.type_vocab_size} must be 0 (no '
+                      'token types) or more')

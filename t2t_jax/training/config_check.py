@@ -216,14 +216,43 @@ def _profile_problems(train) -> list[str]:
 def _decoder_only_problems(config) -> list[str]:
   """Language modelling needs the decoder-only model, which reads source + target as one."""
   problems = []
-  if config.data.source == 'lm':
-    if config.model.kind != 'decoder_only':
-      problems.append(f"config.data.source='lm' needs config.model.kind='decoder_only', got "
-                      f'{config.model.kind!r}: a language model has no source to encode')
+  kind, head, source = config.model.kind, config.model.head, config.data.source
+  if source == 'lm':
+    if kind == 'encoder_decoder':
+      problems.append(f"config.data.source='lm' needs config.model.kind='decoder_only' (a "
+                      "language model) or 'encoder_only' (masked-LM pre-training), got "
+                      f'{kind!r}: text alone has no source to encode')
+    elif kind == 'encoder_only' and head != 'mlm':
+      problems.append(f"config.data.source='lm' (text without labels) trains an encoder-only "
+                      f"model's masked-LM head, and config.model.head={head!r}: set head='mlm', "
+                      "or data.source='labelled' with labelled TSV files")
     if config.eval.bleu_sentences:
       problems.append(f'config.eval.bleu_sentences={config.eval.bleu_sentences} must be 0 '
                       "with config.data.source='lm': there are no translations to score (the "
                       'eval figures are loss and perplexity)')
+  if source == 'labelled' and (kind != 'encoder_only' or head == 'mlm'):
+    problems.append(f"config.data.source='labelled' trains a classifier or regressor: it needs "
+                    f"config.model.kind='encoder_only' (got {kind!r}) and config.model.head "
+                    f"'classification' or 'regression' (got {head!r})")
+  if source == 'labelled' and config.data.batching != 'buckets':
+    problems.append("config.data.source='labelled' reads one example per row: set "
+                    f"config.data.batching='buckets' (got {config.data.batching!r})")
+  if kind == 'encoder_only' and source not in ('lm', 'labelled'):
+    problems.append(f"config.model.kind='encoder_only' trains on text (data.source='lm', "
+                    f"masked LM) or labelled text (data.source='labelled'), got {source!r}")
+  if source == 'labelled' and config.eval.bleu_sentences:
+    problems.append(f'config.eval.bleu_sentences={config.eval.bleu_sentences} must be 0 '
+                    "with config.data.source='labelled': a classifier translates nothing")
+  if kind == 'encoder_only' and config.data.max_len > config.model.max_len:
+    problems.append(f'config.data.max_len={config.data.max_len} exceeds config.model.max_len='
+                    f'{config.model.max_len}, the positions the encoder covers: raise '
+                    'model.max_len or lower data.max_len')
+  if kind == 'encoder_only' and source == 'labelled':
+    metrics = ('pearson', 'spearman') if head == 'regression' else ('accuracy', 'macro_f1',
+                                                                    'mcc')
+    if config.eval.best_metric not in metrics:
+      problems.append(f'config.eval.best_metric={config.eval.best_metric!r} must be one of '
+                      f'{metrics} for a {head} head')
   if config.model.kind == 'decoder_only' and config.data.max_len > config.model.max_len:
     problems.append(f'config.data.max_len={config.data.max_len} exceeds config.model.max_len='
                     f'{config.model.max_len}: a decoder-only model reads source and target as '

@@ -242,13 +242,58 @@ def learning_rate_schedule(opt_config, d_model: int,
 
 def make_optimizer(opt_config, d_model: int,
                    num_steps: int | None = None) -> optax.GradientTransformation:
-  """Adam (or AdamW with weight decay) under the schedule, optionally clipped first."""
+  """Adam (or AdamW with weight decay) under the schedule, optionally clipped first.
+
+  opt.decay_vectors=False keeps weight decay off every parameter of fewer than two axes
+  (biases, layer-norm scales; BERT's recipe). opt.layer_lr_decay < 1 scales each update by
+  its layer's factor (`layer_rate_factors`).
+  """
   schedule = learning_rate_schedule(opt_config, d_model, num_steps)
+  decay_vectors = opt_config.get('decay_vectors', True)  # Configs saved before the key.
+  mask = None if decay_vectors else (
+      lambda params: jax.tree.map(lambda p: jnp.ndim(p) >= 2, params))
   adam = optax.adamw(schedule, b1=opt_config.b1, b2=opt_config.b2, eps=opt_config.eps,
-                     weight_decay=opt_config.weight_decay)
+                     weight_decay=opt_config.weight_decay, mask=mask)
+  layer_decay = opt_config.get('layer_lr_decay', 1.0)
+  if not 0.0 < layer_decay <= 1.0:
+    raise ConfigError(f'config.opt.layer_lr_decay={layer_decay} must be in (0, 1]; 1.0 is off')
+  if layer_decay < 1.0:
+    adam = optax.chain(adam, _scale_by_layer(layer_decay))
   if opt_config.grad_clip > 0:
     return optax.chain(optax.clip_by_global_norm(opt_config.grad_clip), adam)
   return adam
+
+
+def layer_rate_factors(params, decay: float):
+  """Per parameter, its learning-rate factor under layer-wise decay: encoder layer i of n
+  ('encoder_<i>') decay^(n - i), the embeddings ('embedding', 'type_embedding') decay^(n + 1),
+  everything else (the final norm, pooler, heads) 1. Stacked layers ('encoder_layers', a
+  leading axis of n) get a factor per layer, broadcast over the rest."""
+  names = set(params)
+  layers = sum(1 for name in names if name.startswith('encoder_') and name[8:].isdigit())
+  if 'encoder_layers' in names:
+    layers = jax.tree.leaves(params['encoder_layers'])[0].shape[0]
+
+  def factor(name, leaf):
+    if name.startswith('encoder_') and name[8:].isdigit():
+      return jnp.asarray(decay ** (layers - int(name[8:])), jnp.float32)
+    if name == 'encoder_layers':
+      per_layer = decay ** (layers - jnp.arange(layers, dtype=jnp.float32))
+      return per_layer.reshape((layers,) + (1,) * (jnp.ndim(leaf) - 1))
+    if name in ('embedding', 'type_embedding', 'source_embedding', 'embedder'):
+      return jnp.asarray(decay ** (layers + 1), jnp.float32)
+    return jnp.asarray(1.0, jnp.float32)
+  return {name: jax.tree.map(lambda leaf, name=name: factor(name, leaf), subtree)
+          for name, subtree in params.items()}
+
+
+def _scale_by_layer(decay: float) -> optax.GradientTransformation:
+  """Multiplies each update by `layer_rate_factors`; keeps no state."""
+  def update(updates, state, params=None):
+    del params
+    factors = layer_rate_factors(updates, decay)
+    return jax.tree.map(lambda u, f: (u * f).astype(u.dtype), updates, factors), state
+  return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
 def ema_init(params):

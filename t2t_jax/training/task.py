@@ -58,6 +58,9 @@ class Task:
   name: str
   objective: Callable  # (model, params, batch, label_smoothing, loss_chunk_tokens, **apply) -> sums
   evaluators: tuple[Callable[[EvalContext], Evaluator], ...] = ()
+  # Fills what the task reads from its data into the config before anything is checked or
+  # built (a classifier's label set), so the run saves it with the rest; None: nothing.
+  configure: Callable[[Any], None] | None = None
 
 
 class Reporter(Protocol):

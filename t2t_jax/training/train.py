@@ -24,6 +24,7 @@ from t2t_jax import sharding
 from t2t_jax import workdir_layout
 from t2t_jax import workdir_lock
 from t2t_jax.checkpoints import checkpoint
+from t2t_jax.checkpoints import partial_init
 from t2t_jax.checkpoints import saved_params
 from t2t_jax.data import pipeline as data
 from t2t_jax.model import flops
@@ -52,14 +53,16 @@ def train_and_evaluate(config, workdir: str, force_unlock: bool = False,
   raise lifecycle.Preempted once the run has stopped (lifecycle.py says how, per phase).
   """
   runtime.start()  # Done already where a command called this; a library caller's first.
+  task = task or tasks.for_config(config)
+  if task.configure:
+    task.configure(config)
   resolved = resolve.resolve(config)  # Every check, and every derived value, before any work.
   workdir_lock.make_workdir(workdir)
   with lifecycle.Lifecycle(config.ckpt.preemption_grace_seconds,
                            config.train.step_timeout_seconds) as life:
     try:
       with workdir_lock.hold(workdir, force_unlock):
-        return _train_and_evaluate(config, resolved, workdir, life,
-                                   task or tasks.for_config(config), tuple(reporters))
+        return _train_and_evaluate(config, resolved, workdir, life, task, tuple(reporters))
     except lifecycle.Interrupted:  # Start-up, or the final evaluation of a resumed run.
       raise life.stopped(None, workdir_layout.checkpoints_dir(workdir)) from None
 
@@ -171,8 +174,9 @@ def _start(config, resolved: resolve.Resolved, workdir: str, task: task_lib.Task
   else:
     state = setup.init(init_rng)
     if config.ckpt.init_from:  # Fine-tune from averaged, exported or other run's params.
-      params = saved_params.restore_params(workdir, setup.abstract_state.params,
-                                           config.ckpt.init_from)
+      params = partial_init.init_params(
+          saved_params.checkpoint_path(workdir, config.ckpt.init_from), config, state.params,
+          setup.abstract_state.params, getattr(splits.vocab, 'path', None))
       state = state.replace(params=params, ema=None if state.ema is None else
                             optim.ema_init(params))
   config_json = _write_config(config, resolved, workdir)

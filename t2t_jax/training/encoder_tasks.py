@@ -1,0 +1,143 @@
+"""The encoder-only model's objectives (training/task.py): masked-LM pre-training and
+classification or regression fine-tuning.
+
+Masked LM (BERT): in each row a fraction config.data.mlm_rate (15%) of its maskable tokens
+(not padding, [CLS], [SEP] or EOS) is chosen, exactly round(rate x maskable) of them (at least
+one); each chosen token is replaced by [MASK] with probability 0.8, by a random ordinary token
+with 0.1, and kept with 0.1. Only the chosen positions go through the output layer: the
+objective gathers their final states, K = ceil(rate x L) per row (a few more with whole-word
+masking, whose last word may overrun the count). The choice is drawn from the step's key, the
+one its dropout folds from the step number, so a resumed run draws exactly the masks an
+uninterrupted one would; evaluation draws one fixed set, the same at every evaluation.
+
+Whole-word masking (config.data.whole_word_masking) chooses words: a word is a piece starting
+with SentencePiece's word marker and the pieces after it; the pipeline gives each token's
+word-start flag in the batch's 'inputs' (data/pipeline.py), laid out like the text in
+'targets'.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from t2t_jax import EOS_ID, PAD_ID
+from t2t_jax.training import optim
+
+CLS_ID, SEP_ID, MASK_ID = 3, 4, 5  # data/tokenizer.py's reserved pieces.
+FIRST_ORDINARY_ID = 6  # Random replacements are drawn from [6, vocab size).
+WORD_START = 2  # The pipeline's word-start flag (1: a word's later piece; 0: padding).
+_MASK_STREAM = 0x6D6C6D  # Folded into the step's key: the masks' own stream.
+
+
+def mlm_slots(length: int, rate: float, whole_word: bool) -> int:
+  """K: the chosen positions gathered per row of `length` tokens."""
+  slots = math.ceil(rate * length)
+  if whole_word:  # Room for the last chosen word's later pieces.
+    slots += math.ceil(0.05 * length) + 1
+  return max(1, min(length, slots))
+
+
+def choose(key: jax.Array, tokens_BL: jax.Array, word_start_BL: jax.Array, rate: float,
+           whole_word: bool) -> tuple[jax.Array, jax.Array]:
+  """(positions [B, K], chosen [B, K]): the chosen tokens of each row, in order of choice,
+  and which of the K slots hold one (the rest point at unchosen tokens and score nothing)."""
+  length = tokens_BL.shape[1]
+  maskable_BL = ((tokens_BL != PAD_ID) & (tokens_BL != EOS_ID) & (tokens_BL != CLS_ID)
+                 & (tokens_BL != SEP_ID))
+  maskable_B = maskable_BL.sum(1)
+  count_B1 = jnp.where(maskable_B > 0, jnp.maximum(1, jnp.round(rate * maskable_B)), 0)[:, None]
+  priority_BL = jax.random.uniform(key, tokens_BL.shape)
+  index_L = jnp.arange(length)
+  if whole_word:  # Every piece of a word takes its first piece's priority.
+    start_BL = jax.lax.cummax(jnp.where(word_start_BL, index_L, 0), axis=1)
+    priority_BL = jnp.take_along_axis(priority_BL, start_BL, axis=1)
+  priority_BL = jnp.where(maskable_BL, priority_BL, 2.0)
+  order_BL = jnp.argsort(priority_BL, axis=1, stable=True)  # Ties: a word's pieces in order.
+  rank_BL = jnp.argsort(order_BL, axis=1)
+  if whole_word:  # A word is in when its first maskable piece is within the count.
+    first_rank_BL = jnp.take_along_axis(rank_BL, start_BL, axis=1)
+    in_word_BL = jnp.where(maskable_BL & jnp.take_along_axis(maskable_BL, start_BL, axis=1),
+                           first_rank_BL, rank_BL)
+    chosen_BL = maskable_BL & (in_word_BL < count_B1)
+  else:
+    chosen_BL = maskable_BL & (rank_BL < count_B1)
+  slots = mlm_slots(length, rate, whole_word)
+  key_BL = jnp.where(chosen_BL, rank_BL, length + index_L)
+  positions_BK = jnp.argsort(key_BL, axis=1)[:, :slots]
+  return positions_BK, jnp.take_along_axis(chosen_BL, positions_BK, axis=1)
+
+
+def corrupt(key: jax.Array, tokens_BL: jax.Array, positions_BK: jax.Array,
+            chosen_BK: jax.Array, vocab_size: int) -> jax.Array:
+  """The model's input: chosen tokens 80% [MASK], 10% a random ordinary token, 10% kept."""
+  choice_key, token_key = jax.random.split(key)
+  draw_BK = jax.random.uniform(choice_key, positions_BK.shape)
+  random_BK = jax.random.randint(token_key, positions_BK.shape, FIRST_ORDINARY_ID, vocab_size)
+  original_BK = jnp.take_along_axis(tokens_BL, positions_BK, axis=1)
+  new_BK = jnp.where(draw_BK < 0.8, MASK_ID, jnp.where(draw_BK < 0.9, random_BK, original_BK))
+  new_BK = jnp.where(chosen_BK, new_BK, original_BK)
+  return jax.vmap(lambda row, at, values: row.at[at].set(values))(tokens_BL, positions_BK,
+                                                                  new_BK)
+
+
+def mask_key(rngs: dict | None) -> jax.Array:
+  """The masks' key: the step's dropout key folded with the masks' stream, or in evaluation
+  (no key) one fixed key."""
+  if not rngs or 'dropout' not in rngs:
+    return jax.random.key(0)
+  return jax.random.fold_in(rngs['dropout'], _MASK_STREAM)
+
+
+def mlm_metrics(model, params, batch: dict, label_smoothing: float, loss_chunk_tokens: int = 0,
+                *, rate: float = 0.15, whole_word: bool = False, **kwargs) -> dict[str, jax.Array]:
+  """Metric sums of the masked-LM loss on the chosen positions (`optim.compute_metrics`:
+  'loss', 'nll', 'correct', 'weight' = chosen tokens)."""
+  del loss_chunk_tokens  # Only K of L positions reach the output layer: no chunking needed.
+  tokens_BL = batch['targets']
+  choose_key, corrupt_key = jax.random.split(mask_key(kwargs.get('rngs')))
+  positions_BK, chosen_BK = choose(choose_key, tokens_BL, batch['inputs'] == WORD_START,
+                                   rate, whole_word)
+  corrupted_BL = corrupt(corrupt_key, tokens_BL, positions_BK, chosen_BK,
+                         model.config.vocab_size)
+  states_BLE = model.apply({'params': params}, corrupted_BL, batch.get('targets_positions'),
+                           batch.get('targets_segments'), method='encode', **kwargs)
+  picked_BKE = jnp.take_along_axis(states_BLE, positions_BK[..., None], axis=1)
+  with jax.named_scope('loss'):
+    logits_BKV = model.apply({'params': params}, picked_BKE, method='mlm_logits')
+    labels_BK = jnp.where(chosen_BK, jnp.take_along_axis(tokens_BL, positions_BK, axis=1),
+                          PAD_ID)
+    return optim.compute_metrics(logits_BKV, labels_BK, label_smoothing)
+
+
+def regression_values(targets_B2: jax.Array) -> jax.Array:
+  """The float32 values a regression row carries as bits in its second target id."""
+  return jax.lax.bitcast_convert_type(targets_B2[:, 1], jnp.float32)
+
+
+def head_metrics(model, params, batch: dict, label_smoothing: float, loss_chunk_tokens: int = 0,
+                 **kwargs) -> dict[str, jax.Array]:
+  """Metric sums of a classifier (cross-entropy with label smoothing; 'correct' by argmax) or
+  a regressor (squared error as 'loss' and 'nll'; 'correct' is 0) on one row per example.
+
+  A row's first target id is its label's index + 1 (0: a padding row, of weight 0); a
+  regression row's second id holds its value (data/classification.py)."""
+  del loss_chunk_tokens
+  outputs_BC = model.apply({'params': params}, batch['inputs'], method='head_outputs', **kwargs)
+  first_B = batch['targets'][:, 0]
+  real_B = (first_B != PAD_ID).astype(jnp.float32)
+  with jax.named_scope('loss'):
+    if model.config.head == 'regression':
+      error_B = jnp.square(outputs_BC[:, 0] - regression_values(batch['targets'])) * real_B
+      return {'loss': error_B.sum(), 'nll': error_B.sum(), 'correct': jnp.zeros(()),
+              'weight': real_B.sum()}
+    labels_B = jnp.maximum(first_B - 1, 0)
+    classes = outputs_BC.shape[-1]
+    one_hot_BC = jax.nn.one_hot(labels_B, classes)
+    loss_B = optax.softmax_cross_entropy(outputs_BC, optax.smooth_labels(one_hot_BC,
+                                                                         label_smoothing))
+    nll_B = optax.softmax_cross_entropy(outputs_BC, one_hot_BC)
+    correct_B = (outputs_BC.argmax(-1) == labels_B).astype(jnp.float32)
+    return {'loss': (loss_B * real_B).sum(), 'nll': (nll_B * real_B).sum(),
+            'correct': (correct_B * real_B).sum(), 'weight': real_B.sum()}
