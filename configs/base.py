@@ -61,6 +61,8 @@ def get_config():
   # Labelled: the label names in order; () reads them from the training file (sorted) and the
   # run saves them here. A regression head (model.head) has none.
   data.labels = ()
+  data.holdout = 0.0  # Labelled: this fraction of train_tsv (fixed draw) is the eval split instead.
+  data.train_limit = 0  # Labelled: train on at most this many examples (a fixed draw); 0: all.
 
   model = config.model = ml_collections.ConfigDict()
   model.d_model = 512  # Width of embeddings and of every residual stream.

@@ -368,6 +368,7 @@ SHRUNK = dict(d_model=32, d_ff=48, num_heads=4, num_encoder_layers=2, num_decode
 # The setting a refusal names -> what its reason must say. A refusal naming another setting
 # fails the test until it is added here (and to docs/translation.md) with why.
 EXPECTED_REFUSALS = {
+    "config.model.kind='encoder_only'": 'translates nothing',
     'config.model.moe_experts=': 'no mixture-of-experts',
     'config.model.attention_pattern=': "dense ('full') attention only",
     "config.model.prefix_attention='full'": 'causal over the whole sequence',

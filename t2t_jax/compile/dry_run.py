@@ -36,6 +36,7 @@ from t2t_jax.model import flops as flops_lib
 from t2t_jax.model import prng
 from t2t_jax.training import build as setup_lib
 from t2t_jax.training import resolve
+from t2t_jax.training import tasks
 
 TRAIN, EVAL, SEARCH = 'train_step', 'eval_step', 'search'
 
@@ -46,6 +47,10 @@ def dry_run(config, target: str = '', evaluation: bool = True) -> dict:
   With a target and `evaluation`, also the eval step and the search of the in-loop evaluation.
   """
   runtime.start()  # Done already where a command called this; a library caller's first.
+  task = tasks.for_config(config)
+  if task.configure:  # A classifier's labels, from its training file (or config.data.labels).
+    config = config.copy_and_resolve_references()
+    task.configure(config)
   named = targets.parse(target) if target else None
   devices = targets.devices(named) if named else None
   if named and named.slices > 1 and config.mesh.dcn_data == 1:
@@ -55,13 +60,13 @@ def dry_run(config, target: str = '', evaluation: bool = True) -> dict:
                  named.name, named.slices, named.slices)
   resolved = resolve.resolve(config, devices)  # Every check; 'auto' for the target's devices.
   mesh = sharding.make_mesh(config.mesh, devices)
-  setup = setup_lib.build(config, data.vocab_size(config), mesh=mesh)
+  setup = setup_lib.build(config, data.vocab_size(config), mesh=mesh, objective=task.objective)
   batch, rows, length = abstract_batch(config, setup.mesh)
   rng = jax.eval_shape(functools.partial(prng.dropout_key, name=config.model.dropout_prng),
                        jax.ShapeDtypeStruct((2,), jnp.uint32))
   train = _compile(lambda: setup.train_step.lower(setup.abstract_state, batch, rng), mesh)
   flops = global_flops(config, setup, batch, rng)
-  source_length = 0 if config.data.source == 'lm' else length
+  source_length = batch['inputs'].shape[1]
   analytic = flops_lib.train_step_flops(setup.model_config, rows, source_length, length)
   result = {
       'config': config.name,
@@ -215,7 +220,9 @@ def abstract_batch(config, mesh) -> tuple[dict, int, int]:
                                         config.data.bucket_scale)[-1], config.model.max_len)
     keys = ('inputs', 'targets')
   rows = max(shards, config.data.batch_tokens // length // shards * shards)
-  source_length = 0 if config.data.source == 'lm' else length  # A language model: no source.
+  # A language model has no source; a masked-LM row's 'inputs' are its word-start flags.
+  source_length = (0 if config.data.source == 'lm' and config.model.kind != 'encoder_only'
+                   else length)
   batch = {key: jax.ShapeDtypeStruct((rows, source_length if key.startswith('inputs') else length),
                                      jnp.int32, sharding=sharding.batch_sharding(mesh))
            for key in keys}
@@ -237,7 +244,8 @@ def global_flops(config, setup: setup_lib.Setup, batch, rng) -> float:
   mesh = jax.sharding.Mesh(np.array(jax.devices('cpu')[:1]).reshape((1,) * len(
       sharding.MESH_AXES)), sharding.MESH_AXES)
   train_step = jax.jit(setup_lib.train_step_of(config, model_config, setup.optimizer,
-                                               grad_accum_steps=1, loss_chunk_tokens=0))
+                                               grad_accum_steps=1, loss_chunk_tokens=0,
+                                               objective=tasks.for_config(config).objective))
   state, _ = setup_lib.abstract_tree(functools.partial(
       setup_lib.init_state, model_config=model_config, optimizer=setup.optimizer,
       ema=config.opt.ema_decay > 0), mesh, setup.axis_rules)

@@ -249,6 +249,27 @@ def encode(vocab: tokenizer.Vocabulary, data: LabelledText, names: list[str], re
   return Encoded(inputs, targets, texts, list(data.labels))
 
 
+def subset(data: LabelledText, indices) -> LabelledText:
+  """The examples of `data` at `indices`, in that order."""
+  pick = lambda values: [values[i] for i in indices]
+  return LabelledText(pick(data.texts), None if data.texts2 is None else pick(data.texts2),
+                      pick(data.labels), pick(data.lines), data.path)
+
+
+def split_train(data: LabelledText, holdout: float, limit: int
+                ) -> tuple[LabelledText, LabelledText | None]:
+  """(training examples, held-out examples or None): a fraction `holdout` of the file held out
+  for evaluation, then at most `limit` of the rest kept (0: all), both drawn by a fixed seed,
+  the same in every run, whatever its config.seed; the examples keep their file order."""
+  order = np.random.default_rng(20191128).permutation(len(data.texts))
+  held = int(round(holdout * len(order)))
+  kept = order[held:]
+  if limit:
+    kept = kept[:limit]
+  return (subset(data, np.sort(kept)),
+          subset(data, np.sort(order[:held])) if held else None)
+
+
 def decode_regression(targets_B2: np.ndarray) -> np.ndarray:
   """The float32 values of regression targets [B, 2] ([1, bits] each): the inverse of encode."""
   targets_B2 = np.asarray(targets_B2)

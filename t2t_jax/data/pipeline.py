@@ -186,11 +186,22 @@ def _load_labelled(config, workdir: str) -> TaskData:
   vocab = load_vocab(config, workdir)
   regression = config.model.head == 'regression'
   names = list(config.data.labels)
+  data_config = config.data
+  whole = classification.read_tsv(sources.in_data_dir(data_config, 'train_tsv'),
+                                  data_config.bad_lines)
+  train, held_out = classification.split_train(whole, data_config.holdout,
+                                               data_config.train_limit)
+  if held_out or data_config.train_limit:
+    logging.info('%s: %d examples train, %d held out for evaluation%s', whole.path,
+                 len(train.texts), len(held_out.texts) if held_out else 0,
+                 f' (config.data.train_limit={data_config.train_limit}, of '
+                 f'{len(whole.texts) - (len(held_out.texts) if held_out else 0)})'
+                 if data_config.train_limit else '')
+  evaluation = held_out or classification.read_tsv(
+      sources.in_data_dir(data_config, 'eval_tsv'), data_config.bad_lines)
   splits = []
-  for split in ('train', 'eval'):
-    labelled = classification.read_tsv(sources.in_data_dir(config.data, f'{split}_tsv'),
-                                       config.data.bad_lines)
-    encoded = classification.encode(vocab, labelled, names, regression, config.data.max_len)
+  for labelled in (train, evaluation):
+    encoded = classification.encode(vocab, labelled, names, regression, data_config.max_len)
     splits.append(Split(encoded.inputs, encoded.targets, encoded.texts, encoded.labels))
   return TaskData(vocab, *splits)
 

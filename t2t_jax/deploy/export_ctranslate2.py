@@ -51,6 +51,10 @@ def refusals(config: TransformerConfig) -> list[tuple[bool, str, str]]:
   """(refused, key, why) for each setting CTranslate2 cannot express, in the order checked."""
   decoder_only = config.kind == 'decoder_only'
   return [
+      (config.kind == 'encoder_only', 'kind',
+       'an encoder-only model translates nothing, and CTranslate2 runs its encoders (BERT-like '
+       'models) only up to the final states and pooler: the masked-LM and classifier heads '
+       "would run outside it, so t2t_jax exports translation models only"),
       (config.moe_experts > 0, 'moe_experts',
        'CTranslate2 has no mixture-of-experts feed-forward layers'),
       (set(attention_kinds(config.attention_pattern)) != {'full'}, 'attention_pattern',

@@ -49,6 +49,10 @@ class Run:
 
 def _read_run(workdir: str) -> tuple[ml_collections.ConfigDict, tokenizer.Vocabulary]:
   config = load_config(workdir)
+  if config.model.kind == 'encoder_only':
+    raise ConfigError(f"{workdir} holds an encoder-only model (config.model.kind="
+                      "'encoder_only'), which translates nothing: classify with python -m "
+                      't2t_jax.classify (docs/pretraining.md)')
   if config.data.source == 'lm':
     raise ConfigError(f"{workdir} holds a language model (config.data.source='lm'), which has "
                       'no source to translate: there is nothing to translate or score')

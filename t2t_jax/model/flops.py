@@ -5,6 +5,7 @@ model FLOPs counted analytically from the shapes (as in PaLM's appendix B), not 
 happens to execute: recomputation, the optimiser and elementwise work do not count.
 """
 
+import math
 import re
 
 import jax.numpy as jnp
@@ -134,6 +135,8 @@ def train_step_flops(model_config, rows: int, source_length: int, target_length:
   Cross-attention stays full.
   """
   cfg = model_config
+  if cfg.kind == 'encoder_only':
+    return encoder_only_flops(cfg, rows, source_length, target_length)
   if cfg.kind == 'decoder_only':
     return float(3 * _stack_flops(cfg, cfg.num_decoder_layers, rows,
                                   source_length + target_length)
@@ -146,6 +149,23 @@ def train_step_flops(model_config, rows: int, source_length: int, target_length:
                                     + 4 * d * target_tokens * source_length)
   output = 2 * target_tokens * d * cfg.vocab_size
   return float(3 * (encoder + decoder + cross + output))
+
+
+MLM_RATE = 0.15  # The default data.mlm_rate: the chosen positions' share of a masked-LM row.
+
+
+def encoder_only_flops(cfg, rows: int, source_length: int, target_length: int) -> float:
+  """An encoder-only update: the stack over its text (the targets in masked-LM pre-training,
+  the inputs under a task head), then the head: the masked-LM transform and output layer at
+  ceil(MLM_RATE x L) positions a row (another data.mlm_rate changes this small term only), or
+  the pooler and classifier once a row."""
+  d = cfg.d_model
+  if cfg.head == 'mlm':
+    chosen = rows * math.ceil(MLM_RATE * target_length)
+    return float(3 * (_stack_flops(cfg, cfg.num_encoder_layers, rows, target_length)
+                      + 2 * chosen * (d * d + d * cfg.vocab_size)))
+  return float(3 * (_stack_flops(cfg, cfg.num_encoder_layers, rows, source_length)
+                    + 2 * rows * (d * d + d * max(cfg.num_labels, 1))))
 
 
 def _stack_flops(cfg, num_layers: int, rows: int, length: int) -> float:

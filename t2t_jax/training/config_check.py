@@ -234,6 +234,9 @@ def _decoder_only_problems(config) -> list[str]:
     problems.append(f"config.data.source='labelled' trains a classifier or regressor: it needs "
                     f"config.model.kind='encoder_only' (got {kind!r}) and config.model.head "
                     f"'classification' or 'regression' (got {head!r})")
+  if not 0.0 <= config.data.holdout < 1.0 or config.data.train_limit < 0:
+    problems.append(f'config.data.holdout={config.data.holdout} must be in [0, 1) and '
+                    f'config.data.train_limit={config.data.train_limit} at least 0')
   if source == 'labelled' and config.data.batching != 'buckets':
     problems.append("config.data.source='labelled' reads one example per row: set "
                     f"config.data.batching='buckets' (got {config.data.batching!r})")
