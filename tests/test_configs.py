@@ -28,6 +28,7 @@ VARIANTS = {
     'tiny': ['', 'moe'],
     'wmt14_ende': ['', 'base', 'big'],
     'lm': ['', 'base', 'tiny'],
+    'bert': ['', 'base', 'large', 'small', 'tiny', 'small,finetune', 'tiny,finetune'],
     # Each file set and each member once (with either file set); the test below checks all.
     'multi30k': ['', 'raw', 'decoder_only', 'raw_decoder_only', 'raw_relative', 'rotary',
                  'raw_alibi', 'tok_learned', 'predictive', 'tok_local_compressed', 'raw_moe',
@@ -37,6 +38,8 @@ VARIANTS = {
 # that command passes before the sweep's own.
 SWEEP_BASES = {
     'tiny_grid': ('tiny', '', {}),
+    # Labels as the run reads them from SST-2's training file (a test reads no shared data).
+    'bert_seeds': ('bert', 'small,finetune', {'data.labels': ('0', '1')}),
     'wmt14_ende_big': ('wmt14_ende', 'big', {}),
     'multi30k_schedule': ('multi30k', 'speedrun', {'train.num_steps': 1200,
                                                    'train.eval_every': 1200,
@@ -55,7 +58,11 @@ SWEEP_BASES = {
 
 def _load(name, variant):
   module = importlib.import_module(f'configs.{name}')
-  return module.get_config(variant) if variant else module.get_config()
+  config = module.get_config(variant) if variant else module.get_config()
+  if variant.endswith('finetune'):  # The run reads its labels from its training file.
+    config.data.labels = ('0', '1')
+    config.model.num_labels = 2
+  return config
 
 
 def _override(config, overrides):
@@ -107,6 +114,12 @@ def test_each_shipped_config_and_variant_is_valid_and_builds(name, variant):
     assert 200e6 < params < 220e6  # Transformer big with its 37000-token shared vocabulary.
   if name == 'tiny':
     assert model.moe_experts == (4 if variant == 'moe' else 0)
+  if name == 'bert':
+    size = variant.partition(',')[0] or 'small'
+    assert model.kind == 'encoder_only'
+    assert (model.num_encoder_layers, model.d_model) == {
+        'base': (12, 768), 'large': (24, 1024), 'small': (4, 256), 'tiny': (2, 32)}[size]
+    assert model.head == ('classification' if variant.endswith('finetune') else 'mlm')
   if name == 'lm':
     assert model.kind == 'decoder_only' and config.data.source == 'lm'
     assert model.d_model == (32 if variant == 'tiny' else 128)

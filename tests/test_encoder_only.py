@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import leaves_equal, write_lines
+from conftest import leaves_equal, scalar_events, write_lines
 from configs import base as base_config
 from configs import bert
 from t2t_jax import CheckpointError
@@ -140,12 +140,14 @@ def test_choose_is_uniform_over_the_maskable_tokens():
 def test_whole_word_masking_chooses_whole_words():
   rng = np.random.default_rng(2)
   length, rate = 64, 0.15
-  contents = [57, 40, 23, 9, 3]
+  contents = [57, 40, 23, 9, 3, 40]
   tokens, maskable = _mlm_rows(rng, contents, length)
   # Words of 1 to 3 pieces over the ordinary tokens; [CLS], [SEP], EOS and padding each start
-  # their own (as the pipeline flags them: data/pipeline.py).
+  # their own (as the pipeline flags them: data/pipeline.py). The last row: two words of 20
+  # pieces, either longer than the slots.
   starts = np.ones_like(tokens, bool)
-  for row in range(len(tokens)):
+  starts[-1, 1:] = (tokens[-1, 1:] < 6) | (tokens[-1, :-1] < 6)
+  for row in range(len(tokens) - 1):
     at = 0
     while at < length:
       if tokens[row, at] >= 6:
@@ -175,8 +177,10 @@ def test_whole_word_masking_chooses_whole_words():
       if not pieces <= picked:
         cut.append(word)
     assert not cut or (len(cut) == 1 and len(picked) == slots), (row, cut)  # The slot limit.
+    assert bool(cut) == (row == len(tokens) - 1)  # The long words' row is cut, no other.
     assert len(picked) >= targets[row] or len(picked) == slots
-    assert len(picked) <= targets[row] + 2  # The last word overruns by 2 pieces at most.
+    if row < len(tokens) - 1:  # The last word overruns by 2 pieces at most.
+      assert len(picked) <= targets[row] + 2
 
 
 def test_corrupt_masks_80_replaces_10_keeps_10_percent():
@@ -391,6 +395,29 @@ def test_weight_decay_spares_vectors_unless_asked(decay_vectors):
       np.testing.assert_array_equal(vector, 2.0)
 
 
+@pytest.mark.parametrize('scan_layers', [False, True])
+def test_weight_decay_spares_the_models_biases_and_norms(scan_layers):
+  """decay_vectors=False on a real encoder's tree: biases and layer-norm scales keep their
+  values, every matrix shrinks, also when the layers are stacked on a leading axis."""
+  config = dataclasses.replace(CONFIG, num_encoder_layers=2, scan_layers=scan_layers)
+  dummy = jnp.ones((1, 4), jnp.int32)
+  shapes = nn.meta.unbox(jax.eval_shape(lambda: encoder_only.EncoderOnly(config).init(
+      jax.random.key(0), dummy, dummy))['params'])
+  params = jax.tree.map(lambda s: jnp.full(s.shape, 2.0), shapes)
+  optimizer = optim.make_optimizer(_opt(weight_decay=0.1, decay_vectors=False), d_model=16,
+                                   num_steps=10)
+  new = _step(optimizer, params, jax.tree.map(jnp.zeros_like, params))
+  vectors = 0
+  for path, value in jax.tree_util.tree_leaves_with_path(new):
+    name = saved_params.path_name(path)
+    if name.split('/')[-1] in ('bias', 'scale', 'mlm_bias'):
+      vectors += 1
+      np.testing.assert_array_equal(value, 2.0, err_msg=name)
+    else:
+      np.testing.assert_allclose(value, 2.0 * (1 - 0.01 * 0.1), rtol=1e-6, err_msg=name)
+  assert vectors >= 10
+
+
 def test_layer_rate_factors_decay_from_the_head_down():
   leaf = {'kernel': jnp.ones((2, 2)), 'bias': jnp.ones(2)}
   params = {f'encoder_{i}': leaf for i in range(3)}
@@ -524,23 +551,24 @@ def test_config_check_refuses_encoder_only_mismatches(variant, key, value, messa
   assert message in str(error.value)
 
 
-WORDS = ('the cat dog bird sat ran on under a mat tree house red blue small big good bad '
-         'very quite').split()
+WORDS = ('the cat dog bird sat ran on under a mat tree house red blue small big very quite '
+         'good bad').split()
+NEUTRAL = WORDS[:-2]
 
 
 def _write_texts(directory, rng):
-  """Unlabelled text over WORDS, and labelled TSVs whose label is whether 'good' occurs."""
-  sentence = lambda: ' '.join(rng.choice(WORDS[:16], rng.integers(3, 9)))
-  write_lines(directory / 'train.txt', [sentence() for _ in range(400)])
-  write_lines(directory / 'eval.txt', [sentence() for _ in range(40)])
+  """Unlabelled text over WORDS, and labelled TSVs over the other words whose label says
+  whether 'good' or 'bad' occurs."""
+  sentence = lambda words: ' '.join(rng.choice(words, rng.integers(3, 9)))
+  write_lines(directory / 'train.txt', [sentence(WORDS) for _ in range(400)])
+  write_lines(directory / 'eval.txt', [sentence(WORDS) for _ in range(40)])
 
   def labelled(count):
     lines = []
     for i in range(count):
       positive = i % 2 == 0
-      words = sentence().split()
-      words.insert(rng.integers(0, len(words)), ('very ' if i % 3 else '')
-                   + ('good' if positive else 'bad'))
+      words = sentence(NEUTRAL).split()
+      words.insert(rng.integers(0, len(words) + 1), 'good' if positive else 'bad')
       lines.append(f'{" ".join(words)}\t{"pos" if positive else "neg"}')
     return lines
   write_lines(directory / 'train.tsv', labelled(200))
@@ -597,27 +625,37 @@ def test_finetuning_a_pretrained_encoder_classifies(pretrained, tmp_path, monkey
   real_init = partial_init.init_params
 
   def spy(*args):
-    started.append(real_init(*args))
-    return started[-1]
+    params = real_init(*args)
+    started.append(jax.device_get(params))  # The train step donates (deletes) the arrays.
+    return params
   monkeypatch.setattr(partial_init, 'init_params', spy)
   workdir = tmp_path / 'finetune'
   figures = train.train_and_evaluate(config, str(workdir))
   assert figures['step'] == 30
   for name in ('eval_accuracy', 'eval_macro_f1', 'eval_mcc'):
-    assert 0 <= abs(figures[name]) <= 1, figures
+    assert name in figures, figures
+  # The keyword decides the label: a model that reads it is right where chance (0.5 on 60
+  # balanced examples, sd 0.065) is 3 sd lower.
+  assert figures['eval_accuracy'] >= 0.7, figures
   with open(workdir / 'config.json') as f:
     saved = json.load(f)
   assert tuple(saved['data']['labels']) == ('neg', 'pos')
   assert saved['model']['num_labels'] == 2
   with open(workdir / 'best_eval.json') as f:
     best = json.load(f)
-  assert best['metric'] == 'accuracy' and best['step'] in range(5, 31, 5)
+  # The kept step is the first of the evaluations' highest accuracy, read back from the log.
+  accuracy = scalar_events(workdir)['eval/accuracy']
+  assert max(accuracy) == 30 and len(accuracy) >= 2, accuracy
+  top = max(accuracy.values())
+  assert best['metric'] == 'accuracy'
+  assert best['step'] == min(step for step, value in accuracy.items() if value == top)
+  assert best['figures']['eval_accuracy'] == pytest.approx(top)
   assert os.path.isdir(workdir / 'best_params')
   best_params = saved_params.load_params(str(workdir / 'best_params'))
   assert best_params['classifier']['kernel'].shape == (32, 2)
   # Step 0 of the run: the pre-trained encoder and embeddings, a fresh head.
   pretrained_params = saved_params.load_params(str(pre / 'checkpoints' / '20'))
-  (start,) = jax.device_get(started)
+  (start,) = started
   for name in ('embedding', 'type_embedding', 'embedder', 'encoder_0', 'encoder_1',
                'encoder_norm'):
     assert leaves_equal(start[name], pretrained_params[name]), name

@@ -244,14 +244,13 @@ def make_optimizer(opt_config, d_model: int,
                    num_steps: int | None = None) -> optax.GradientTransformation:
   """Adam (or AdamW with weight decay) under the schedule, optionally clipped first.
 
-  opt.decay_vectors=False keeps weight decay off every parameter of fewer than two axes
-  (biases, layer-norm scales; BERT's recipe). opt.layer_lr_decay < 1 scales each update by
-  its layer's factor (`layer_rate_factors`).
+  opt.decay_vectors=False keeps weight decay off every parameter of fewer than two axes per
+  layer (biases, layer-norm scales; BERT's recipe). opt.layer_lr_decay < 1 scales each update
+  by its layer's factor (`layer_rate_factors`).
   """
   schedule = learning_rate_schedule(opt_config, d_model, num_steps)
   decay_vectors = opt_config.get('decay_vectors', True)  # Configs saved before the key.
-  mask = None if decay_vectors else (
-      lambda params: jax.tree.map(lambda p: jnp.ndim(p) >= 2, params))
+  mask = None if decay_vectors else _decays_matrices_only
   adam = optax.adamw(schedule, b1=opt_config.b1, b2=opt_config.b2, eps=opt_config.eps,
                      weight_decay=opt_config.weight_decay, mask=mask)
   layer_decay = opt_config.get('layer_lr_decay', 1.0)
@@ -262,6 +261,16 @@ def make_optimizer(opt_config, d_model: int,
   if opt_config.grad_clip > 0:
     return optax.chain(optax.clip_by_global_norm(opt_config.grad_clip), adam)
   return adam
+
+
+def _decays_matrices_only(params):
+  """The weight-decay mask of opt.decay_vectors=False: True on the parameters of two or more
+  axes, not counting the leading layer axis of scan_layers' stacks ('encoder_layers',
+  'decoder_layers'), whose biases and norm scales are vectors of each layer."""
+  def decays(path, param):
+    stacked = str(getattr(path[0], 'key', '')).endswith('_layers')
+    return jnp.ndim(param) - stacked >= 2
+  return jax.tree_util.tree_map_with_path(decays, params)
 
 
 def layer_rate_factors(params, decay: float):
