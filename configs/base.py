@@ -97,6 +97,9 @@ def get_config():
   model.num_labels = 0  # Encoder-only classification: labels (set from data.labels when 0).
   model.type_vocab_size = 0  # Encoder-only: token-type (segment) embeddings (BERT: 2); 0: none.
   model.pooling = 'cls'  # Encoder-only heads read the first ([CLS]) token's state, or its 'mean'.
+  # Encoder-only pre-training: also next-sentence prediction (BERT; RoBERTa dropped it): each
+  # example is two lines, [CLS] A [SEP] B, B the line after A half the time, else a random one.
+  model.next_sentence = False
   # Decoder-only: 'causal' (every position sees only earlier ones) or 'full' (the source part
   # also sees later source positions: a prefix LM). Target positions are causal either way.
   model.prefix_attention = 'causal'

@@ -110,6 +110,21 @@ def test_keys_and_metric_are_checked_against_the_base_config(tiny_config):
   assert search['direction'] == 'maximize'  # BLEU up; eval_loss would be down.
 
 
+def test_a_classifier_search_may_maximise_its_f1_and_matthews_correlation():
+  from test_configs import _load  # pylint: disable=g-import-not-at-top
+  config = _load('bert', 'small,finetune')
+  reported = search_space.reported_metrics(config)
+  assert {'eval_macro_f1', 'eval_mcc', 'eval_accuracy'} <= reported
+  assert 'bleu' not in reported and 'eval_pearson' not in reported
+  for metric in ('eval_macro_f1', 'eval_mcc'):
+    search = search_space.check({'params': {'opt.lr_scale': ('uniform', 1.0, 2.0)},
+                                 'metric': metric, 'trials': 2})
+    search_space.check_against_config(search, config, 'f.py')
+    assert search['direction'] == 'maximize'
+  config.model.head = 'regression'
+  assert {'eval_pearson', 'eval_spearman'} <= search_space.reported_metrics(config)
+
+
 @pytest.mark.parametrize('url, message', [
     ('sqlite:////no/such/directory/search.db', 'cannot open the database (OperationalError'),
     ('postgresql://me:secret@127.0.0.1:9/t2t', 'postgresql://me:***@127.0.0.1:9/t2t: cannot '
@@ -157,7 +172,8 @@ def test_seed_statistics_are_numpys(tmp_path):
 
 # Each shipped search file with the base config its docstring names.
 SEARCH_BASES = {'tiny_lr': ('configs/tiny.py', ''), 'multi30k_lr': ('configs/multi30k.py',
-                                                                    'rotary')}
+                                                                    'rotary'),
+                'bert_finetune': ('configs/bert.py', 'small,finetune')}
 
 
 def test_every_shipped_search_file_loads_and_its_ranges_are_valid_configs():

@@ -162,21 +162,56 @@ def load_vocab(config, workdir: str) -> tokenizer.Vocabulary:
                                  special=config.model.kind == 'encoder_only')
 
 
+IS_NEXT, NOT_NEXT = 3, 4  # The [CLS] flag of a next-sentence pair (training/encoder_tasks.py).
+_PAIR_SEED = 1211  # The pairs are one fixed draw, whatever config.seed.
+
+
+def _sentence_pairs(split: Split, name: str) -> Split:
+  """Next-sentence examples: line i, [SEP], then line i + 1 (the last line: line 0) or, with
+  probability 1/2, another random line; each pair's kind marked for `_masked_lm_split` by a
+  negative first token (-IS_NEXT or -NOT_NEXT, replaced by [CLS] there). One fixed draw per
+  split: like BERT's data, the pairs do not change between epochs (the masks do)."""
+  count = len(split.targets)
+  rng = np.random.default_rng([_PAIR_SEED, sum(map(ord, name))])
+  random_next = rng.random(count) < 0.5
+  following = (np.arange(count) + 1) % count
+  others = (following + rng.integers(1, max(count, 2), count)) % count  # Never the next line.
+  second = np.where(random_next & (count > 2), others, following)
+  old = split.targets
+  rows = []
+  for i in range(count):
+    first = old.tokens[old.starts[i]:old.starts[i] + old.lengths[i] - 1]  # Without its EOS.
+    other = old.tokens[old.starts[second[i]]:old.starts[second[i]] + old.lengths[second[i]]]
+    marker = -NOT_NEXT if second[i] != following[i] else -IS_NEXT
+    rows.append(np.concatenate([[marker], first, [tokenizer.SEP_ID], other]).astype(np.int32))
+  logging.info('%s: %d next-sentence pairs, %d of them with a random second line', name,
+               count, int((second != following).sum()))
+  targets = Ragged.from_sequences(rows)
+  return Split(Ragged(targets.tokens, targets.starts, np.zeros_like(targets.lengths)),
+               targets, split.sources, split.references)
+
+
 def _masked_lm_split(split: Split, vocab) -> Split:
-  """A masked-LM split: each sentence (in 'targets') after [CLS], and in 'inputs' each token's
-  word-start flag (2 at a word's first piece, [CLS] and EOS; 1 at its later pieces), laid out
-  alike by every batching mode (training/encoder_tasks.py reads both)."""
-  lengths = split.targets.lengths + 1
-  starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(split.targets.starts.dtype)
+  """A masked-LM split: each sentence (or next-sentence pair) in 'targets' after [CLS], and in
+  'inputs' each token's word-start flag (2 at a word's first piece, [CLS] and EOS; 1 at its
+  later pieces; a pair's [CLS] IS_NEXT or NOT_NEXT), laid out alike by every batching mode
+  (training/encoder_tasks.py reads both)."""
+  old = split.targets
+  pairs = len(old) and old.tokens[old.starts[0]] < 0  # Marked by `_sentence_pairs`.
+  lengths = old.lengths + (0 if pairs else 1)
+  starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(old.starts.dtype)
   tokens = np.empty(int(lengths.sum()), np.int32)
-  tokens[starts] = tokenizer.CLS_ID
   body = np.ones(len(tokens), bool)
   body[starts] = False
-  old = split.targets
-  tokens[body] = np.concatenate([old.tokens[s:s + n] for s, n in zip(old.starts, old.lengths)]
+  skip = 1 if pairs else 0  # A pair's marker makes way for [CLS].
+  tokens[body] = np.concatenate([old.tokens[s + skip:s + n] for s, n in zip(old.starts,
+                                                                            old.lengths)]
                                 ) if len(old) else np.zeros(0, np.int32)
+  tokens[starts] = tokenizer.CLS_ID
   targets = Ragged(tokens, starts, lengths)
   flags = np.where(tokenizer.word_start_table(vocab)[tokens], 2, 1).astype(np.int32)
+  if pairs:
+    flags[starts] = -old.tokens[old.starts]  # IS_NEXT or NOT_NEXT at each [CLS].
   return Split(Ragged(flags, starts, lengths), targets, split.sources, split.references)
 
 
@@ -222,6 +257,8 @@ def load_split(config, workdir: str, split: str, vocab=None) -> tuple[Split, boo
     inputs = Ragged(inputs.tokens, inputs.starts, np.zeros_like(inputs.lengths))
   full = Split(inputs, cached.targets, cached.sources, cached.references)
   if config.data.source == 'lm' and config.model.kind == 'encoder_only':
+    if config.model.next_sentence:
+      full = _sentence_pairs(full, split)
     full = _masked_lm_split(full, vocab)
   return _filter(full, config, split), cached.built
 

@@ -2,7 +2,8 @@
 embeddings, optional token-type (segment) embeddings, a pooler and one head.
 
 `config.head` names the head: 'mlm' (masked-language-model pre-training: a transform and the
-tied output softmax, scored at the chosen positions only), 'classification' (`num_labels`
+tied output softmax, scored at the chosen positions only; with `next_sentence` also BERT's
+next-sentence prediction from the pooled [CLS] state), 'classification' (`num_labels`
 logits from the pooled state) or 'regression' (one number). A fine-tuning run has the same
 encoder, embeddings and pooler as the pre-training run it starts from, and a fresh head
 (checkpoints/partial_init.py copies what both have).
@@ -71,6 +72,9 @@ class EncoderOnly(nn.Module):
       self.mlm_norm = LayerNorm(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
       self.mlm_bias = self.param('mlm_bias', nn.with_logical_partitioning(
           nn.initializers.zeros, ('vocab',)), (cfg.vocab_size,), cfg.param_dtype)
+      if cfg.next_sentence:  # BERT's second objective: the pooled [CLS] state, two logits.
+        self.pooler = self._dense(cfg.d_model, 'pooler')
+        self.next_sentence = self._dense(2, 'next_sentence', out_axis=None)
       if not cfg.tie_output:
         self.output_projection = nn.Dense(
             cfg.vocab_size, use_bias=False, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
@@ -116,6 +120,11 @@ class EncoderOnly(nn.Module):
     logits_BKV = logits_BKV + self.mlm_bias.astype(logits_BKV.dtype)
     return logits_BKV.astype(jnp.float32) if float32 else logits_BKV
 
+  def next_sentence_logits(self, states_BLE: Array) -> Array:
+    """Is-next / not-next logits [B, L, 2] (float32) of every position's state through the
+    pooler; the objective reads them at each packed segment's [CLS] only."""
+    return self.next_sentence(jnp.tanh(self.pooler(states_BLE))).astype(jnp.float32)
+
   def pool(self, states_BLE: Array, tokens_BL: Array) -> Array:
     """The row's summary [B, E]: its first ([CLS]) token's state or the mean over its real
     tokens (config.model.pooling), through the pooler's dense layer and tanh."""
@@ -144,5 +153,8 @@ class EncoderOnly(nn.Module):
     only, training/encoder_tasks.py), or the classifier's outputs of the inputs."""
     del inputs_positions_BK, inputs_segments_BK
     if self.config.head == 'mlm':
-      return self.mlm_logits(self.encode(targets_BL, targets_positions_BL, targets_segments_BL))
+      states_BLE = self.encode(targets_BL, targets_positions_BL, targets_segments_BL)
+      if self.config.next_sentence:  # Built with the rest at init.
+        self.next_sentence_logits(states_BLE[:, :1])
+      return self.mlm_logits(states_BLE)
     return self.head_outputs(inputs_BK)

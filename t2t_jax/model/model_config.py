@@ -60,6 +60,7 @@ class TransformerConfig:
   num_labels: int = 0  # Encoder-only classification: the label set's size (config.data.labels).
   type_vocab_size: int = 0  # Encoder-only: token-type (segment) embeddings; 0: none.
   pooling: str = 'cls'  # Encoder-only heads: the first token's state ('cls') or the 'mean'.
+  next_sentence: bool = False  # Encoder-only 'mlm' head: also next-sentence prediction (BERT).
   moe_experts: int = 0  # Mixture of experts (moe.py); 0: dense feed-forward layers.
   moe_top_k: int = 2
   moe_capacity_factor: float = 1.25
@@ -247,6 +248,9 @@ def check_encoder_only(config) -> None:
     raise ConfigError(f'a classifier needs at least 2 labels, and config.data.labels has '
                       f'{config.num_labels}: read them from a training file with 2 or more, '
                       'or list them in config.data.labels')
+  if config.next_sentence and config.head != 'mlm':
+    raise ConfigError(f"config.model.next_sentence=True is a pre-training objective, and "
+                      f"config.model.head={config.head!r}: set it with head='mlm' only")
   if config.type_vocab_size < 0:
     raise ConfigError(f'config.model.type_vocab_size={config.type_vocab_size} must be 0 (no '
                       'token types) or more')

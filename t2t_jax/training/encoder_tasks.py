@@ -28,6 +28,7 @@ from t2t_jax.training import optim
 CLS_ID, SEP_ID, MASK_ID = 3, 4, 5  # data/tokenizer.py's reserved pieces.
 FIRST_ORDINARY_ID = 6  # Random replacements are drawn from [6, vocab size).
 WORD_START = 2  # The pipeline's word-start flag (1: a word's later piece; 0: padding).
+IS_NEXT, NOT_NEXT = 3, 4  # Its flag at a next-sentence pair's [CLS] (also a word start).
 _MASK_STREAM = 0x6D6C6D  # Folded into the step's key: the masks' own stream.
 
 
@@ -93,12 +94,20 @@ def mask_key(rngs: dict | None) -> jax.Array:
 def mlm_metrics(model, params, batch: dict, label_smoothing: float, loss_chunk_tokens: int = 0,
                 *, rate: float = 0.15, whole_word: bool = False, **kwargs) -> dict[str, jax.Array]:
   """Metric sums of the masked-LM loss on the chosen positions (`optim.compute_metrics`:
-  'loss', 'nll', 'correct', 'weight' = chosen tokens)."""
+  'loss', 'nll', 'correct', 'weight' = chosen tokens).
+
+  With next-sentence prediction (config.model.next_sentence) 'loss' also holds that loss, as
+  BERT sums the two means: each pair's cross-entropy weighted by chosen tokens / pairs of the
+  (micro-)batch, so the loop's division by 'weight' gives MLM mean + NSP mean. 'nll',
+  'correct' and 'weight' stay the masked tokens'; 'next_sentence_loss', '_correct' and
+  '_weight' are the pairs' sums.
+  """
   del loss_chunk_tokens  # Only K of L positions reach the output layer: no chunking needed.
   tokens_BL = batch['targets']
   choose_key, corrupt_key = jax.random.split(mask_key(kwargs.get('rngs')))
-  positions_BK, chosen_BK = choose(choose_key, tokens_BL, batch['inputs'] == WORD_START,
-                                   rate, whole_word)
+  flags_BL = batch['inputs']
+  positions_BK, chosen_BK = choose(choose_key, tokens_BL, flags_BL >= WORD_START, rate,
+                                   whole_word)
   corrupted_BL = corrupt(corrupt_key, tokens_BL, positions_BK, chosen_BK,
                          model.config.vocab_size)
   states_BLE = model.apply({'params': params}, corrupted_BL, batch.get('targets_positions'),
@@ -108,7 +117,26 @@ def mlm_metrics(model, params, batch: dict, label_smoothing: float, loss_chunk_t
     logits_BKV = model.apply({'params': params}, picked_BKE, method='mlm_logits')
     labels_BK = jnp.where(chosen_BK, jnp.take_along_axis(tokens_BL, positions_BK, axis=1),
                           PAD_ID)
-    return optim.compute_metrics(logits_BKV, labels_BK, label_smoothing)
+    metrics = optim.compute_metrics(logits_BKV, labels_BK, label_smoothing)
+    if model.config.next_sentence:
+      metrics.update(_next_sentence_sums(model, params, states_BLE, flags_BL))
+      pairs = jnp.maximum(metrics['next_sentence_weight'], 1.0)
+      metrics['loss'] = (metrics['loss'] + metrics['next_sentence_loss']
+                         * jax.lax.stop_gradient(metrics['weight'] / pairs))
+    return metrics
+
+
+def _next_sentence_sums(model, params, states_BLE: jax.Array, flags_BL: jax.Array) -> dict:
+  """Cross-entropy, correct answers and count of the pairs: at each [CLS] (flag IS_NEXT or
+  NOT_NEXT, data/pipeline.py), is its second sentence the line after its first?"""
+  logits_BL2 = model.apply({'params': params}, states_BLE, method='next_sentence_logits')
+  pair_BL = (flags_BL == IS_NEXT) | (flags_BL == NOT_NEXT)
+  label_BL = (flags_BL == NOT_NEXT).astype(jnp.int32)
+  nll_BL = optax.softmax_cross_entropy_with_integer_labels(logits_BL2, label_BL)
+  weight_BL = pair_BL.astype(jnp.float32)
+  return {'next_sentence_loss': (nll_BL * weight_BL).sum(),
+          'next_sentence_correct': ((logits_BL2.argmax(-1) == label_BL) * weight_BL).sum(),
+          'next_sentence_weight': weight_BL.sum()}
 
 
 def regression_values(targets_B2: jax.Array) -> jax.Array:

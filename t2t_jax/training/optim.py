@@ -174,6 +174,10 @@ def summarize(metric_sums: dict[str, float]) -> dict[str, float]:
   figures = {'loss': float(metric_sums['loss']) / weight,
              'accuracy': float(metric_sums['correct']) / weight,
              'perplexity': float(np.exp(min(nll, 50.0)))}
+  if 'next_sentence_weight' in metric_sums:  # Masked LM with next-sentence prediction.
+    pairs = max(float(metric_sums['next_sentence_weight']), 1.0)
+    figures['next_sentence_loss'] = float(metric_sums['next_sentence_loss']) / pairs
+    figures['next_sentence_accuracy'] = float(metric_sums['next_sentence_correct']) / pairs
   if 'moe_aux_loss' in metric_sums:  # Mixture of experts: balance and overflow (moe.py).
     figures['moe_aux_loss'] = float(metric_sums['moe_aux_loss']) / weight
     figures['moe_dropped_fraction'] = (float(metric_sums['moe_dropped'])

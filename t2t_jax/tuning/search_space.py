@@ -10,9 +10,11 @@ A search file defines `get_search()` returning a dict:
                ('log_int', low, high)      an integer, uniform in log (0 < low)
                ('choice', [v1, v2, ...])   one of the values (strings, numbers, booleans)
   metric     what the runs' evaluations report: 'bleu', 'eval_loss', 'eval_accuracy',
-             'eval_perplexity', 'exact_match' (and 'ema_...' / 'averaged_...' forms where the
-             run keeps them)
-  direction  'maximize' or 'minimize' (default: maximize for BLEU, accuracy and exact match)
+             'eval_perplexity', 'exact_match'; a classifier's 'eval_macro_f1', 'eval_mcc' (a
+             regressor's 'eval_pearson', 'eval_spearman'); and 'ema_...' / 'averaged_...'
+             forms where the run keeps them
+  direction  'maximize' or 'minimize' (default: maximize for BLEU, accuracy, exact match,
+             F1 and the correlations)
   trials     how many trials the study holds when done (default: the grid's size for the
              grid sampler), and/or
   hours      start no trial once this long has passed since the study's first trial began
@@ -34,7 +36,8 @@ KINDS = ('uniform', 'log_uniform', 'int', 'log_int', 'choice')
 SAMPLERS = ('tpe', 'random', 'grid')
 PRUNERS = ('median', 'successive_halving', 'none')
 KEYS = ('params', 'metric', 'direction', 'trials', 'hours', 'sampler', 'pruner', 'seed')
-HIGHER_IS_BETTER = ('bleu', 'accuracy', 'exact_match')
+HIGHER_IS_BETTER = ('bleu', 'accuracy', 'exact_match', 'macro_f1', 'mcc', 'pearson',
+                    'spearman')
 JOURNAL_PREFIX = 'journal:'  # --storage=journal:PATH: Optuna's journal file.
 
 
@@ -205,6 +208,9 @@ def reported_metrics(config) -> set[str]:
   """What the in-loop evaluations of a run of `config` report, at some step."""
   from t2t_jax.decoding import bleu as bleu_lib  # pylint: disable=g-import-not-at-top
   names = {'eval_loss', 'eval_accuracy', 'eval_perplexity'}
+  if config.model.kind == 'encoder_only' and config.data.source == 'labelled':
+    names |= ({'eval_pearson', 'eval_spearman'} if config.model.head == 'regression' else
+              {'eval_macro_f1', 'eval_mcc'})  # training/classifier_eval.py's figures.
   num_steps, every = config.train.num_steps, config.train.eval_every
   steps = set(range(every, num_steps + 1, every)) if every > 0 else set()
   if any(bleu_lib.bleu_sentences_due(step, num_steps, config.eval)
