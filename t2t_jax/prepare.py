@@ -25,6 +25,10 @@ def prepare(config, workdir: str, splits=('train', 'eval')) -> list[dict]:
   if config.data.source == 'synthetic':
     raise app.UsageError("config.data.source='synthetic' is generated in memory; there is "
                          'nothing to prepare')
+  if config.data.source == 'labelled':
+    raise app.UsageError("config.data.source='labelled' is read and encoded at start-up, with "
+                         'no token cache; its vocabulary is the pre-training run\'s: prepare '
+                         'that run instead (docs/pretraining.md)')
   config_check.check(config, mesh=False)  # Preparing data needs no accelerator.
   start = time.perf_counter()
   vocab = data.load_vocab(config, workdir)

@@ -318,6 +318,41 @@ def test_family_members_compile_for_a_tpu_slice(libtpu, tiny_config, changes):
   assert result['prediction']['unknown_trip_counts'] == 0
 
 
+def _bert_tiny(variant: str):
+  """configs/bert.py:tiny (masked LM with next-sentence prediction) or its fine-tuning run,
+  labels given: a dry run reads no data."""
+  from configs import bert  # pylint: disable=g-import-not-at-top
+  config = bert.get_config(variant)
+  config.model.next_sentence = variant == 'tiny'
+  if variant.endswith('finetune'):
+    config.data.labels = ('negative', 'neutral', 'positive')
+  return config
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('variant', ['tiny', 'tiny,finetune'])
+def test_encoder_only_models_compile_for_a_tpu_slice(libtpu, variant):
+  """Pre-training and fine-tuning compile for 8 TPU chips, data-parallel: every weight's
+  float32 gradient is summed over them, and the compiled FLOPs are the analytic count's."""
+  del libtpu
+  result = dry_run_lib.dry_run(_bert_tiny(variant), 'tpu:v5e-8')
+  assert result['fits'] and set(result['programs']) == {'train_step', 'eval_step'}
+  reduced = result['collectives']['all-reduce']['bytes']
+  assert 4 * result['params'] <= reduced <= 4 * result['params'] * 1.01 + 1024
+  assert result['compiled_flops_per_device'] * 8 == pytest.approx(
+      result['analytic_flops_per_step'], rel=0.15)
+
+
+@pytest.mark.slow
+def test_encoder_only_pretraining_compiles_for_eight_h100s(cuda_compiler):
+  del cuda_compiler
+  config = _bert_tiny('tiny')
+  config.mesh.shape = (2, 4, 1)
+  result = dry_run_lib.dry_run(config, 'gpu:h100x8')
+  assert result['fits'] and result['platform'] == 'gpu'
+  assert {'all-gather', 'reduce-scatter'} <= set(result['collectives'])
+
+
 @pytest.mark.slow
 def test_splash_attention_compiles_for_a_tpu_inside_the_train_step(libtpu, tiny_config,
                                                                     no_persistent_cache):

@@ -1,7 +1,8 @@
 """The encoder-only family (BERT): parameter counts, token types, masked-LM choice and
 corruption, the objectives against independent computations, the classifier's scores, AdamW's
-decay mask and layer-wise rates, partial initialisation, the config checks, and pre-training
-then fine-tuning end to end."""
+decay mask and layer-wise rates, partial initialisation, the config checks, pre-training then
+fine-tuning end to end, and the pipeline's masked-LM rows and next-sentence pairs with their
+objective."""
 
 import dataclasses
 import functools
@@ -23,6 +24,9 @@ from t2t_jax import ConfigError
 from t2t_jax import sharding
 from t2t_jax.checkpoints import partial_init
 from t2t_jax.checkpoints import saved_params
+from t2t_jax.data import pipeline
+from t2t_jax.data import tokenizer
+from t2t_jax.data.token_cache import Ragged
 from t2t_jax.model import encoder_only
 from t2t_jax.model.model_config import TransformerConfig
 from t2t_jax.training import build
@@ -223,9 +227,9 @@ def _mlm_batch():
           'inputs': jnp.asarray(np.where(tokens > 0, encoder_tasks.WORD_START, 0))}
 
 
-def _spied_mlm_metrics(monkeypatch):
+def _spied_mlm_metrics(monkeypatch, config=CONFIG, **options):
   """jitted (params, batch, rngs) -> (mlm_metrics' sums, the positions and chosen flags it drew,
-  the tokens it corrupted them to)."""
+  the tokens it corrupted them to); `options` go to mlm_metrics."""
   seen = {}
 
   def spy(name, real):
@@ -235,11 +239,11 @@ def _spied_mlm_metrics(monkeypatch):
     monkeypatch.setattr(encoder_tasks, name, call)
   spy('choose', encoder_tasks.choose)
   spy('corrupt', encoder_tasks.corrupt)
-  model = encoder_only.EncoderOnly(CONFIG)
+  model = encoder_only.EncoderOnly(config)
 
   @jax.jit
   def run(params, batch, rngs):
-    metrics = encoder_tasks.mlm_metrics(model, params, batch, 0.0, rngs=rngs)
+    metrics = encoder_tasks.mlm_metrics(model, params, batch, 0.0, rngs=rngs, **options)
     return metrics, seen['choose'], seen['corrupt']
   return run
 
@@ -660,3 +664,246 @@ def test_finetuning_a_pretrained_encoder_classifies(pretrained, tmp_path, monkey
                'encoder_norm'):
     assert leaves_equal(start[name], pretrained_params[name]), name
   assert 'mlm_bias' not in start and 'classifier' in start
+
+
+# The pipeline's masked-LM rows and next-sentence pairs (data/pipeline.py).
+
+class _Pieces:
+  """A stand-in vocabulary of the given pieces (tokenizer.word_start_table reads vocab_size and
+  piece)."""
+
+  def __init__(self, pieces):
+    self.pieces = list(pieces)
+    self.vocab_size = len(self.pieces)
+
+  def piece(self, token_id):
+    return self.pieces[token_id]
+
+
+PIECES = _Pieces(['<pad>', '</s>', '<unk>', '[CLS]', '[SEP]', '[MASK]', '\u2581the', '\u2581cat',
+                  's', '\u2581sat', 'ting', '\u2581on', 'a', '\u2581'])
+# Lines over PIECES, each ending in EOS, and their word-start flags (2: a word's first piece,
+# unknown, [MASK] and EOS; 1: a later piece).
+LINES = [[6, 7, 8, 9, EOS],  # ▁the ▁cat s ▁sat
+         [13, 12, 10, MASK, EOS],  # ▁ a ting [MASK]
+         [EOS],  # An empty line.
+         [11, 2, 8, EOS]]  # ▁on <unk> s
+LINE_FLAGS = [[2, 2, 1, 2, 2], [2, 1, 1, 2, 2], [2], [2, 2, 1, 2]]
+
+
+def test_masked_lm_rows_are_cls_then_the_sentence_and_flag_word_starts():
+  # Views in another order than the flat array's (as a filtered split's are), one left out.
+  stored = Ragged.from_sequences([LINES[3], LINES[0], [30, 31, EOS], LINES[1], LINES[2]])
+  split = pipeline.Split(Ragged.from_sequences([[]] * 4), stored.subset(np.array([1, 3, 4, 0])),
+                         ['s0', 's1', 's2', 's3'], ['r0', 'r1', 'r2', 'r3'])
+  rows = pipeline._masked_lm_split(split, PIECES)
+  assert [list(row) for row in rows.targets] == [
+      [CLS, 6, 7, 8, 9, EOS], [CLS, 13, 12, 10, MASK, EOS], [CLS, EOS], [CLS, 11, 2, 8, EOS]]
+  assert [list(row) for row in rows.inputs] == [
+      [2, 2, 2, 1, 2, 2], [2, 2, 1, 1, 2, 2], [2, 2], [2, 2, 2, 1, 2]]
+  for ragged in (rows.inputs, rows.targets):
+    assert ragged.tokens.dtype == np.int32
+    np.testing.assert_array_equal(ragged.starts, [0, 6, 12, 14])
+    np.testing.assert_array_equal(ragged.lengths, [6, 6, 2, 5])
+    assert len(ragged.tokens) == 19
+  assert rows.sources == ['s0', 's1', 's2', 's3'] and rows.references == ['r0', 'r1', 'r2', 'r3']
+
+
+def test_masked_lm_flags_follow_a_trained_vocabularys_word_marks(tmp_path):
+  """A SentencePiece vocabulary trained with the special pieces: a sentence written word by word
+  (each word encoded alone) is flagged 2 at each word's first piece and 1 at the others."""
+  rng = np.random.default_rng(9)
+  words = 'the cat dog sat on mat a big small red house tree ran fast slow'.split()
+  path = str(tmp_path / 'vocab.model')
+  tokenizer.train_sentencepiece([' '.join(rng.choice(words, rng.integers(3, 9)))
+                                 for _ in range(300)], path, 30, special=True)
+  vocab = tokenizer.SentencePieceVocabulary(path)
+  assert [vocab.piece(i) for i in (CLS, SEP, MASK)] == ['[CLS]', '[SEP]', '[MASK]']
+  sentences = [['small', 'house', 'ran'], ['the', 'tree'], words]
+  lines, expected = [], []
+  for sentence in sentences:
+    pieces = [vocab.encode([word])[0] for word in sentence]
+    lines.append(sum(pieces, []) + [EOS])
+    expected.append([2] + sum(([2] + [1] * (len(word) - 1) for word in pieces), []) + [2])
+  assert 1 in sum(expected, [])  # Some word has later pieces.
+  rows = pipeline._masked_lm_split(
+      pipeline.Split(Ragged.from_sequences([[]] * 3), Ragged.from_sequences(lines), [], []),
+      vocab)
+  assert [list(row) for row in rows.targets] == [[CLS] + line for line in lines]
+  assert [list(row) for row in rows.inputs] == expected
+
+
+@pytest.mark.parametrize('name', ['train', 'eval', 'test', 'valid'])
+def test_two_lines_pair_each_with_the_other_as_its_next(name):
+  """Two lines have no other line to draw: each is paired with the next (wrapping), flagged
+  IS_NEXT (3) at [CLS], the first without its EOS, then [SEP] and the second with it, whatever
+  the split's draw ('test' and 'valid' draw a random second line for one pair, which two lines
+  cannot have; 'train' and 'eval' for none)."""
+  split = pipeline.Split(Ragged.from_sequences([[]] * 2),
+                         Ragged.from_sequences([LINES[0], LINES[3]]), ['a', 'b'], [])
+  pairs = pipeline._sentence_pairs(split, name)
+  np.testing.assert_array_equal(pairs.inputs.lengths, [0, 0])
+  rows = pipeline._masked_lm_split(pairs, PIECES)
+  assert [list(row) for row in rows.targets] == [[CLS, 6, 7, 8, 9, SEP, 11, 2, 8, EOS],
+                                                 [CLS, 11, 2, 8, SEP, 6, 7, 8, 9, EOS]]
+  assert [list(row) for row in rows.inputs] == [[3, 2, 2, 1, 2, 2, 2, 2, 1, 2],
+                                                [3, 2, 2, 1, 2, 2, 2, 1, 2, 2]]
+  np.testing.assert_array_equal(rows.inputs.starts, rows.targets.starts)
+  np.testing.assert_array_equal(rows.inputs.lengths, rows.targets.lengths)
+  assert rows.sources == ['a', 'b']
+
+
+def test_sentence_pairs_draw_half_random_second_lines_once_per_split():
+  """2000 one-piece lines (id 6 + i; even ids begin a word): each row is [CLS] line i [SEP]
+  line j EOS, flagged 3 when j is i + 1 (the last line's: 0) and 4 when j is any other line,
+  about half of them; the same on every call, another draw for another split."""
+  count = 2000
+  vocab = _Pieces(['<pad>', '</s>', '<unk>', '[CLS]', '[SEP]', '[MASK]']
+                  + ['\u2581w' if i % 2 == 0 else 'x' for i in range(6, 6 + count)])
+  lines = [[6 + i, EOS] for i in range(count)]
+  split = pipeline.Split(Ragged.from_sequences([[]] * count), Ragged.from_sequences(lines), [],
+                         [])
+
+  def rows(name):
+    made = pipeline._masked_lm_split(pipeline._sentence_pairs(split, name), vocab)
+    np.testing.assert_array_equal(made.targets.lengths, 5)
+    np.testing.assert_array_equal(made.inputs.starts, made.targets.starts)
+    return np.stack(list(made.targets)), np.stack(list(made.inputs))
+  tokens, flags = rows('train')
+  first, second = tokens[:, 1] - 6, tokens[:, 3] - 6
+  np.testing.assert_array_equal(tokens[:, [0, 2, 4]], np.tile([CLS, SEP, EOS], (count, 1)))
+  np.testing.assert_array_equal(first, np.arange(count))
+  assert np.all((second >= 0) & (second < count))
+  following = (np.arange(count) + 1) % count
+  np.testing.assert_array_equal(flags[:, 0], np.where(second == following, 3, 4))
+  word_start = lambda ids: np.where(ids % 2 == 0, 2, 1)
+  np.testing.assert_array_equal(flags[:, 1:], np.stack(
+      [word_start(tokens[:, 1]), np.full(count, 2), word_start(tokens[:, 3]), np.full(count, 2)],
+      1))
+  random = flags[:, 0] == 4
+  assert abs(random.sum() - count / 2) < 6 * np.sqrt(count / 4), random.sum()
+  # The random second lines are spread over the file, not one offset from the first.
+  assert len(np.unique((second - first)[random] % count)) > 200
+  again_tokens, again_flags = rows('train')
+  np.testing.assert_array_equal(again_tokens, tokens)
+  np.testing.assert_array_equal(again_flags, flags)
+  eval_tokens, eval_flags = rows('eval')
+  assert not np.array_equal(eval_flags[:, 0], flags[:, 0])
+  assert not np.array_equal(eval_tokens, tokens)
+
+
+# Next-sentence prediction (training/encoder_tasks.py, model/encoder_only.py).
+
+NSP_CONFIG = dataclasses.replace(CONFIG, next_sentence=True)
+
+
+def test_next_sentence_params_exist_only_when_asked_and_score_the_pooled_state():
+  params = _params(NSP_CONFIG)
+  assert 'pooler' not in _params(CONFIG) and 'next_sentence' not in _params(CONFIG)
+  assert params['pooler']['kernel'].shape == (16, 16)
+  assert params['next_sentence']['kernel'].shape == (16, 2)
+  assert set(params) - set(_params(CONFIG)) == {'pooler', 'next_sentence'}
+  states = np.random.default_rng(10).normal(size=(2, 3, 16)).astype(np.float32)
+  logits = encoder_only.EncoderOnly(NSP_CONFIG).apply(
+      {'params': params}, jnp.asarray(states), method='next_sentence_logits')
+  pooled = np.tanh(states @ params['pooler']['kernel'] + params['pooler']['bias'])
+  expected = pooled @ params['next_sentence']['kernel'] + params['next_sentence']['bias']
+  assert logits.dtype == jnp.float32
+  np.testing.assert_allclose(logits, expected, rtol=1e-5, atol=1e-6)
+
+
+def _pair_segment(rng, first, second, cls_flag):
+  """(tokens, flags) of [CLS] `first` ordinary ids [SEP] `second` ids EOS; words of 1 or 2
+  pieces, `cls_flag` at [CLS]."""
+  tokens = ([CLS] + list(rng.integers(6, VOCAB, first)) + [SEP]
+            + list(rng.integers(6, VOCAB, second)) + [EOS])
+  flags = [cls_flag] + [2 if token < 6 else int(rng.integers(1, 3)) for token in tokens[1:]]
+  flags[1] = flags[first + 2] = 2  # Each sentence begins a word.
+  return tokens, flags
+
+
+def _nsp_batch():
+  """Rows of length 32: an IS_NEXT pair, a NOT_NEXT pair, a packed row of a NOT_NEXT and an
+  IS_NEXT pair, a row whose [CLS] is an ordinary word start (no pair), a padding row; with
+  segment ids and positions. Returns the batch and each segment's (row, start, length)."""
+  rng = np.random.default_rng(11)
+  length = 32
+  layout = [[(12, 9, encoder_tasks.IS_NEXT)], [(7, 14, encoder_tasks.NOT_NEXT)],
+            [(6, 5, encoder_tasks.NOT_NEXT), (5, 7, encoder_tasks.IS_NEXT)],
+            [(10, 8, encoder_tasks.WORD_START)], []]
+  fields = {name: np.zeros((len(layout), length), np.int32)
+            for name in ('targets', 'inputs', 'targets_segments', 'targets_positions')}
+  segments = []
+  for row, pairs in enumerate(layout):
+    at = 0
+    for number, spec in enumerate(pairs):
+      tokens, flags = _pair_segment(rng, *spec)
+      span = slice(at, at + len(tokens))
+      fields['targets'][row, span], fields['inputs'][row, span] = tokens, flags
+      fields['targets_segments'][row, span] = number + 1
+      fields['targets_positions'][row, span] = np.arange(len(tokens))
+      segments.append((row, at, len(tokens)))
+      at += len(tokens)
+  return {name: jnp.asarray(value) for name, value in fields.items()}, segments
+
+
+def test_next_sentence_loss_is_the_cross_entropy_at_each_pairs_cls(monkeypatch):
+  """The NSP sums against each pair's segment encoded alone (its corrupted tokens, no packing)
+  and scored by numpy; the MLM sums as a model without NSP gives them on the same batch with
+  plain word-start flags at [CLS] (the same masks); 'loss' the MLM sum plus the NSP sum scaled
+  by masked tokens / pairs, so summarize's loss is MLM mean + NSP mean."""
+  params = _params(NSP_CONFIG)
+  batch, segments = _nsp_batch()
+  key = jax.random.key(12)
+  metrics, (positions, chosen), corrupted = _spied_mlm_metrics(
+      monkeypatch, NSP_CONFIG, whole_word=True)(params, batch, {'dropout': key})
+  flags = np.asarray(batch['inputs'])
+  plain_batch = dict(batch, inputs=jnp.asarray(np.where(flags >= 3, 2, flags)))
+  plain_params = {name: value for name, value in params.items()
+                  if name not in ('pooler', 'next_sentence')}
+  plain, (plain_positions, plain_chosen), plain_corrupted = _spied_mlm_metrics(
+      monkeypatch, CONFIG, whole_word=True)(plain_params, plain_batch, {'dropout': key})
+  assert set(plain) == {'loss', 'nll', 'correct', 'weight'}
+  for drawn, again in [(positions, plain_positions), (chosen, plain_chosen),
+                       (corrupted, plain_corrupted)]:
+    np.testing.assert_array_equal(drawn, again)
+  assert np.any(np.asarray(corrupted) != np.asarray(batch['targets']))
+  np.testing.assert_allclose(float(metrics['nll']), float(plain['nll']), rtol=1e-6)
+  assert float(metrics['correct']) == float(plain['correct'])
+  assert float(metrics['weight']) == float(plain['weight']) > 0
+  # Each pair alone: its [CLS] state through the pooler and the two logits.
+  model = encoder_only.EncoderOnly(NSP_CONFIG)
+  nll, correct = [], 0
+  for row, start, size in segments:
+    if flags[row, start] not in (encoder_tasks.IS_NEXT, encoder_tasks.NOT_NEXT):
+      continue
+    alone = jnp.asarray(corrupted)[row:row + 1, start:start + size]
+    states = model.apply({'params': params}, alone, method='encode')
+    logits = np.asarray(model.apply({'params': params}, states,
+                                    method='next_sentence_logits'), np.float64)[0, 0]
+    label = int(flags[row, start] == encoder_tasks.NOT_NEXT)
+    nll.append(np.log(np.exp(logits).sum()) - logits[label])
+    correct += int(logits.argmax() == label)
+  assert len(nll) == 4 and float(metrics['next_sentence_weight']) == 4
+  np.testing.assert_allclose(float(metrics['next_sentence_loss']), sum(nll), rtol=1e-5)
+  assert float(metrics['next_sentence_correct']) == correct
+  weight = float(metrics['weight'])
+  np.testing.assert_allclose(float(metrics['loss']),
+                             float(plain['loss']) + sum(nll) * weight / 4, rtol=1e-5)
+  figures = optim.summarize(jax.device_get(metrics))
+  assert figures['next_sentence_loss'] == pytest.approx(sum(nll) / 4, rel=1e-5)
+  assert figures['next_sentence_accuracy'] == correct / 4
+  assert figures['loss'] == pytest.approx(float(plain['loss']) / weight + sum(nll) / 4,
+                                          rel=1e-5)
+  assert 'next_sentence_loss' not in optim.summarize(jax.device_get(plain))
+
+
+@pytest.mark.parametrize('head', ['classification', 'regression'])
+def test_next_sentence_needs_the_mlm_head(head):
+  config = bert.get_config('tiny')
+  config.model.next_sentence = True
+  assert TransformerConfig.from_config(config.model, VOCAB, 'cpu').next_sentence
+  config.model.head, config.model.num_labels = head, 2
+  with pytest.raises(ConfigError, match=rf"config\.model\.next_sentence=True .*"
+                     rf"config\.model\.head='{head}': set it with head='mlm' only"):
+    TransformerConfig.from_config(config.model, VOCAB, 'cpu')

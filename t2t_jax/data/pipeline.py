@@ -199,7 +199,8 @@ def _masked_lm_split(split: Split, vocab) -> Split:
   old = split.targets
   pairs = len(old) and old.tokens[old.starts[0]] < 0  # Marked by `_sentence_pairs`.
   lengths = old.lengths + (0 if pairs else 1)
-  starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(old.starts.dtype)
+  starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])[:len(lengths)].astype(
+      old.starts.dtype)
   tokens = np.empty(int(lengths.sum()), np.int32)
   body = np.ones(len(tokens), bool)
   body[starts] = False
