@@ -555,6 +555,20 @@ def test_config_check_refuses_encoder_only_mismatches(variant, key, value, messa
   assert message in str(error.value)
 
 
+def test_starting_from_a_checkpoint_needs_its_vocabulary_to_exist(tmp_path):
+  """A missing vocab_path beside ckpt.init_from is refused before a vocabulary is trained in
+  its place (which would then not match the checkpoint's)."""
+  config = bert.get_config('tiny,finetune')
+  config.data.labels, config.model.num_labels = ('neg', 'pos'), 2
+  config.ckpt.init_from = str(tmp_path / 'pre' / 'checkpoints' / '20')
+  config.data.vocab_path = str(tmp_path / 'pre' / 'vocab.model')
+  with pytest.raises(ConfigError, match=r'config.data.vocab_path=.*vocab.model does not exist'):
+    config_check.check(config)
+  os.makedirs(tmp_path / 'pre')
+  (tmp_path / 'pre' / 'vocab.model').write_bytes(b'a model')
+  config_check.check(config)  # There: accepted (partial_init compares its bytes later).
+
+
 WORDS = ('the cat dog bird sat ran on under a mat tree house red blue small big very quite '
          'good bad').split()
 NEUTRAL = WORDS[:-2]

@@ -6,6 +6,7 @@ checked by calling that code.
 """
 
 import math
+import os
 
 import jax
 
@@ -135,7 +136,7 @@ def check(config, mesh: bool = True, devices=None) -> None:
   if config.data.source != 'synthetic' and config.data.vocab_size <= tokenizer.RESERVED_IDS:
     problems.append(f'config.data.vocab_size={config.data.vocab_size} must exceed the '
                     f'{tokenizer.RESERVED_IDS} reserved ids (pad, EOS, unknown)')
-  problems += _decoder_only_problems(config)
+  problems += _kind_and_source_problems(config)
   problems += _profile_problems(config.train)
   if config.model.attention_impl == 'cudnn' and config.data.batching == 'packed':
     problems.append("config.model.attention_impl='cudnn' cannot read packed rows "
@@ -213,8 +214,9 @@ def _profile_problems(train) -> list[str]:
   return []
 
 
-def _decoder_only_problems(config) -> list[str]:
-  """Language modelling needs the decoder-only model, which reads source + target as one."""
+def _kind_and_source_problems(config) -> list[str]:
+  """Which kinds of model each source trains (language modelling the decoder-only model,
+  masked-LM pre-training and labelled text the encoder-only one), and what they need."""
   problems = []
   kind, head, source = config.model.kind, config.model.head, config.data.source
   if source == 'lm':
@@ -230,6 +232,11 @@ def _decoder_only_problems(config) -> list[str]:
       problems.append(f'config.eval.bleu_sentences={config.eval.bleu_sentences} must be 0 '
                       "with config.data.source='lm': there are no translations to score (the "
                       'eval figures are loss and perplexity)')
+  vocab_path = os.path.expanduser(config.data.vocab_path)
+  if config.ckpt.init_from and vocab_path and not os.path.exists(vocab_path):
+    problems.append(f'config.data.vocab_path={config.data.vocab_path} does not exist, and a run '
+                    f'starting from config.ckpt.init_from={config.ckpt.init_from} must read '
+                    "that run's vocabulary, not train a new one: point vocab_path at it")
   if source == 'labelled' and (kind != 'encoder_only' or head == 'mlm'):
     problems.append(f"config.data.source='labelled' trains a classifier or regressor: it needs "
                     f"config.model.kind='encoder_only' (got {kind!r}) and config.model.head "
