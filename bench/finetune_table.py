@@ -7,14 +7,17 @@ One JSON line per setting, then a markdown table. The figures are the last step'
 step's, chosen on the same validation split, are in best_eval.json and would flatter).
 """
 
-import argparse
 import json
 import os
 import statistics
 import sys
 
+from absl import app
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from t2t_jax import cli  # pylint: disable=wrong-import-position
 from t2t_jax import workdir_layout  # pylint: disable=wrong-import-position
+from t2t_jax.errors import DataError  # pylint: disable=wrong-import-position
 
 FIGURES = ('eval_accuracy', 'eval_macro_f1', 'eval_mcc')
 
@@ -48,11 +51,15 @@ def row(setting: str, finals: list[dict]) -> dict:
   return record
 
 
-def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument('root', help='A folder of setting folders of seed runs.')
-  args = parser.parse_args()
-  rows = [row(setting, finals) for setting, finals in settings(args.root).items()]
+def main(argv):
+  if len(argv) != 2:
+    raise app.UsageError('pass one folder: the root holding a folder of seed runs per setting')
+  if not os.path.isdir(argv[1]):
+    raise DataError(f'{argv[1]} is not a folder')
+  rows = [row(setting, finals) for setting, finals in settings(argv[1]).items()]
+  if not rows:
+    raise DataError(f'{argv[1]}: no finished fine-tuning run (<setting>/<run>/final.json with '
+                    'eval_accuracy) below it')
   for record in rows:
     print(json.dumps(record))
   print('\n| setting | runs | accuracy (mean ± std) | min-max | macro F1 | MCC | seconds/run |')
@@ -66,4 +73,4 @@ def main():
 
 
 if __name__ == '__main__':
-  main()
+  cli.run(main)

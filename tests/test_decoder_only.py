@@ -269,7 +269,7 @@ def test_config_check_names_what_the_decoder_only_model_and_lm_need(tiny_config)
   config = _tiny_decoder_only(tiny_config)
   config_check.check(config, mesh=False)
   for key, value, message in (
-      ('model.kind', 'encoder_only', r"config.model.kind='encoder_only' must be one of"),
+      ('model.kind', 'decoder', r"config.model.kind='decoder' must be one of"),
       ('model.prefix_attention', 'bidirectional', 'config.model.prefix_attention'),
       ('data.max_len', 64, r'config.data.max_len=64 exceeds config.model.max_len=32')):
     broken = config.copy_and_resolve_references()
