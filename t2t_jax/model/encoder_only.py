@@ -25,7 +25,7 @@ from t2t_jax.model.attention import attention_kinds, self_attention_mask
 from t2t_jax.model.model_config import TransformerConfig
 from t2t_jax.model.positions import Embedder
 from t2t_jax.model.transformer import EncoderLayer, LayerNorm, dense_init, make_embeddings
-from t2t_jax.model.transformer import output_logits, remat_layer, scanned_stack
+from t2t_jax.model.transformer import output_logits, remat_layer, run_encoder, scanned_stack
 
 Array = jax.Array
 
@@ -105,12 +105,7 @@ class EncoderOnly(nn.Module):
     x_BLE = self.embedder(tokens_BL, positions_BL)
     if cfg.type_vocab_size:
       x_BLE = x_BLE + self.type_embedding(token_types(tokens_BL, segments_BL))
-    if cfg.scan_layers:
-      x_BLE, _ = self.encoder_layers(x_BLE, mask, valid_BL)
-    else:
-      for layer in self.encoder_layers:
-        x_BLE = layer(x_BLE, mask, valid_BL)
-    return self.encoder_norm(x_BLE) if cfg.norm == 'pre' else x_BLE
+    return run_encoder(self, x_BLE, mask, valid_BL)
 
   def mlm_logits(self, states_BKE: Array, float32: bool = True) -> Array:
     """Masked-LM logits [B, K, V] of the states at chosen positions: a GELU transform and a

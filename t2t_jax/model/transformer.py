@@ -124,6 +124,17 @@ class DecoderLayer(nn.Module):
     return (y_BLE, None) if cfg.scan_layers else y_BLE  # nn.scan wants (carry, output).
 
 
+def run_encoder(module: nn.Module, x_BLE: Array, mask: SelfMask, valid_BL: Array) -> Array:
+  """`module`'s encoder stack (`encoder_layers`, scanned or a list) over embedded tokens, then
+  its final `encoder_norm` under pre-LN: the encoder-decoder's and the encoder-only model's."""
+  if module.config.scan_layers:
+    x_BLE, _ = module.encoder_layers(x_BLE, mask, valid_BL)
+  else:
+    for layer in module.encoder_layers:
+      x_BLE = layer(x_BLE, mask, valid_BL)
+  return module.encoder_norm(x_BLE) if module.config.norm == 'pre' else x_BLE
+
+
 def remat_layer(layer_class, cfg: TransformerConfig):
   """The layer class, rematerialised in the backward pass as config.model.remat says."""
   if cfg.remat == 'none':
@@ -266,12 +277,7 @@ class Transformer(nn.Module):
     mask = self_attention_mask(valid_BL, inputs_segments_BL, inputs_positions_BL, causal=False,
                                kinds=attention_kinds(cfg.attention_pattern))
     x_BLE = self.source_embedder(inputs_BL, inputs_positions_BL)
-    if cfg.scan_layers:
-      x_BLE, _ = self.encoder_layers(x_BLE, mask, valid_BL)
-    else:
-      for layer in self.encoder_layers:
-        x_BLE = layer(x_BLE, mask, valid_BL)
-    return self.encoder_norm(x_BLE) if cfg.norm == 'pre' else x_BLE
+    return run_encoder(self, x_BLE, mask, valid_BL)
 
   def decode(self, encoded_BKE: Array | None, inputs_BK: Array, targets_BL: Array,
              targets_positions_BL: Array | None = None,
