@@ -218,6 +218,19 @@ def _fail(message: str, usage: bool = False, exit_code: int | None = None):
   sys.exit(exit_code or (exit_codes.USAGE if usage else exit_codes.ERROR))
 
 
+def read_input_lines(path: str, flag: str = '--input') -> list[str]:
+  """The lines of `path` (stdin when empty), or a UsageError naming the flag and the fault."""
+  if not path:
+    return sys.stdin.read().splitlines()
+  try:
+    with open(path, encoding='utf-8') as f:
+      return f.read().splitlines()
+  except OSError as e:
+    raise app.UsageError(f'cannot read {flag}={path}: {e.strerror}')
+  except UnicodeDecodeError as e:
+    raise app.UsageError(f'{flag}={path} is not UTF-8 text (byte {e.start})')
+
+
 def check_output_path(path: str, flag: str) -> None:
   """Refuses (as a usage mistake) an output file that cannot be created, before any work."""
   directory = os.path.dirname(os.path.abspath(path))

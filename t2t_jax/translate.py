@@ -5,11 +5,18 @@
   python -m t2t_jax.translate --workdir=... --input=one.txt --attention_png=/tmp/attention
   python -m t2t_jax.translate --engine=ctranslate2 --workdir=... --input=src.txt --output=out.txt
 
+  python -m t2t_jax.translate --workdir=... --input=mono.de --output=mono.bt.en \
+      --sampling=sample --top_k=10 --seed=1 --process_index=0 --process_count=4
+
 --engine=ctranslate2 runs the search in CTranslate2 on the checkpoint exported to the workdir
 (deploy/ctranslate2_engine.py); the input, output and their handling are the same. The run's
-loading and translating is deploy/trained_run.py, which evaluate shares.
+loading and translating is deploy/trained_run.py, which evaluate shares. With --input and
+--output files the input is translated in chunks, each saved as it finishes, so the same
+command resumes after a kill and several processes can share the file
+(deploy/file_translation.py); docs/backtranslation.md has the recipes.
 """
 
+import os
 import sys
 
 from absl import app
@@ -18,23 +25,42 @@ from absl import logging
 
 from t2t_jax import cli
 from t2t_jax.checkpoints import saved_params
+from t2t_jax.decoding import sampling as sampling_lib
 from t2t_jax.decoding import translator as translator_lib
+from t2t_jax.deploy import file_translation
 from t2t_jax.deploy import trained_run
 
 
-def _read_input(path: str) -> list[str]:
-  if not path:
-    return sys.stdin.read().splitlines()
-  try:
-    with open(path, encoding='utf-8') as f:
-      return f.read().splitlines()
-  except OSError as e:
-    raise app.UsageError(f'cannot read --input={path}: {e.strerror}')
-  except UnicodeDecodeError as e:
-    raise app.UsageError(f'--input={path} is not UTF-8 text (byte {e.start})')
-
-
 FLAGS = flags.FLAGS
+
+
+def _sampling_from_flags() -> tuple[sampling_lib.Sampling | None, sampling_lib.Noise | None]:
+  """--sampling's draws: the sampled search's options, or the noise of a noised beam."""
+  chosen = [name for name in ('temperature', 'top_k', 'top_p') if FLAGS[name].present]
+  if FLAGS.sampling != 'sample' and chosen:
+    raise app.UsageError(f'--{chosen[0]} shapes what --sampling=sample draws from')
+  if FLAGS.sampling == 'none':
+    if FLAGS.samples != 1 or FLAGS['seed'].present:
+      raise app.UsageError('--samples and --seed apply to --sampling=sample or noised_beam')
+    return None, None
+  if FLAGS.attention_png:
+    raise app.UsageError('--attention_png draws one search\'s attention: not with --sampling')
+  if FLAGS.sampling == 'noised_beam':
+    return None, sampling_lib.Noise(seed=FLAGS.seed)
+  if FLAGS.engine != 't2t_jax':
+    raise app.UsageError("--sampling=sample runs t2t_jax's search (its draws are reproducible "
+                         'line by line): use --engine=t2t_jax')
+  if FLAGS.beam_size not in (None, 1):
+    raise app.UsageError('--sampling=sample draws one token at a time: no --beam_size')
+  return sampling_lib.Sampling(FLAGS.temperature, FLAGS.top_k, FLAGS.top_p, FLAGS.seed), None
+
+
+def _options() -> dict:
+  """The flags a translation's outputs depend on, for the chunks' manifest."""
+  names = ('workdir', 'checkpoint', 'weights', 'beam_size', 'alpha', 'length_penalty', 'dtype',
+           'engine', 'ct2_compute_type', 'ct2_patience', 'sampling', 'temperature', 'top_k',
+           'top_p', 'seed', 'samples')
+  return {name: FLAGS[name].value for name in names}
 
 
 def main(argv):
@@ -47,11 +73,43 @@ def main(argv):
   if FLAGS.attention_png and FLAGS.engine != 't2t_jax':
     raise app.UsageError("--attention_png draws the attention of t2t_jax's model: use "
                          '--engine=t2t_jax')
-  lines = _read_input(FLAGS.input)
+  sampling, noise = _sampling_from_flags()
+  chunked = bool(FLAGS.input and FLAGS.output and FLAGS.chunk_lines and not FLAGS.attention_png)
+  if not chunked and (FLAGS.process_count != 1 or FLAGS.process_index):
+    raise app.UsageError('--process_index and --process_count share an --input file\'s '
+                         'chunks: give --input, --output and --chunk_lines')
+  if chunked:
+    plan = file_translation.Plan(FLAGS.input, FLAGS.output, FLAGS.chunk_lines,
+                                 FLAGS.process_index, FLAGS.process_count, FLAGS.samples,
+                                 _options())
+    if not os.path.isfile(FLAGS.input):
+      raise app.UsageError(f'cannot read --input={FLAGS.input}: no such file')
+  else:
+    lines = cli.read_input_lines(FLAGS.input)
   run = trained_run.load_from_flags(FLAGS.checkpoint, FLAGS.beam_size, FLAGS.alpha,
-                                    FLAGS.batch_tokens, FLAGS.weights, FLAGS.dtype)
+                                    FLAGS.batch_tokens, FLAGS.weights, FLAGS.dtype, sampling)
+  if chunked:
+    output_ids = []  # Each output's token count, for the throughput line.
+
+    def translate_chunk(lines, first_line):
+      translations, _, outputs = trained_run.translate_lines(
+          run, lines, FLAGS.input, samples=FLAGS.samples, first_line=first_line, noise=noise)
+      output_ids.extend(range(len(o)) for o in outputs)
+      return translations
+
+    outcome = file_translation.translate_file(plan, translate_chunk)
+    logging.info('%s: %d lines in %d chunks; this process translated %d of them in %.1f s '
+                 '(%.1f lines/s)%s', FLAGS.input, outcome.lines, outcome.chunks,
+                 outcome.translated, outcome.seconds,
+                 outcome.translated / max(outcome.seconds, 1e-9),
+                 f'; wrote {FLAGS.output}' if outcome.merged else
+                 '; other chunks are still to do, so --output is not written yet')
+    if outcome.translated:
+      logging.info('%s', trained_run.summary(run.translator, output_ids))
+    return
   translations, inputs, outputs = trained_run.translate_lines(
-      run, lines, FLAGS.input or '<stdin>', progress=bool(FLAGS.input))
+      run, lines, FLAGS.input or '<stdin>', progress=bool(FLAGS.input), samples=FLAGS.samples,
+      noise=noise)
   logging.info('%s', trained_run.summary(run.translator, outputs))
   text = ''.join(t + '\n' for t in translations)
   if FLAGS.output:
@@ -91,6 +149,29 @@ def _define_flags():
                       '(one PNG per decoder layer).')
   flags.DEFINE_integer('attention_lines', 1, 'With --attention_png: how many input lines (the '
                        'first non-empty ones) get pictures.')
+  flags.DEFINE_enum('sampling', 'none', list(sampling_lib.KINDS), 'none: the search '
+                    '(--beam_size); sample: each token drawn from the softmax, shaped by '
+                    '--temperature, --top_k and --top_p; noised_beam: the beam output with '
+                    "words deleted (p 0.1), replaced by '<blank>' (p 0.1) and shuffled within 3 "
+                    'positions (Edunov et al. 2018).')
+  flags.DEFINE_float('temperature', 1.0, '--sampling=sample: the softmax of logits / this; 0 '
+                     'is greedy.', lower_bound=0.0)
+  flags.DEFINE_integer('top_k', 0, '--sampling=sample: draw from the k likeliest tokens only; '
+                       '0: all.', lower_bound=0)
+  flags.DEFINE_float('top_p', 1.0, '--sampling=sample: draw from the smallest set of likeliest '
+                     'tokens holding this much probability (nucleus sampling); 1: all.')
+  flags.DEFINE_integer('seed', 0, '--sampling: the draws depend on it, on the line\'s index and '
+                       'on the sample\'s number only, never on batching or processes.')
+  flags.DEFINE_integer('samples', 1, '--sampling: outputs per input line, one after the other.',
+                       lower_bound=1)
+  flags.DEFINE_integer('chunk_lines', 10000, 'With --input and --output files: lines per chunk, '
+                       'each saved under <output>.parts/ when done, so the same command resumes '
+                       'after a kill; 0: the whole file in memory at once.', lower_bound=0)
+  flags.DEFINE_integer('process_index', 0, 'This process\'s share of the chunks: those whose '
+                       'number modulo --process_count is this (e.g. $SLURM_ARRAY_TASK_ID).',
+                       lower_bound=0)
+  flags.DEFINE_integer('process_count', 1, 'How many processes share the chunks; the one that '
+                       'finds them all done writes --output.', lower_bound=1)
   trained_run.define_engine_flags()
 
 def run():

@@ -459,4 +459,4 @@ def test_greedy_token_pick_is_numpys_argmax_without_pad_ties_and_nan_included():
   logits[5, 7] = np.nan  # NaN ranks first, as in argmax.
   logits[9, PAD_ID] = 99.0  # PAD is never picked.
   expected = np.where(np.arange(11) == PAD_ID, -np.inf, logits).argmax(-1)
-  np.testing.assert_array_equal(jax.jit(decode._best_token)(logits), expected)
+  np.testing.assert_array_equal(jax.jit(decode.best_token)(logits), expected)

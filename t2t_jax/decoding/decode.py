@@ -88,7 +88,7 @@ def length_penalty(length, alpha: float, kind: str = 'gnmt'):
   raise ValueError(f'length penalty {kind!r} must be one of {LENGTH_PENALTIES}')
 
 
-def _decode_step(model, params, cache, encoded_BSE, inputs_BS, previous_B):
+def search_step(model, params, cache, encoded_BSE, inputs_BS, previous_B):
   """Next-token logits [B, V] in float32 and the updated cache.
 
   Logits, not log-probabilities: greedy search needs only their argmax, and beam search
@@ -101,7 +101,7 @@ def _decode_step(model, params, cache, encoded_BSE, inputs_BS, previous_B):
   return logits_B1V[:, 0], variables['cache']
 
 
-def _start(model, params, inputs_BS: jax.Array, config: TransformerConfig, max_len: int):
+def start_search(model, params, inputs_BS: jax.Array, config: TransformerConfig, max_len: int):
   """The first step's logits [B, V] and cache: the sources read once, then the start token.
 
   Encoder-decoder: the encoder runs, and the first step caches the cross-attention
@@ -114,13 +114,13 @@ def _start(model, params, inputs_BS: jax.Array, config: TransformerConfig, max_l
     cache = init_cache(config, batch_size, max_len, source_length)
     _, variables = model.apply({'params': params, 'cache': cache}, inputs_BS,
                                mutable=['cache'], method='prefill')
-    return _decode_step(model, params, variables['cache'], None, inputs_BS, start_B)
+    return search_step(model, params, variables['cache'], None, inputs_BS, start_B)
   encoded_BSE = model.apply({'params': params}, inputs_BS, method='encode')
-  return _decode_step(model, params, init_cache(config, batch_size, max_len), encoded_BSE,
+  return search_step(model, params, init_cache(config, batch_size, max_len), encoded_BSE,
                       inputs_BS, start_B)
 
 
-def _without_pad(logits_BV: jax.Array) -> jax.Array:
+def without_pad(logits_BV: jax.Array) -> jax.Array:
   """PAD is never generated (its probability still counts in the softmax's normaliser).
 
   An elementwise select, not an update of a copy: it fuses into the reduction that reads it.
@@ -129,21 +129,21 @@ def _without_pad(logits_BV: jax.Array) -> jax.Array:
   return jnp.where(token_V == PAD_ID, _NEG, logits_BV)
 
 
-def _best_token(logits_BV: jax.Array) -> jax.Array:
+def best_token(logits_BV: jax.Array) -> jax.Array:
   """The argmax [B] over every token but PAD: the first of equal maxima, or the first NaN.
 
   Two plain reductions, the largest logit then the first token that reaches it: XLA's CPU
   argmax is a (value, index) reduction that does not vectorise and took as long as the
   output projection. A NaN counts as the largest, as in argmax (the max is then NaN too).
   """
-  logits_BV = _without_pad(logits_BV)
+  logits_BV = without_pad(logits_BV)
   best_B1 = logits_BV.max(-1, keepdims=True)
   token_BV = jax.lax.broadcasted_iota(jnp.int32, logits_BV.shape, logits_BV.ndim - 1)
   hits_BV = (logits_BV == best_B1) | jnp.isnan(logits_BV)
   return jnp.where(hits_BV, token_BV, logits_BV.shape[-1]).min(-1)
 
 
-def _row_limits(max_lengths_B: jax.Array | None, batch_size: int, max_len: int) -> jax.Array:
+def row_limits(max_lengths_B: jax.Array | None, batch_size: int, max_len: int) -> jax.Array:
   """Each row's longest output: `max_lengths_B` capped by `max_len` (the cache size)."""
   if max_lengths_B is None:
     return jnp.full((batch_size,), max_len, jnp.int32)
@@ -159,15 +159,15 @@ def greedy_search(params, inputs_BS: jax.Array, config: TransformerConfig, max_l
   runtime.check_search_compiled_here('greedy_search')
   model = make_model(decode_config(config))
   batch_size = inputs_BS.shape[0]
-  limit_B = _row_limits(max_lengths_B, batch_size, max_len)
-  logits_BV, cache = _start(model, params, inputs_BS, config, max_len)
-  first_B = _best_token(logits_BV)
+  limit_B = row_limits(max_lengths_B, batch_size, max_len)
+  logits_BV, cache = start_search(model, params, inputs_BS, config, max_len)
+  first_B = best_token(logits_BV)
   tokens_BL = jnp.zeros((batch_size, max_len), jnp.int32).at[:, 0].set(first_B)
 
   def step(carry):
     i, cache, tokens_BL, finished_B = carry
-    logits_BV, cache = _decode_step(model, params, cache, None, inputs_BS, tokens_BL[:, i - 1])
-    next_B = jnp.where(finished_B, PAD_ID, _best_token(logits_BV))
+    logits_BV, cache = search_step(model, params, cache, None, inputs_BS, tokens_BL[:, i - 1])
+    next_B = jnp.where(finished_B, PAD_ID, best_token(logits_BV))
     tokens_BL = jax.lax.dynamic_update_slice_in_dim(tokens_BL, next_B[:, None], i, 1)
     return i + 1, cache, tokens_BL, finished_B | (next_B == EOS_ID) | (i + 1 >= limit_B)
 
@@ -198,7 +198,7 @@ def _top_log_probs(logits_BWV: jax.Array, count: int) -> tuple[jax.Array, jax.Ar
   """
   max_BW1 = jax.lax.stop_gradient(logits_BWV.max(-1, keepdims=True))
   log_norm_BW1 = jnp.log(jnp.exp(logits_BWV - max_BW1).sum(-1, keepdims=True))
-  top_logits_BWC, token_BWC = top_k(_without_pad(logits_BWV), count)
+  top_logits_BWC, token_BWC = top_k(without_pad(logits_BWV), count)
   return (top_logits_BWC - max_BW1) - log_norm_BW1, token_BWC
 
 
@@ -358,9 +358,9 @@ def beam_search(params, inputs_BS: jax.Array, config: TransformerConfig, max_len
   runtime.check_search_compiled_here('beam_search')
   model = make_model(decode_config(config))
   batch_size, beam_size = inputs_BS.shape[0], int(beam_size)
-  limit_B = _row_limits(max_lengths_B, batch_size, max_len)
+  limit_B = row_limits(max_lengths_B, batch_size, max_len)
   # The first step sees one row per sentence; its cache is then copied to every beam.
-  logits_BV, cache = _start(model, params, inputs_BS, config, max_len)
+  logits_BV, cache = start_search(model, params, inputs_BS, config, max_len)
   empty_BWL = jnp.zeros((batch_size, beam_size, max_len), jnp.int32)
   only_first_beam_BW = jnp.where(jnp.arange(beam_size) == 0, 0.0, _NEG)[None].repeat(
       batch_size, 0)
@@ -379,7 +379,7 @@ def beam_search(params, inputs_BS: jax.Array, config: TransformerConfig, max_len
   def step(carry):
     state, cache = carry
     previous_N = state.live_tokens_BWL[:, :, state.step - 1].reshape(-1)
-    logits_NV, cache = _decode_step(model, params, cache, None, inputs_NS, previous_N)
+    logits_NV, cache = search_step(model, params, cache, None, inputs_NS, previous_N)
     state, parent_BW = _beam_update(state, logits_NV.reshape(batch_size, beam_size, -1),
                                     limit_B, alpha, penalty)
     return state, _reorder_cache(cache, parent_BW, config)

@@ -24,6 +24,7 @@ from t2t_jax.checkpoints import saved_params
 from t2t_jax.checkpoints.run_files import load_config, load_vocabulary
 from t2t_jax.data import tokenizer
 from t2t_jax.data.sources import DataError
+from t2t_jax.decoding import sampling as sampling_lib
 from t2t_jax.decoding import translator as translator_lib
 from t2t_jax.decoding.decode import LENGTH_PENALTIES
 from t2t_jax.deploy import ctranslate2_engine
@@ -47,25 +48,35 @@ class Run:
   translator: translator_lib.Translator | ctranslate2_engine.Translator
 
 
-def _read_run(workdir: str) -> tuple[ml_collections.ConfigDict, tokenizer.Vocabulary]:
+def _read_run(workdir: str, language_model: bool = False
+              ) -> tuple[ml_collections.ConfigDict, tokenizer.Vocabulary]:
+  """A run's config and vocabulary: a translation model's, or with `language_model` a
+  language model's (config.data.source='lm')."""
   config = load_config(workdir)
   if config.model.kind == 'encoder_only':
     raise ConfigError(f"{workdir} holds an encoder-only model (config.model.kind="
                       "'encoder_only'), which translates nothing: classify with python -m "
                       't2t_jax.classify (docs/pretraining.md)')
-  if config.data.source == 'lm':
+  if config.data.source == 'lm' and not language_model:
     raise ConfigError(f"{workdir} holds a language model (config.data.source='lm'), which has "
-                      'no source to translate: there is nothing to translate or score')
+                      'no source to translate: continue prompts with python -m '
+                      't2t_jax.generate (docs/translation.md)')
+  if language_model and config.data.source != 'lm':
+    raise ConfigError(f'{workdir} holds a translation model (config.data.source='
+                      f"{config.data.source!r}), not a language model: sample translations "
+                      'with python -m t2t_jax.translate --sampling=sample')
   return config, load_vocabulary(config, workdir)
 
 
 def load(workdir: str, checkpoint: str | None = None, beam_size: int | None = None,
          alpha: float | None = None, batch_tokens: int | None = None,
          dtype: str | None = None, weights: str = 'params',
-         length_penalty: str | None = None) -> Run:
+         length_penalty: str | None = None, sampling: sampling_lib.Sampling | None = None,
+         language_model: bool = False) -> Run:
   """Config, vocabulary and parameters of a run (`weights`='ema': their moving average);
-  unset decoding options come from its config."""
-  config, vocab = _read_run(workdir)
+  unset decoding options come from its config. With `sampling` the outputs are drawn; a
+  `language_model` run continues prompts (translator.Translator's `prompts`)."""
+  config, vocab = _read_run(workdir, language_model)
   mesh = sharding.make_mesh(config.mesh)
   axis_rules = sharding.rules(config.mesh)
   model_config = TransformerConfig.from_config(config.model, vocab.vocab_size,
@@ -73,7 +84,8 @@ def load(workdir: str, checkpoint: str | None = None, beam_size: int | None = No
   params = saved_params.restore_params(
       workdir, build.abstract_params(model_config, mesh, axis_rules), checkpoint, weights)
   translator = translator_lib.from_config(config, model_config, mesh, axis_rules, beam_size,
-                                          alpha, batch_tokens or None, dtype, length_penalty)
+                                          alpha, batch_tokens or None, dtype, length_penalty,
+                                          sampling, prompts=language_model)
   return Run(config, vocab, model_config, params, translator)
 
 
@@ -93,47 +105,67 @@ def load_ctranslate2(workdir: str, checkpoint: str | None = None, beam_size: int
   return Run(config, vocab, model_config, None, translator)
 
 
-def encode_lines(vocab, lines, max_tokens: int, name: str) -> list[np.ndarray]:
-  """Ids ending in EOS per line; empty lines give no ids; longer lines are cut with a warning."""
+def encode_lines(vocab, lines, max_tokens: int, name: str, first_line: int = 0,
+                 eos: bool = True) -> list[np.ndarray]:
+  """Ids ending in EOS (unless not `eos`) per line; empty lines give no ids; longer lines are
+  cut with a warning. Messages number lines[0] as line `first_line` + 1."""
   lines = [line.strip() for line in lines]
   texts = [line for line in lines if line]
   try:
     ids_of_texts = iter(vocab.encode(texts))
   except ValueError:  # Find the line at fault.
-    for number, line in enumerate(lines, start=1):
+    for number, line in enumerate(lines, start=first_line + 1):
       try:
         vocab.encode([line])
       except ValueError as e:
         raise DataError(f'{name}:{number}: {e}') from None
     raise
   encoded = []
-  for number, line in enumerate(lines, start=1):
+  for number, line in enumerate(lines, start=first_line + 1):
     if not line:
       encoded.append(np.zeros((0,), np.int32))
       continue
     ids = list(next(ids_of_texts))
-    if len(ids) + 1 > max_tokens:
-      logging.warning('%s:%d: %d tokens, truncated to the first %d (the model reads at most %d '
-                      'including EOS)', name, number, len(ids), max_tokens - 1, max_tokens)
-      ids = ids[:max_tokens - 1]
-    encoded.append(np.asarray(ids + [EOS_ID], np.int32))
+    if len(ids) + eos > max_tokens:
+      logging.warning('%s:%d: %d tokens, truncated to the first %d (the model reads at most %d'
+                      '%s)', name, number, len(ids), max_tokens - eos, max_tokens,
+                      ' including EOS' if eos else '')
+      ids = ids[:max_tokens - eos]
+    encoded.append(np.asarray(ids + [EOS_ID] * eos, np.int32))
   return encoded
 
 
-def translate_lines(run: Run, lines, name: str = '<stdin>', progress: bool = False
+def translate_lines(run: Run, lines, name: str = '<stdin>', progress: bool = False,
+                    samples: int = 1, first_line: int = 0,
+                    noise: sampling_lib.Noise | None = None,
                     ) -> tuple[list[str], list[np.ndarray], list[np.ndarray]]:
-  """Translations of `lines` in order, with the source and output ids behind them."""
+  """Translations of `lines` in order, with the source and output ids behind them.
+
+  Sampling (the run's translator's) or with `noise` (a noised beam: the beam output with
+  sampling_lib.noise_words), `samples` translations per line, one after the other;
+  `first_line` is lines[0]'s index in the whole input, which the draws depend on.
+  """
   max_tokens = min(run.config.data.max_len, run.model_config.max_len)
   if run.model_config.kind == 'decoder_only':  # Its outputs' positions follow the source's.
     max_tokens = min(max_tokens, run.model_config.max_len - 1)
   start = time.perf_counter()
-  inputs = encode_lines(run.vocab, lines, max_tokens, name)
+  inputs = encode_lines(run.vocab, lines, max_tokens, name, first_line)
   text_seconds = time.perf_counter() - start
+  drawn = getattr(run.translator, 'sampling', None) is not None
   with tqdm.tqdm(total=len(inputs), desc='translating', unit=' sentences', file=sys.stderr,
                  disable=not progress) as bar:
-    outputs = run.translator.translate(run.params, inputs, progress=bar.update)
+    if drawn:
+      outputs = run.translator.translate(run.params, inputs, progress=bar.update,
+                                         samples=samples, first_line=first_line)
+    else:
+      outputs = run.translator.translate(run.params, inputs, progress=bar.update)
   start = time.perf_counter()
   translations = [run.vocab.decode(o) if len(o) else '' for o in outputs]
+  if noise:
+    translations = [sampling_lib.noise_words(
+        translations[n], sampling_lib.line_rng(noise.seed, first_line + n, sample), noise)
+                    for n in range(len(inputs)) for sample in range(samples)]
+    outputs = [outputs[n] for n in range(len(inputs)) for _ in range(samples)]
   run.translator.stats.text_seconds += text_seconds + time.perf_counter() - start
   return translations, inputs, outputs
 
@@ -239,8 +271,9 @@ def define_engine_flags():
 
 
 def load_from_flags(checkpoint: str | None, beam_size: int | None, alpha: float | None,
-                    batch_tokens: int | None, weights: str, dtype: str | None = None) -> Run:
-  """`load` or `load_ctranslate2` of --workdir, as --engine asks."""
+                    batch_tokens: int | None, weights: str, dtype: str | None = None,
+                    sampling: sampling_lib.Sampling | None = None) -> Run:
+  """`load` or `load_ctranslate2` of --workdir, as --engine asks (`sampling`: t2t_jax's)."""
   if FLAGS.engine == 'ctranslate2':
     if dtype:
       raise app.UsageError("--dtype sets t2t_jax's decoding activations: with "
@@ -252,4 +285,4 @@ def load_from_flags(checkpoint: str | None, beam_size: int | None, alpha: float 
     if FLAGS[name].present:
       raise app.UsageError(f'--{name} applies to --engine=ctranslate2')
   return load(FLAGS.workdir, checkpoint, beam_size, alpha, batch_tokens, dtype, weights,
-              FLAGS.length_penalty)
+              FLAGS.length_penalty, sampling)
