@@ -26,6 +26,14 @@ def get_config():
   data.train_tgt = ''  # Text: training target file, line-aligned with train_src.
   data.eval_src = ''  # Text: evaluation source file.
   data.eval_tgt = ''  # Text: evaluation target (reference) file.
+  # Text: more training pairs beside train_src/train_tgt (e.g. back-translations), comma-separated
+  # files, line-aligned pairwise; docs/backtranslation.md.
+  data.extra_src = ''
+  data.extra_tgt = ''  # Text: the extra_src files' targets, in the same order.
+  # Text: times each training part is read per epoch, train_src's then each extra_src's, e.g.
+  # '2,1' (real pairs upsampled); a fraction reads that share (a fixed draw); '': each once.
+  data.mix_weights = ''
+  data.extra_tag = ''  # Text: a piece put before every extra_src line (tagged back-translation).
   data.train_tsv = ''  # TSV: training file of 'source<TAB>target' lines.
   data.eval_tsv = ''  # TSV: evaluation file of 'source<TAB>target' lines.
   data.train_text = ''  # LM: training text file(s), comma-separated, one sequence per line.

@@ -23,7 +23,8 @@ ADDED_KEYS = {'eval.length_penalty': 'gnmt', 'train.profile_steps': [],
               'model.head': 'mlm', 'model.num_labels': 0, 'model.type_vocab_size': 0,
               'model.pooling': 'cls', 'opt.decay_vectors': True, 'opt.layer_lr_decay': 1.0,
               'eval.best_metric': 'accuracy', 'data.holdout': 0.0, 'data.train_limit': 0,
-              'model.next_sentence': False}
+              'model.next_sentence': False, 'data.extra_src': '', 'data.extra_tgt': '',
+              'data.mix_weights': '', 'data.extra_tag': ''}
 
 
 # The errors most modules raise, defined in errors.py, importable from the package too.

@@ -158,8 +158,9 @@ def load_vocab(config, workdir: str) -> tokenizer.Vocabulary:
     return synthetic_vocabulary(config.data)
   train_source = sources.open_split(config.data, 'train')
   texts = lambda: (text for pair in train_source.read() for text in pair if text)
+  tags = (config.data.extra_tag,) if config.data.extra_tag else ()
   return tokenizer.load_or_train(vocab_path(config, workdir), texts, config.data, config.seed,
-                                 special=config.model.kind == 'encoder_only')
+                                 special=config.model.kind == 'encoder_only', tags=tags)
 
 
 IS_NEXT, NOT_NEXT = 3, 4  # The [CLS] flag of a next-sentence pair (training/encoder_tasks.py).

@@ -12,6 +12,7 @@ import collections
 import dataclasses
 import itertools
 import os
+import random
 from typing import Callable, Iterable, Iterator
 
 from absl import logging
@@ -176,6 +177,61 @@ def monolingual_text(paths: str | list[str], bad_lines: str) -> Source:
   return Source(' + '.join(paths), key, reader)
 
 
+_MIX_SEED = 5113  # A fractional weight's share of pairs is one fixed draw, whatever config.seed.
+
+
+def mixture(parts: list[Source], weights: list[float], tags: list[str]) -> Source:
+  """Parallel sources trained on as one: part i read `weights[i]` times (a fraction: that share
+  of its pairs, one fixed draw), each of its source lines after `tags[i]` and a space where the
+  tag is not empty (tagged back-translation). Each part refuses to be empty, and logs its skipped
+  pairs, under its own name; the mix's counts go to the log."""
+  def reader(unused_skipped):  # Each part counts and logs its own.
+    counts = []
+    for index, (part, weight, tag) in enumerate(zip(parts, weights, tags)):
+      whole, fraction = int(weight), weight - int(weight)
+      read = kept = 0
+      for copy in range(whole + (fraction > 0)):
+        draw = random.Random(_MIX_SEED * 1000 + index)  # The same share on every read.
+        pairs = part.read() if copy == 0 else part.reader(collections.Counter())
+        for source, target in pairs:
+          read += copy == 0
+          if copy == whole and draw.random() >= fraction:
+            continue
+          kept += 1
+          yield (f'{tag} {source}' if tag else source), target
+      counts.append(f'{part.name}: {read} pairs x {weight:g} = {kept}' +
+                    (f', sources tagged {tag!r}' if tag else ''))
+    logging.info('Training mix: %s', '; '.join(counts))
+
+  return Source(' + '.join(f'{part.name} x{weight:g}' + (f' tagged {tag!r}' if tag else '')
+                           for part, weight, tag in zip(parts, weights, tags)),
+                {'kind': 'mix', 'parts': [part.key for part in parts], 'weights': weights,
+                 'tags': tags}, reader)
+
+
+def _training_mix(data_config, main: Source) -> Source:
+  """config.data.train_src/train_tgt with the extra_src/extra_tgt pairs, weighted and tagged."""
+  extra_src = in_data_dir_list(data_config, 'extra_src')
+  extra_tgt = in_data_dir_list(data_config, 'extra_tgt')
+  if len(extra_src) != len(extra_tgt):
+    raise ConfigError(f'config.data.extra_src names {len(extra_src)} files but extra_tgt '
+                      f'{len(extra_tgt)}: give a target file for each source file')
+  parts = [main] + [parallel_text(src, tgt, data_config.bad_lines)
+                    for src, tgt in zip(extra_src, extra_tgt)]
+  weights = [1.0] * len(parts)
+  if data_config.mix_weights:
+    try:
+      weights = [float(w) for w in str(data_config.mix_weights).split(',')]
+    except ValueError:
+      raise ConfigError(f'config.data.mix_weights={data_config.mix_weights!r} must be '
+                        'comma-separated numbers') from None
+    if len(weights) != len(parts) or min(weights) <= 0:
+      raise ConfigError(f'config.data.mix_weights={data_config.mix_weights!r} must give '
+                        f'{len(parts)} numbers above 0: train_src\'s, then each extra_src\'s')
+  tags = [''] + [data_config.extra_tag] * (len(parts) - 1)
+  return mixture(parts, weights, tags)
+
+
 def _tfds_split_name(data_config, split: str) -> tuple[str, str]:
   """(dataset name, TFDS split) of one of our splits."""
   name = data_config.tfds_name
@@ -268,9 +324,19 @@ def open_split(data_config, split: str) -> Source:
   if split == 'test':
     raise DataError(f"config.data.source={kind!r} has no test split; evaluate a test set "
                     'by pointing the eval files at it')
+  if (data_config.extra_src or data_config.extra_tgt) and kind != 'text':
+    raise ConfigError("config.data.extra_src and extra_tgt add parallel text files to "
+                      f"config.data.source='text', not to {kind!r}")
+  if data_config.extra_tag and not data_config.extra_src:
+    raise ConfigError(f'config.data.extra_tag={data_config.extra_tag!r} tags the sources of '
+                      'config.data.extra_src, which is empty')
+  if data_config.mix_weights and not data_config.extra_src:
+    raise ConfigError('config.data.mix_weights weighs train_src against config.data.extra_src, '
+                      'which is empty')
   if kind == 'text':
-    return parallel_text(in_data_dir(data_config, f'{split}_src'),
+    main = parallel_text(in_data_dir(data_config, f'{split}_src'),
                          in_data_dir(data_config, f'{split}_tgt'), data_config.bad_lines)
+    return _training_mix(data_config, main) if split == 'train' and data_config.extra_src else main
   if kind == 'tsv':
     return tsv(in_data_dir(data_config, f'{split}_tsv'), data_config.bad_lines)
   if kind == 'lm':

@@ -98,20 +98,28 @@ class SentencePieceVocabulary:
     """The SentencePiece piece of one id, for display."""
     return self._processor.id_to_piece(int(token_id))
 
+  def piece_id(self, piece: str) -> int | None:
+    """The id of a piece, or None if the vocabulary has no such piece."""
+    token_id = self._processor.piece_to_id(piece)
+    return None if token_id == self._processor.unk_id() and piece != self.piece(token_id) else token_id
+
 
 def train_sentencepiece(sentences: Iterable[str], path: str, vocab_size: int,
-                        model_type: str = 'unigram', special: bool = False) -> None:
+                        model_type: str = 'unigram', special: bool = False,
+                        tags: Sequence[str] = ()) -> None:
   """Trains a model on `sentences` and writes it to `path` atomically.
 
   The model is trained in memory: a file-based model would record its temporary path, so the
   same sentences would give different bytes (and token-cache keys) on every run. `special`
-  reserves SPECIAL_PIECES at CLS_ID, SEP_ID and MASK_ID; without it the trainer gets exactly
-  the options it always had, so a vocabulary trained before is trained again byte for byte.
+  reserves SPECIAL_PIECES at CLS_ID, SEP_ID and MASK_ID, and `tags` (tagged back-translation's
+  markers) are pieces of their own after them; without either the trainer gets exactly the
+  options it always had, so a vocabulary trained before is trained again byte for byte.
   """
   directory = os.path.dirname(os.path.abspath(path))
   os.makedirs(directory, exist_ok=True)
   model = io.BytesIO()
-  options = {'user_defined_symbols': list(SPECIAL_PIECES)} if special else {}
+  symbols = list(SPECIAL_PIECES if special else ()) + list(tags)
+  options = {'user_defined_symbols': symbols} if symbols else {}
   try:
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(sentences), model_writer=model, vocab_size=vocab_size,
@@ -148,11 +156,12 @@ def sample_texts(texts: Iterable[str], max_chars: int, seed: int) -> list[str]:
 
 
 def load_or_train(path: str, texts: Callable[[], Iterable[str]], data_config, seed: int,
-                  special: bool = False) -> SentencePieceVocabulary:
+                  special: bool = False, tags: Sequence[str] = ()) -> SentencePieceVocabulary:
   """Loads the vocabulary at `path`, first training it on a sample of `texts()` if absent.
 
   `special` (an encoder-only model) trains SPECIAL_PIECES in, and refuses a vocabulary at
   `path` that lacks them: its ids 3-5 are ordinary pieces the model would take for markers.
+  So do `tags` (config.data.extra_tag), each a piece of its own.
   """
   # A run killed between writing the model and removing its scratch folder left that folder.
   workdir_lock.remove_dead_scratch(os.path.dirname(os.path.abspath(path)), '.vocab')
@@ -161,7 +170,8 @@ def load_or_train(path: str, texts: Callable[[], Iterable[str]], data_config, se
     logging.info('Training a %d-piece %s SentencePiece vocabulary on %d sampled sentences '
                  '(%d characters) -> %s', data_config.vocab_size, data_config.vocab_type,
                  len(sample), sum(map(len, sample)), path)
-    train_sentencepiece(sample, path, data_config.vocab_size, data_config.vocab_type, special)
+    train_sentencepiece(sample, path, data_config.vocab_size, data_config.vocab_type, special,
+                        tags)
   else:
     logging.info('Reusing the vocabulary %s', path)
   vocab = SentencePieceVocabulary(path)
@@ -170,6 +180,11 @@ def load_or_train(path: str, texts: Callable[[], Iterable[str]], data_config, se
                       "encoder-only model (config.model.kind='encoder_only'); point "
                       "config.data.vocab_path at the pre-training run's vocabulary or delete it "
                       'to train a new one')
+  for tag in tags:
+    if vocab.piece_id(tag) is None:
+      raise ConfigError(f"{path} has no piece {tag!r} (config.data.extra_tag): it would be split "
+                        'into ordinary pieces; delete the file to train a vocabulary with it, '
+                        'or point config.data.vocab_path at one that has it')
   if vocab.vocab_size != data_config.vocab_size:
     raise ConfigError(f'{path} has {vocab.vocab_size} pieces but config.data.vocab_size is '
                       f'{data_config.vocab_size}: use the matching size or another vocab_path '
