@@ -370,8 +370,26 @@ def test_lm_config_trains_on_a_text_file_and_reports_perplexity(tmp_path):
   assert results['eval_perplexity'] == pytest.approx(math.exp(results['eval_loss']), rel=1e-6)
   events = scalar_events(tmp_path / 'run')
   assert events['eval/loss'][5] > results['eval_loss']  # It learns.
-  with pytest.raises(ConfigError, match='language model'):
+  with pytest.raises(ConfigError, match='language model.*t2t_jax.generate'):
     trained_run.load(str(tmp_path / 'run'))
+  # Prompts continued: greedily (the same every time), then sampled, several per prompt.
+  from t2t_jax import generate  # pylint: disable=g-import-not-at-top
+  from t2t_jax.decoding import sampling  # pylint: disable=g-import-not-at-top
+  prompts = ['the cat', '', 'dog ran on']
+  greedy = trained_run.load(str(tmp_path / 'run'), sampling=sampling.Sampling(temperature=0),
+                            language_model=True)
+  texts = generate.generate(greedy, prompts)
+  assert len(texts) == 3 and texts[0].startswith('the cat') and texts[2].startswith('dog ran on')
+  assert generate.generate(greedy, prompts) == texts
+  continued = generate.generate(greedy, prompts, continuation_only=True)
+  assert [t.replace(' ', '') for t in texts] == [
+      (p + c).replace(' ', '') for p, c in zip(prompts, continued)]
+  drawn = trained_run.load(str(tmp_path / 'run'), sampling=sampling.Sampling(seed=3),
+                           language_model=True)
+  samples = generate.generate(drawn, prompts, samples=4)
+  assert len(samples) == 12 and all(t.startswith('the cat') for t in samples[:4])
+  assert len(set(samples[4:8])) > 1  # From nothing, four draws differ.
+  assert set(' '.join(samples).split()) <= set(words)  # It learnt the words.
 
 
 @pytest.mark.slow

@@ -186,3 +186,37 @@ def test_translate_after_kill_9_gives_an_uninterrupted_runs_bytes(tiny_run, tmp_
   assert alone.returncode != 0
   assert 'error: --process_index and --process_count share' in alone.stderr
   assert 'Traceback' not in alone.stderr
+  from t2t_jax.deploy import trained_run  # pylint: disable=import-outside-toplevel
+  with pytest.raises(ConfigError, match='not a language model: sample translations with'):
+    trained_run.load(tiny_run[0], language_model=True)
+
+
+def test_filters_remove_short_long_uneven_and_repeated_pairs_counting_each(tmp_path):
+  from t2t_jax import filter_pairs  # pylint: disable=import-outside-toplevel
+  pairs = [('a b c', 'x y z'),  # Kept.
+           ('a b c', 'x y z'),  # A repeated pair.
+           ('a b c', 'x y w'),  # Same source, other target: kept under 'pairs'.
+           ('', 'x'),  # Empty source.
+           ('a', 'x y z w v'),  # Ratio 5.
+           (' '.join('a' * 1 for _ in range(12)), ' '.join('b' for _ in range(12))),  # Too long.
+           ('d e', 'u v')]  # Kept.
+  source = _write(tmp_path / 's.txt', ''.join(s + '\n' for s, _ in pairs))
+  target = _write(tmp_path / 't.txt', ''.join(t + '\n' for _, t in pairs))
+  out = str(tmp_path / 'out.s'), str(tmp_path / 'out.t')
+  counts = filter_pairs.filter_pairs(source, target, *out, filter_pairs.Limits(
+      min_words=1, max_words=10, max_ratio=3.0, dedup='pairs'))
+  assert counts == {'read': 7, 'kept': 3, 'duplicates': 1, 'empty': 1,
+                    'length ratio above 3': 1, 'longer than 10 words': 1}
+  assert open(out[0]).read().splitlines() == ['a b c', 'a b c', 'd e']
+  assert open(out[1]).read().splitlines() == ['x y z', 'x y w', 'u v']
+  assert filter_pairs.describe(counts) == (
+      'kept 3 of 7 pairs; removed 1 duplicates, 1 empty, 1 length ratio above 3, 1 longer than '
+      '10 words')
+  by_source = filter_pairs.filter_pairs(source, target, *out, filter_pairs.Limits(
+      max_words=10, max_ratio=3.0, dedup='source'))
+  assert by_source['duplicates'] == 2 and by_source['kept'] == 2
+  # Misaligned files are one error naming both.
+  short = _write(tmp_path / 'short.txt', 'a\n')
+  with pytest.raises(DataError, match=r's.txt has 7 lines but .*short.txt has 1'):
+    filter_pairs.filter_pairs(source, short, *out, filter_pairs.Limits())
+  assert sorted(os.listdir(tmp_path)) == ['out.s', 'out.t', 's.txt', 'short.txt', 't.txt']
