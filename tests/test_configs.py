@@ -29,6 +29,7 @@ VARIANTS = {
     'wmt14_ende': ['', 'base', 'big'],
     'lm': ['', 'base', 'tiny'],
     'bert': ['', 'base', 'large', 'small', 'tiny', 'small,finetune', 'tiny,finetune'],
+    'backtranslation': ['', 'reverse', 'parallel', 'mix', 'mix_tagged', 'all'],
     # Each file set and each member once (with either file set); the test below checks all.
     'multi30k': ['', 'raw', 'decoder_only', 'raw_decoder_only', 'raw_relative', 'rotary',
                  'raw_alibi', 'tok_learned', 'predictive', 'tok_local_compressed', 'raw_moe',
@@ -120,6 +121,17 @@ def test_each_shipped_config_and_variant_is_valid_and_builds(name, variant):
     assert (model.num_encoder_layers, model.d_model) == {
         'base': (12, 768), 'large': (24, 1024), 'small': (4, 256), 'tiny': (2, 32)}[size]
     assert model.head == ('classification' if variant.endswith('finetune') else 'mlm')
+  if name == 'backtranslation':
+    data = config.data
+    reverse, mixed = variant == 'reverse', variant.startswith('mix')
+    assert (data.train_src, data.train_tgt) == (
+        ('parallel.de', 'parallel.en') if reverse else
+        ('train.en', 'train.de') if variant == 'all' else ('parallel.en', 'parallel.de'))
+    assert data.eval_src == ('valid.de' if reverse else 'valid.en')
+    assert (data.extra_src, data.extra_tgt) == (
+        ('synthetic.en', 'synthetic.de') if mixed else ('', ''))
+    assert data.extra_tag == ('<BT>' if variant == 'mix_tagged' else '')
+    assert (config.train.num_steps, model.positions) == (9200, 'rotary')  # :speedrun's recipe.
   if name == 'lm':
     assert model.kind == 'decoder_only' and config.data.source == 'lm'
     assert model.d_model == (32 if variant == 'tiny' else 128)
@@ -152,7 +164,7 @@ def test_every_multi30k_combination_passes_the_checks_and_is_named_by_it():
 
 @pytest.mark.parametrize('name, variant', [('tiny', 'dense'), ('wmt14_ende', 'huge'),
                                            ('lm', 'small'), ('multi30k', 'cased'),
-                                           ('multi30k', 'tok_sparse')])
+                                           ('multi30k', 'tok_sparse'), ('backtranslation', 'both')])
 def test_an_unknown_variant_is_refused_naming_it(name, variant):
   with pytest.raises(ValueError, match=f'configs/{name}.py.*{variant}'):
     _load(name, variant)
