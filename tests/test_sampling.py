@@ -100,18 +100,24 @@ def test_sampled_token_frequencies_match_the_models_softmax(policy):
     probs = np.where(kept, probs, 0) / probs[kept].sum()
     assert set(np.unique(tokens[:, 0])) <= set(np.flatnonzero(kept))
   first = np.bincount(tokens[:, 0], minlength=CONFIG.vocab_size)
-  assert _chi_square_p(first[probs > 0], probs[probs > 0]) > 1e-3
+  p_first = _chi_square_p(first[probs > 0], probs[probs > 0])
+  print(f'\n{policy}: first token p={p_first:.3f}', end='')  # Seen with pytest -s.
+  assert p_first > 1e-3
   # The test can fail: the same draws are far from the untempered softmax.
   if policy.temperature != 1.0:
     untempered = _teacher_forced_probs(params, source, [])
-    assert _chi_square_p(first, untempered) < 1e-6
+    p_untempered = _chi_square_p(first, untempered)
+    print(f'; against the untempered softmax p={p_untempered:.1e}', end='')
+    assert p_untempered < 1e-6
   # The second token, drawn through the cache, given the commonest first one.
   token = int(np.argmax(first))
   given = tokens[tokens[:, 0] == token]
   if token != EOS_ID and not policy.top_k:
     second = np.bincount(given[:, 1], minlength=CONFIG.vocab_size)
     conditional = _teacher_forced_probs(params, source, [token], policy.temperature)
-    assert _chi_square_p(second, conditional) > 1e-3
+    p_second = _chi_square_p(second, conditional)
+    print(f'; second token p={p_second:.3f} ({len(given)} draws)', end='')
+    assert p_second > 1e-3
 
 
 def _reference_kept(logits: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
@@ -255,6 +261,8 @@ def test_noised_beam_noise_has_its_rates_and_moves_no_word_further_than_three():
     real = [w for w in out if w != noise.filler]
     assert len(set(real)) == len(real)  # Nothing duplicated.
   words_seen = 500 * 40
+  print(f'\ndeleted {deleted / words_seen:.4f} of {words_seen} words, replaced '
+        f'{replaced / kept:.4f} of {kept}')
   # Binomial rates within 4 standard deviations.
   assert abs(deleted / words_seen - 0.1) < 4 * np.sqrt(0.09 / words_seen)
   assert abs(replaced / kept - 0.1) < 4 * np.sqrt(0.09 / kept)
