@@ -279,3 +279,28 @@ def test_noised_beam_noise_has_its_rates_and_moves_no_word_further_than_three():
   once = sampling.noise_words(text, sampling.line_rng(4, 9, 0))
   assert once == sampling.noise_words(text, sampling.line_rng(4, 9, 0))
   assert once != sampling.noise_words(text, sampling.line_rng(4, 9, 1))
+
+
+def test_the_sampled_search_compiles_for_a_tpu_slice_without_one(libtpu):
+  """The sampled search, nucleus cut included (a sort per step), sharded over a TPU target's
+  batch axis and compiled by libtpu on this CPU; no concrete array is made for it."""
+  from t2t_jax.compile import targets  # pylint: disable=import-outside-toplevel
+  target = targets.parse('tpu:v5e-8')
+  mesh = jax.sharding.Mesh(np.array(targets.devices(target)), ('data',))
+  rows = 2 * len(mesh.devices)
+  batch = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec('data'))
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  params = jax.eval_shape(lambda: _random_params(LM_CONFIG))
+  params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
+                        params)
+  shapes = {name: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch) for name, shape in (
+      ('inputs', (rows, 1)), ('lines', (rows,)), ('samples', (rows,)), ('prompts', (rows, 6)),
+      ('limits', (rows,)))}
+  search = runtime.jit_search(sampling.sample_search, 'tpu',
+                              static_argnames=('config', 'max_len', 'sampling'),
+                              out_shardings=replicated)
+  compiled = search.lower(params, shapes['inputs'], shapes['lines'], shapes['samples'],
+                          config=LM_CONFIG, max_len=12,
+                          sampling=sampling.Sampling(temperature=0.8, top_k=5, top_p=0.9),
+                          max_lengths_B=shapes['limits'], prompts_BP=shapes['prompts']).compile()
+  assert 'while' in compiled.as_text()  # One loop over the output positions.
