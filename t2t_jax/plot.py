@@ -3,7 +3,8 @@
   python -m t2t_jax.plot --workdir=/tmp/m30 [--output=curves.png] [--bleu_target=41]
 
 Left column against steps, right column against training wall time: training and validation
-loss on top, validation BLEU (and the averaged-checkpoint BLEU when the run logged it) below.
+loss on top, validation BLEU (and the averaged-checkpoint BLEU when the run logged it) below,
+or a run's accuracies where it has no BLEU (masked-LM pre-training, a classifier).
 A resumed run writes one event file per launch; the wall-time axis joins them end to start, so
 the time a run spent stopped is not counted.
 
@@ -25,6 +26,9 @@ from t2t_jax import cli
 LOSSES = (('train/loss', 'training loss'), ('eval/loss', 'validation loss'),
           ('averaged_eval/loss', 'validation loss, averaged checkpoints'))
 BLEUS = (('bleu', 'validation BLEU'), ('averaged_bleu', 'validation BLEU, averaged checkpoints'))
+# A run without BLEU (masked-LM pre-training, a classifier) draws these in BLEU's place.
+ACCURACIES = (('train/accuracy', 'training accuracy'), ('eval/accuracy', 'validation accuracy'),
+              ('eval/macro_f1', 'validation macro F1'))
 RATES = (('train/steps_per_second', 'updates/s, per log interval (saving and evaluating '
           'included)'),)
 
@@ -154,9 +158,17 @@ def summary(scalars: dict[str, Series], workdir: str,
   return lines, record
 
 
+def middle_row(scalars: dict[str, Series]) -> tuple[tuple, str]:
+  """The figure's second row: BLEU where the run logged any, else its accuracies."""
+  if any(tag in scalars for tag, _ in BLEUS):
+    return BLEUS, 'BLEU'
+  return ACCURACIES, 'accuracy'
+
+
 def draw(scalars: dict[str, Series], output: str, title: str = '',
          bleu_target: float = 0.0) -> None:
-  """Writes the 3x2 figure (loss, BLEU and updates/s against steps and hours) to `output`."""
+  """Writes the 3x2 figure (loss, BLEU or accuracy, and updates/s against steps and hours) to
+  `output`."""
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use('Agg')
   from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
@@ -164,8 +176,8 @@ def draw(scalars: dict[str, Series], output: str, title: str = '',
   figure, axes = plt.subplots(3, 2, figsize=(12, 11), sharex='col')
   for column, (x_name, x_label) in enumerate((('steps', 'training steps'),
                                               ('seconds', 'training wall time (hours)'))):
-    for row, (series_list, y_label) in enumerate(((LOSSES, 'loss (label-smoothed)'),
-                                                  (BLEUS, 'BLEU'), (RATES, 'updates/s'))):
+    for row, (series_list, y_label) in enumerate(((LOSSES, 'loss'), middle_row(scalars),
+                                                  (RATES, 'updates/s'))):
       ax = axes[row][column]
       for tag, label in series_list:
         if tag not in scalars:

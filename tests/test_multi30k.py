@@ -402,3 +402,12 @@ def test_full_bleu_at_end_decodes_a_subset_while_training_and_every_sentence_at_
   results = train.train_and_evaluate(config, str(tmp_path / 'run'))
   assert results['step'] == 6
   assert decoded == expected  # Step 3: the first N valid sentences; the last step: all 16.
+
+
+def test_a_run_without_bleu_draws_its_accuracies_in_bleus_place(tmp_path):
+  series = plot.Series([100, 200], [0.5, 0.6], [10.0, 20.0])
+  assert plot.middle_row({'bleu': series, 'eval/accuracy': series})[1] == 'BLEU'
+  rows, label = plot.middle_row({'train/loss': series, 'eval/accuracy': series})
+  assert label == 'accuracy' and ('eval/accuracy', 'validation accuracy') in rows
+  plot.draw({'train/loss': series, 'eval/accuracy': series}, str(tmp_path / 'curves.png'), 'x')
+  assert_drawn(tmp_path / 'curves.png')
