@@ -348,6 +348,12 @@ def test_translate_cli_decodes_a_decoder_only_checkpoint(trained, tmp_path):
   # would load the run and compile its search all over again.
   with pytest.raises(app.UsageError, match='has none'):
     trained_run.save_attention_pngs(run, inputs[0], outputs[0], str(tmp_path), 'line1')
+  # Sampled at temperature 0 through the translator, the outputs are greedy search's.
+  from t2t_jax.decoding import sampling  # pylint: disable=g-import-not-at-top
+  greedy = trained_run.load(workdir, beam_size=1)
+  drawn = trained_run.load(workdir, sampling=sampling.Sampling(temperature=0))
+  assert trained_run.translate_lines(drawn, lines)[0] == trained_run.translate_lines(
+      greedy, lines)[0]
 
 
 @pytest.mark.slow
