@@ -41,9 +41,14 @@ def test_a_file_is_translated_in_chunks_in_the_inputs_order(tmp_path):
   assert (outcome.lines, outcome.chunks, outcome.translated, outcome.merged) == (12, 4, 12, True)
   assert (tmp_path / 'out.txt').read_text().splitlines() == _reverse(LINES, 0)
   assert not os.path.exists(str(tmp_path / 'out.txt') + '.parts')
-  # Run again: the output is there and nothing is in flight, so nothing is done.
+  # Run again by one process, it translates again (and overwrites), as any command would; a
+  # process of several finds the output the group wrote and nothing in flight: nothing to do.
   again = file_translation.translate_file(_plan(tmp_path, source), _reverse, progress=False)
-  assert again.translated == 0 and not again.merged
+  assert again.translated == 12 and again.merged
+  late = file_translation.translate_file(_plan(tmp_path, source, process_index=1,
+                                               process_count=2), _reverse, progress=False)
+  assert late.translated == 0 and not late.merged
+  assert not os.path.exists(str(tmp_path / 'out.txt') + '.parts')
 
 
 def test_a_run_that_dies_mid_file_resumes_with_the_same_bytes(tmp_path):

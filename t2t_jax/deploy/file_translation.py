@@ -140,9 +140,10 @@ def translate_file(plan: Plan, translate: Callable[[list[str], int], list[str]],
   returns plan.outputs_per_line texts per line, in order), then writes the output if every
   chunk is there."""
   start = time.perf_counter()
-  if os.path.exists(plan.output_path) and not os.path.exists(plan.parts):
-    logging.info('%s is there already and no chunks are in flight: nothing to do (delete it '
-                 'to translate again)', plan.output_path)
+  if (plan.process_count > 1 and os.path.exists(plan.output_path) and
+      not os.path.exists(plan.parts)):  # One process alone translates again, as any command.
+    logging.info('%s was written by the processes sharing it, and no chunks are in flight: '
+                 'nothing to do (delete it to translate again)', plan.output_path)
     return Outcome(count_lines(plan.input_path), 0, 0, 0.0, False)
   lines = count_lines(plan.input_path)
   chunks = -(-lines // plan.chunk_lines)
