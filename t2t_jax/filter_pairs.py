@@ -60,6 +60,9 @@ def filter_pairs(source_path: str, target_path: str, output_source: str, output_
       if os.path.exists(temporary):
         os.remove(temporary)
     raise
+  for path in (output_source, output_target):  # Never a new side beside an old one.
+    if os.path.exists(path):
+      os.remove(path)
   for temporary, path in zip(temporaries, (output_source, output_target)):
     os.replace(temporary, path)
   for reason, count in skipped.items():  # Empty or undecodable on either side.
@@ -102,6 +105,11 @@ def main(argv):
       raise app.UsageError(f'--{name} is required')
   for name in ('output_source', 'output_target'):
     cli.check_output_path(FLAGS[name].value, f'--{name}')
+  paths = [os.path.abspath(FLAGS[name].value)
+           for name in ('source', 'target', 'output_source', 'output_target')]
+  if len(set(paths)) < 4:
+    raise app.UsageError('--source, --target, --output_source and --output_target must be four '
+                         'different files')
   limits = Limits(FLAGS.min_words, FLAGS.max_words, FLAGS.max_ratio, FLAGS.dedup)
   counts = filter_pairs(FLAGS.source, FLAGS.target, FLAGS.output_source, FLAGS.output_target,
                         limits)

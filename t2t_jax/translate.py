@@ -56,11 +56,14 @@ def _sampling_from_flags() -> tuple[sampling_lib.Sampling | None, sampling_lib.N
 
 
 def _options() -> dict:
-  """The flags a translation's outputs depend on, for the chunks' manifest."""
-  names = ('workdir', 'checkpoint', 'weights', 'beam_size', 'alpha', 'length_penalty', 'dtype',
-           'engine', 'ct2_compute_type', 'ct2_patience', 'sampling', 'temperature', 'top_k',
-           'top_p', 'seed', 'samples')
-  return {name: FLAGS[name].value for name in names}
+  """The flags a translation's outputs depend on, for the chunks' manifest: the checkpoint as
+  the path it resolves to (the latest step is pinned, not 'whichever is latest')."""
+  names = ('weights', 'beam_size', 'alpha', 'length_penalty', 'dtype', 'engine',
+           'ct2_compute_type', 'ct2_patience', 'sampling', 'temperature', 'top_k', 'top_p',
+           'seed', 'samples')
+  checkpoint = saved_params.checkpoint_path(FLAGS.workdir, FLAGS.checkpoint)
+  return {'checkpoint': os.path.abspath(checkpoint),
+          **{name: FLAGS[name].value for name in names}}
 
 
 def main(argv):

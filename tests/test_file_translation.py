@@ -48,7 +48,14 @@ def test_a_file_is_translated_in_chunks_in_the_inputs_order(tmp_path):
   late = file_translation.translate_file(_plan(tmp_path, source, process_index=1,
                                                process_count=2), _reverse, progress=False)
   assert late.translated == 0 and not late.merged
-  assert not os.path.exists(str(tmp_path / 'out.txt') + '.parts')
+  assert sorted(os.listdir(tmp_path)) == ['in.txt', 'out.txt', 'out.txt.manifest.json']
+  # Another translation into the same output is refused rather than taken for done.
+  with pytest.raises(ConfigError, match=r"out.txt is there already, from another translation "
+                                        r"\(options \{\}, now \{'seed': 2\}\)"):
+    file_translation.translate_file(_plan(tmp_path, source, process_index=1, process_count=2,
+                                          options={'seed': 2}), _reverse, progress=False)
+  with pytest.raises(DataError, match='cannot read .*: Is a directory'):
+    file_translation.translate_file(_plan(tmp_path, str(tmp_path)), _reverse, progress=False)
 
 
 def test_a_run_that_dies_mid_file_resumes_with_the_same_bytes(tmp_path):
@@ -225,3 +232,21 @@ def test_filters_remove_short_long_uneven_and_repeated_pairs_counting_each(tmp_p
   with pytest.raises(DataError, match=r's.txt has 7 lines but .*short.txt has 1'):
     filter_pairs.filter_pairs(source, short, *out, filter_pairs.Limits())
   assert sorted(os.listdir(tmp_path)) == ['out.s', 'out.t', 's.txt', 'short.txt', 't.txt']
+
+
+def test_a_kill_between_writing_the_output_and_retiring_the_parts_merges_again(tmp_path,
+                                                                              monkeypatch):
+  source = _write(tmp_path / 'in.txt', ''.join(line + '\n' for line in LINES))
+  plan = _plan(tmp_path, source)
+
+  def killed(*unused_args, **unused_kwargs):
+    raise KeyboardInterrupt
+  monkeypatch.setattr(file_translation.tempfile, 'mkdtemp', killed)
+  with pytest.raises(KeyboardInterrupt):
+    file_translation.translate_file(plan, _reverse, progress=False)
+  assert os.path.isdir(plan.parts) and (tmp_path / 'out.txt').exists()
+  monkeypatch.undo()
+  outcome = file_translation.translate_file(plan, _reverse, progress=False)
+  assert outcome.translated == 0 and outcome.merged and not os.path.exists(plan.parts)
+  assert (tmp_path / 'out.txt').read_text().splitlines() == _reverse(LINES, 0)
+  assert not [name for name in os.listdir(tmp_path) if 'retired' in name or 'tmp' in name]

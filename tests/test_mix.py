@@ -94,6 +94,8 @@ def test_the_tag_is_one_piece_of_the_vocabulary(tiny_config, tmp_path):
      'must give 2 numbers above 0'),
     (dict(extra_src='long.tgt', extra_tgt='long.tgt', mix_weights='1,0'), ConfigError,
      'must give 2 numbers above 0'),
+    (dict(extra_src='long.tgt', extra_tgt='long.tgt', mix_weights='1,inf'), ConfigError,
+     'must give 2 numbers above 0'),
     (dict(extra_src='long.tgt', extra_tgt='long.tgt', mix_weights='a,b'), ConfigError,
      'must be comma-separated numbers'),
     (dict(extra_tag='<BT>'), ConfigError, 'tags the sources of config.data.extra_src, which is'),

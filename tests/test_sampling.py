@@ -241,8 +241,13 @@ def test_the_translator_samples_each_line_alike_in_any_batching_and_chunk():
 
 
 def test_sampling_options_are_checked():
-  with pytest.raises(ConfigError, match='temperature'):
-    sampling.Sampling(temperature=-1)
+  for temperature in (-1, float('inf'), float('nan')):
+    with pytest.raises(ConfigError, match='temperature'):
+      sampling.Sampling(temperature=temperature)
+  # PAD stays out at a temperature that flattens every other logit.
+  hot = sampling.kept_logits(jnp.zeros((1, 5)).at[0, PAD_ID].set(50.0),
+                             sampling.Sampling(temperature=1e30))
+  assert np.asarray(hot)[0, PAD_ID] == -np.inf and np.isfinite(np.asarray(hot)[0, 1:]).all()
   with pytest.raises(ConfigError, match='top_k'):
     sampling.Sampling(top_k=-2)
   with pytest.raises(ConfigError, match='top_p'):

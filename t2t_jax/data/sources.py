@@ -11,6 +11,7 @@ TensorFlow Datasets (and with it TensorFlow) is imported only when a TFDS source
 import collections
 import dataclasses
 import itertools
+import math
 import os
 import random
 from typing import Callable, Iterable, Iterator
@@ -225,7 +226,7 @@ def _training_mix(data_config, main: Source) -> Source:
     except ValueError:
       raise ConfigError(f'config.data.mix_weights={data_config.mix_weights!r} must be '
                         'comma-separated numbers') from None
-    if len(weights) != len(parts) or min(weights) <= 0:
+    if len(weights) != len(parts) or not all(0 < w < math.inf for w in weights):
       raise ConfigError(f'config.data.mix_weights={data_config.mix_weights!r} must give '
                         f'{len(parts)} numbers above 0: train_src\'s, then each extra_src\'s')
   tags = [''] + [data_config.extra_tag] * (len(parts) - 1)

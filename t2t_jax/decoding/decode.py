@@ -10,7 +10,7 @@ The encoder runs once per batch, and so do the cross-attention key/value project
 first decoding step stores them in the cache, later steps only read them. A decoder-only
 model reads its (right-padded) sources once too, in a prefill pass that fills every layer's
 self-attention cache at [0, S); its steps then write each row's token at its position, the
-row's source length plus the steps so far (`_start`), over the source's padding. Output lengths
+row's source length plus the steps so far (`start_search`), over the source's padding. Output lengths
 count generated tokens, EOS included; a hypothesis that reaches the maximum length without
 EOS ends there. PAD is never generated. Batched translation of many sentences is
 translator.py's.

@@ -11,6 +11,7 @@ the same way on the host (`noise_words`).
 """
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -37,8 +38,9 @@ class Sampling:
   seed: int = 0
 
   def __post_init__(self):
-    if not self.temperature >= 0:
-      raise ConfigError(f'temperature {self.temperature} must be at least 0 (0: greedy)')
+    if not 0 <= self.temperature < math.inf:
+      raise ConfigError(f'temperature {self.temperature} must be finite and at least 0 (0: '
+                        'greedy)')
     if self.top_k < 0:
       raise ConfigError(f'top_k {self.top_k} must be at least 0 (0: every token)')
     if not 0 < self.top_p <= 1:
@@ -60,7 +62,9 @@ class Noise:
 def kept_logits(logits_BV: jax.Array, sampling: Sampling) -> jax.Array:
   """The logits [B, V] in float32 divided by the temperature, -inf outside the tokens kept
   (PAD never is). Temperature 0 is the caller's: the argmax."""
-  logits_BV = decode.without_pad(logits_BV.astype(jnp.float32)) / sampling.temperature
+  logits_BV = logits_BV.astype(jnp.float32) / sampling.temperature
+  token_V = jax.lax.broadcasted_iota(jnp.int32, logits_BV.shape, 1)
+  logits_BV = jnp.where(token_V == PAD_ID, -jnp.inf, logits_BV)  # At any temperature.
   if sampling.top_k and sampling.top_k < logits_BV.shape[-1]:
     kth_B1 = jax.lax.top_k(logits_BV, sampling.top_k)[0][:, -1:]
     logits_BV = jnp.where(logits_BV >= kth_B1, logits_BV, -jnp.inf)

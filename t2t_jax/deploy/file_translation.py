@@ -7,15 +7,20 @@ finished chunk, each written whole under a temporary name and renamed into place
 chunks already there; outputs depend only on each line and its index (sampling.py), so the
 resumed output is the uninterrupted one, byte for byte. With several processes (a SLURM
 array, or one process per accelerator) process i of n takes chunks i, i + n, ...; the
-process that finds every chunk done writes `<output>` and removes the parts.
+process that finds every chunk done writes `<output>` (and its manifest beside it,
+`<output>.manifest.json`), then retires the parts: renamed away first, so a kill while they
+are deleted leaves nothing a later run could take for chunks in flight.
 """
 
+import contextlib
 import dataclasses
 import fcntl
+import glob
 import json
 import os
 import shutil
 import sys
+import tempfile
 import time
 from typing import Callable, Iterator
 
@@ -69,10 +74,13 @@ class Outcome:
 def count_lines(path: str) -> int:
   """Lines as `for line in file` reads them: newlines, plus an unterminated last line."""
   count, last = 0, b'\n'
-  with open(path, 'rb') as f:
-    for block in iter(lambda: f.read(1 << 24), b''):
-      count += block.count(b'\n')
-      last = block[-1:]
+  try:
+    with open(path, 'rb') as f:
+      for block in iter(lambda: f.read(1 << 24), b''):
+        count += block.count(b'\n')
+        last = block[-1:]
+  except OSError as e:
+    raise DataError(f'cannot read {path}: {e.strerror}') from None
   return count + (last != b'\n')
 
 
@@ -102,31 +110,48 @@ def _manifest(plan: Plan, lines: int) -> dict:
           'options': plan.options}
 
 
-def _start(plan: Plan, lines: int) -> None:
+def _differences(path: str, expected: dict) -> list[str] | None:
+  """How the manifest at `path` differs from `expected` ([] if not at all); None if absent."""
+  if not os.path.exists(path):
+    return None
+  try:
+    with open(path, encoding='utf-8') as f:
+      found = json.load(f)
+  except (OSError, ValueError) as e:
+    raise ConfigError(f'cannot read the manifest {path} ({e}): delete it and what it describes '
+                      'to start again') from None
+  return [f'{key} {found.get(key)!r}, now {value!r}'
+          for key, value in expected.items() if found.get(key) != value]
+
+
+def _start(plan: Plan, expected: dict) -> None:
   """Creates the parts directory and its manifest, or checks a resumed run's against it."""
-  expected = _manifest(plan, lines)
   path = os.path.join(plan.parts, MANIFEST)
   try:
     os.makedirs(plan.parts, exist_ok=True)
   except OSError as e:
     raise ConfigError(f'cannot create {plan.parts} for --output={plan.output_path}: '
                       f'{e.strerror}') from None
-  if os.path.exists(path):
-    with open(path, encoding='utf-8') as f:
-      found = json.load(f)
-    differences = [f'{key} {found.get(key)!r}, now {value!r}'
-                   for key, value in expected.items() if found.get(key) != value]
-    if differences:
-      raise ConfigError(f'{plan.parts} holds chunks of another translation ('
-                        f'{"; ".join(differences)}): run the command that started it, or '
-                        'delete the directory to start again')
-    return
-  _write_whole(path, json.dumps(expected, indent=1, sort_keys=True) + '\n')
+  differences = _differences(path, expected)
+  if differences:
+    raise ConfigError(f'{plan.parts} holds chunks of another translation ('
+                      f'{"; ".join(differences)}): run the command that started it, or '
+                      'delete the directory to start again')
+  if differences is None:
+    _write_whole(path, json.dumps(expected, indent=1, sort_keys=True) + '\n')
+
+
+def _temporary_beside(path: str) -> str:
+  """A new file's name in `path`'s folder, unique across processes and hosts."""
+  handle, name = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)),
+                                  prefix=os.path.basename(path) + '.', suffix='.tmp')
+  os.close(handle)
+  return name
 
 
 def _write_whole(path: str, text: str) -> None:
   """`text` in `path`, or nothing there: written under another name, then renamed."""
-  temporary = f'{path}.{os.getpid()}.tmp'
+  temporary = _temporary_beside(path)
   with open(temporary, 'w', encoding='utf-8') as f:
     f.write(text)
     f.flush()
@@ -140,14 +165,22 @@ def translate_file(plan: Plan, translate: Callable[[list[str], int], list[str]],
   returns plan.outputs_per_line texts per line, in order), then writes the output if every
   chunk is there."""
   start = time.perf_counter()
-  if (plan.process_count > 1 and os.path.exists(plan.output_path) and
-      not os.path.exists(plan.parts)):  # One process alone translates again, as any command.
-    logging.info('%s was written by the processes sharing it, and no chunks are in flight: '
-                 'nothing to do (delete it to translate again)', plan.output_path)
-    return Outcome(count_lines(plan.input_path), 0, 0, 0.0, False)
+  for retired in glob.glob(glob.escape(plan.parts) + RETIRED + '*'):  # A kill left them.
+    shutil.rmtree(retired, ignore_errors=True)
   lines = count_lines(plan.input_path)
   chunks = -(-lines // plan.chunk_lines)
-  _start(plan, lines)
+  expected = _manifest(plan, lines)
+  if (plan.process_count > 1 and os.path.exists(plan.output_path) and
+      not os.path.exists(plan.parts)):  # One process alone translates again, as any command.
+    differences = _differences(plan.output_path + '.manifest.json', expected)
+    if differences or differences is None:
+      raise ConfigError(f'{plan.output_path} is there already, from another translation ('
+                        f'{"; ".join(differences or ["no manifest beside it"])}): delete it, '
+                        'or choose another --output')
+    logging.info('%s was written by the processes sharing it, and no chunks are in flight: '
+                 'nothing to do (delete it to translate again)', plan.output_path)
+    return Outcome(lines, chunks, 0, 0.0, False)
+  _start(plan, expected)
   mine = range(plan.process_index, chunks, plan.process_count)
   todo = {c for c in mine if not os.path.exists(plan.chunk_file(c))}
   size = lambda c: min(plan.chunk_lines, lines - c * plan.chunk_lines)
@@ -170,16 +203,30 @@ def translate_file(plan: Plan, translate: Callable[[list[str], int], list[str]],
   return Outcome(lines, chunks, translated, time.perf_counter() - start, merged)
 
 
+RETIRED = '.retired-'  # A finished run's parts are renamed to <parts>.retired-<unique>.
+
+
+def _complete(plan: Plan, chunks: int) -> bool:
+  return os.path.isdir(plan.parts) and all(os.path.exists(plan.chunk_file(c))
+                                           for c in range(chunks))
+
+
 def _merge_if_complete(plan: Plan, chunks: int) -> bool:
-  """Writes the output from the chunks if all are done and no other process is doing it."""
-  if not all(os.path.exists(plan.chunk_file(c)) for c in range(chunks)):
+  """Writes the output from the chunks if all are done and no other process is doing it or
+  has done it; then retires the parts."""
+  if not _complete(plan, chunks):
     return False
-  with open(os.path.join(plan.parts, 'merge.lock'), 'w') as lock:
+  lock_path = plan.output_path + '.lock'
+  with open(lock_path, 'w') as lock:
     try:
       fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
       return False  # Another process is writing it.
-    temporary = f'{plan.output_path}.{os.getpid()}.tmp'
+    except OSError as e:  # A file system without locks: renames below still keep it whole.
+      logging.warning('cannot lock %s (%s): merging without a lock', lock_path, e.strerror)
+    if not _complete(plan, chunks):  # Another process merged while this one waited.
+      return False
+    temporary = _temporary_beside(plan.output_path)
     with open(temporary, 'wb') as out:
       for c in range(chunks):
         with open(plan.chunk_file(c), 'rb') as part:
@@ -187,5 +234,13 @@ def _merge_if_complete(plan: Plan, chunks: int) -> bool:
       out.flush()
       os.fsync(out.fileno())
     os.replace(temporary, plan.output_path)
-  shutil.rmtree(plan.parts)
+    # Until the parts are retired, a run killed here and run again merges them again.
+    with open(os.path.join(plan.parts, MANIFEST), encoding='utf-8') as f:
+      _write_whole(plan.output_path + '.manifest.json', f.read())
+    retired = tempfile.mkdtemp(dir=os.path.dirname(os.path.abspath(plan.parts)),
+                               prefix=os.path.basename(plan.parts) + RETIRED)
+    os.replace(plan.parts, retired)  # Gone at once from where later runs look.
+  with contextlib.suppress(FileNotFoundError):
+    os.remove(lock_path)
+  shutil.rmtree(retired, ignore_errors=True)
   return True

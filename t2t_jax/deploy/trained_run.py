@@ -152,8 +152,8 @@ def translate_lines(run: Run, lines, name: str = '<stdin>', progress: bool = Fal
   inputs = encode_lines(run.vocab, lines, max_tokens, name, first_line)
   text_seconds = time.perf_counter() - start
   drawn = getattr(run.translator, 'sampling', None) is not None
-  with tqdm.tqdm(total=len(inputs), desc='translating', unit=' sentences', file=sys.stderr,
-                 disable=not progress) as bar:
+  with tqdm.tqdm(total=len(inputs) * (samples if drawn else 1), desc='translating',
+                 unit=' sentences', file=sys.stderr, disable=not progress) as bar:
     if drawn:
       outputs = run.translator.translate(run.params, inputs, progress=bar.update,
                                          samples=samples, first_line=first_line)
