@@ -348,3 +348,38 @@ def test_a_search_array_trains_one_study_whose_trials_both_elements_take(slurm, 
   assert int(table[1].split()[0]) == best.number  # Best first, its command to reproduce it.
   assert any(line.startswith(f'  trial {best.number}: ') and
              line.endswith(f'--workdir={root}/trial_{best.number:04d}') for line in table), table
+
+
+def test_the_translation_array_of_the_back_translation_guide_writes_one_processs_output(
+    slurm, tiny_run, tmp_path):
+  """docs/backtranslation.md's SLURM array: two elements share a file's chunks; the last to
+  finish writes the output, equal to one process translating it all (sampled, so every line's
+  draws must not depend on the element that made them)."""
+  from t2t_jax.decoding import sampling  # pylint: disable=g-import-not-at-top
+  from t2t_jax.deploy import file_translation  # pylint: disable=g-import-not-at-top
+  from t2t_jax.deploy import trained_run  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(1)
+  source = tmp_path / 'mono.txt'
+  source.write_text(''.join(' '.join(map(str, rng.integers(2, 8, rng.integers(1, 9)))) + '\n'
+                            for _ in range(1500)))
+  output = tmp_path / 'out.txt'
+  script = tmp_path / 'translate.sbatch'
+  script.write_text(
+      '#!/bin/bash\n#SBATCH --array=0-1\n#SBATCH --cpus-per-task=1\n#SBATCH --time=10\n'
+      f'{sys.executable} -m t2t_jax.translate --workdir={tiny_run[0]} --input={source} '
+      f'--output={output} --sampling=sample --seed=1 --chunk_lines=200 '
+      '--process_index=$SLURM_ARRAY_TASK_ID --process_count=2\n')
+  job = _submit(slurm, f'--output={tmp_path}/slurm-%A_%a.out', str(script))
+  slurm.wait_done(job, JOB_TIMEOUT)
+  logs = [_read(tmp_path / f'slurm-{job}_{index}.out') for index in (0, 1)]
+  assert [slurm.job_state(f'{job}_{index}')['JobState'] for index in (0, 1)] == [
+      'COMPLETED', 'COMPLETED'], logs
+  assert sum(f'wrote {output}' in log for log in logs) == 1  # The last to finish.
+  assert all('this process translated 800 of them' in log or
+             'this process translated 700 of them' in log for log in logs)
+  run = trained_run.load(tiny_run[0], sampling=sampling.Sampling(seed=1))
+  alone = file_translation.Plan(str(source), str(tmp_path / 'alone.txt'), chunk_lines=1500)
+  file_translation.translate_file(
+      alone, lambda lines, first: trained_run.translate_lines(run, lines, first_line=first)[0],
+      progress=False)
+  assert output.read_bytes() == (tmp_path / 'alone.txt').read_bytes()
