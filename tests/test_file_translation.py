@@ -41,6 +41,9 @@ def test_a_file_is_translated_in_chunks_in_the_inputs_order(tmp_path):
   assert (outcome.lines, outcome.chunks, outcome.translated, outcome.merged) == (12, 4, 12, True)
   assert (tmp_path / 'out.txt').read_text().splitlines() == _reverse(LINES, 0)
   assert not os.path.exists(str(tmp_path / 'out.txt') + '.parts')
+  mask = os.umask(0)
+  os.umask(mask)
+  assert os.stat(tmp_path / 'out.txt').st_mode & 0o777 == 0o666 & ~mask  # As open() gives.
   # Run again by one process, it translates again (and overwrites), as any command would; a
   # process of several finds the output the group wrote and nothing in flight: nothing to do.
   again = file_translation.translate_file(_plan(tmp_path, source), _reverse, progress=False)

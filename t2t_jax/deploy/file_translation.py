@@ -142,10 +142,14 @@ def _start(plan: Plan, expected: dict) -> None:
 
 
 def _temporary_beside(path: str) -> str:
-  """A new file's name in `path`'s folder, unique across processes and hosts."""
+  """A new file's name in `path`'s folder, unique across processes and hosts, with the
+  permissions a plain `open` would give it (mkstemp's are the owner's only)."""
   handle, name = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)),
                                   prefix=os.path.basename(path) + '.', suffix='.tmp')
   os.close(handle)
+  mask = os.umask(0)
+  os.umask(mask)
+  os.chmod(name, 0o666 & ~mask)
   return name
 
 
