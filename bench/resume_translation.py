@@ -19,11 +19,13 @@ import sys
 import tempfile
 import time
 
-from absl import app
 from absl import flags
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from t2t_jax import cli  # pylint: disable=wrong-import-position
+
 FLAGS = flags.FLAGS
 flags.DEFINE_string('workdir', None, 'The trained run that translates.')
 flags.DEFINE_string('input', None, 'The file to translate.')
@@ -83,4 +85,4 @@ def main(argv):
 
 if __name__ == '__main__':
   flags.mark_flags_as_required(['workdir', 'input'])
-  app.run(main)
+  cli.run(main)
