@@ -157,17 +157,26 @@ def greedy_search(params, inputs_BS: jax.Array, config: TransformerConfig, max_l
   Row b generates at most `max_lengths_B[b]` tokens (default: `max_len` for every row).
   """
   runtime.check_search_compiled_here('greedy_search')
+  return token_loop(params, inputs_BS, config, max_len, max_lengths_B,
+                    lambda logits_BV, unused_index: best_token(logits_BV))
+
+
+def token_loop(params, inputs_BS: jax.Array, config: TransformerConfig, max_len: int,
+               max_lengths_B: jax.Array | None, choose) -> jax.Array:
+  """One token per row and step, `choose(logits_BV, index)` picking output position `index`'s,
+  until every row has its EOS or its limit; returns [B, max_len] tokens, PAD after EOS. Greedy
+  search and sampling (sampling.py) are this loop with their own `choose`."""
   model = make_model(decode_config(config))
   batch_size = inputs_BS.shape[0]
   limit_B = row_limits(max_lengths_B, batch_size, max_len)
   logits_BV, cache = start_search(model, params, inputs_BS, config, max_len)
-  first_B = best_token(logits_BV)
+  first_B = choose(logits_BV, 0)
   tokens_BL = jnp.zeros((batch_size, max_len), jnp.int32).at[:, 0].set(first_B)
 
   def step(carry):
     i, cache, tokens_BL, finished_B = carry
     logits_BV, cache = search_step(model, params, cache, None, inputs_BS, tokens_BL[:, i - 1])
-    next_B = jnp.where(finished_B, PAD_ID, best_token(logits_BV))
+    next_B = jnp.where(finished_B, PAD_ID, choose(logits_BV, i))
     tokens_BL = jax.lax.dynamic_update_slice_in_dim(tokens_BL, next_B[:, None], i, 1)
     return i + 1, cache, tokens_BL, finished_B | (next_B == EOS_ID) | (i + 1 >= limit_B)
 

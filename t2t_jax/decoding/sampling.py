@@ -18,10 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from t2t_jax import ConfigError
-from t2t_jax import EOS_ID, PAD_ID
+from t2t_jax import PAD_ID
 from t2t_jax import runtime
 from t2t_jax.decoding import decode
-from t2t_jax.model.decoder_only import make_model
 from t2t_jax.model.model_config import TransformerConfig
 
 KINDS = ('none', 'sample', 'noised_beam')  # translate --sampling
@@ -106,9 +105,6 @@ def sample_search(params, inputs_BS: jax.Array, lines_B: jax.Array, samples_B: j
   most `max_lengths_B[b]` tokens, its prompt included.
   """
   runtime.check_search_compiled_here('sample_search')
-  model = make_model(decode.decode_config(config))
-  batch_size = inputs_BS.shape[0]
-  limit_B = decode.row_limits(max_lengths_B, batch_size, max_len)
   keys_B = row_keys(sampling.seed, lines_B, samples_B)
   if prompts_BP is not None:
     prompt_length_B = (prompts_BP != PAD_ID).sum(-1)
@@ -121,24 +117,7 @@ def sample_search(params, inputs_BS: jax.Array, lines_B: jax.Array, samples_B: j
                                             axis=1, keepdims=False)
     return jnp.where(index < prompt_length_B, forced_B, token_B)
 
-  logits_BV, cache = decode.start_search(model, params, inputs_BS, config, max_len)
-  first_B = choose(logits_BV, 0)
-  tokens_BL = jnp.zeros((batch_size, max_len), jnp.int32).at[:, 0].set(first_B)
-
-  def step(carry):
-    i, cache, tokens_BL, finished_B = carry
-    logits_BV, cache = decode.search_step(model, params, cache, None, inputs_BS,
-                                          tokens_BL[:, i - 1])
-    next_B = jnp.where(finished_B, PAD_ID, choose(logits_BV, i))
-    tokens_BL = jax.lax.dynamic_update_slice_in_dim(tokens_BL, next_B[:, None], i, 1)
-    return i + 1, cache, tokens_BL, finished_B | (next_B == EOS_ID) | (i + 1 >= limit_B)
-
-  def not_done(carry):
-    i, _, _, finished_B = carry
-    return (i < max_len) & ~finished_B.all()
-
-  carry = (jnp.array(1), cache, tokens_BL, (first_B == EOS_ID) | (limit_B <= 1))
-  return jax.lax.while_loop(not_done, step, carry)[2]
+  return decode.token_loop(params, inputs_BS, config, max_len, max_lengths_B, choose)
 
 
 def line_rng(seed: int, line: int, sample: int) -> np.random.Generator:
