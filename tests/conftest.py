@@ -294,6 +294,16 @@ def _compiler_or_skip(module: str, what: str, extra: str, required_in_ci: bool):
 
 
 @pytest.fixture
+def no_persistent_cache():
+  """For tests that compile for a target themselves: JAX cannot read a compile-only target's
+  program back from the persistent cache (dry_run.py turns it off the same way)."""
+  previous = jax.config.jax_enable_compilation_cache
+  jax.config.update('jax_enable_compilation_cache', False)
+  yield
+  jax.config.update('jax_enable_compilation_cache', previous)
+
+
+@pytest.fixture
 def libtpu():
   """libtpu, the TPU compiler, which compiles for TPU targets on this CPU."""
   _compiler_or_skip('libtpu', 'libtpu (the TPU compiler)', 'test', required_in_ci=True)

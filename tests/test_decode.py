@@ -17,6 +17,7 @@ from t2t_jax import runtime
 from t2t_jax import sharding
 from t2t_jax.decoding import decode
 from t2t_jax.decoding import translator as translator_lib
+from t2t_jax.model import decoder_only
 from t2t_jax.model import transformer as model_lib
 
 CONFIG = model_lib.TransformerConfig(
@@ -25,10 +26,11 @@ CONFIG = model_lib.TransformerConfig(
 
 
 def _random_params(config=CONFIG, seed=1, std=1.0):
-  """Weights drawn N(0, std): unlike the init, they give varied outputs and EOS positions."""
+  """Weights drawn N(0, std), of either model kind: unlike the init, they give varied outputs
+  and EOS positions."""
   tokens = jnp.ones((1, 4), jnp.int32)
-  params = nn.meta.unbox(model_lib.Transformer(config).init(jax.random.PRNGKey(0), tokens,
-                                                            tokens)['params'])
+  params = nn.meta.unbox(decoder_only.make_model(config).init(jax.random.PRNGKey(0), tokens,
+                                                              tokens)['params'])
   leaves, tree = jax.tree.flatten(params)
   keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
   return jax.tree.unflatten(tree, [jax.random.normal(k, x.shape) * std

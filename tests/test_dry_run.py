@@ -33,16 +33,6 @@ from t2t_jax.training import build as setup_lib
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.fixture
-def no_persistent_cache():
-  """For tests that compile for a target themselves: JAX cannot read a compile-only target's
-  program back from the persistent cache (dry_run.py turns it off the same way)."""
-  previous = jax.config.jax_enable_compilation_cache
-  jax.config.update('jax_enable_compilation_cache', False)
-  yield
-  jax.config.update('jax_enable_compilation_cache', previous)
-
-
 def _check_state_and_step(result, params):
   """What any target's report of the tiny data-parallel step must say."""
   train = result['programs']['train_step']

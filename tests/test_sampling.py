@@ -5,7 +5,6 @@ noise against its rates."""
 
 import dataclasses
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,37 +15,16 @@ from t2t_jax import ConfigError
 from t2t_jax import EOS_ID, PAD_ID
 from t2t_jax import runtime
 from t2t_jax import sharding
-from t2t_jax.decoding import decode
 from t2t_jax.decoding import sampling
 from t2t_jax.decoding import translator as translator_lib
 from t2t_jax.model import decoder_only
 from t2t_jax.model import transformer as model_lib
+from test_decode import CONFIG, _random_params, _sources, greedy_search
 
-CONFIG = model_lib.TransformerConfig(
-    vocab_size=9, d_model=16, d_ff=32, num_heads=2, num_encoder_layers=1,
-    num_decoder_layers=2, max_len=32, norm='pre', deterministic=True)
 LM_CONFIG = dataclasses.replace(CONFIG, vocab_size=13, kind='decoder_only')
 
 sample_search = runtime.jit_search(sampling.sample_search,
                                    static_argnames=('config', 'max_len', 'sampling'))
-greedy_search = runtime.jit_search(decode.greedy_search, static_argnames=('config', 'max_len'))
-
-
-def _random_params(config=CONFIG, seed=1, std=1.0):
-  """Weights drawn N(0, std): unlike the init, they give spread-out next-token distributions."""
-  tokens = jnp.ones((1, 4), jnp.int32)
-  params = nn.meta.unbox(decoder_only.make_model(config).init(jax.random.PRNGKey(0), tokens,
-                                                              tokens)['params'])
-  leaves, tree = jax.tree.flatten(params)
-  keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
-  return jax.tree.unflatten(tree, [jax.random.normal(k, x.shape) * std
-                                   for k, x in zip(keys, leaves)])
-
-
-def _sources(rows=8, length=5, seed=0):
-  tokens = np.random.default_rng(seed).integers(2, CONFIG.vocab_size, (rows, length))
-  tokens[rows // 2:, 3:] = PAD_ID
-  return jnp.asarray(tokens, jnp.int32)
 
 
 def _sample(params, inputs, policy, max_len=8, lines=None, samples=None, config=CONFIG, **kw):
@@ -286,7 +264,7 @@ def test_noised_beam_noise_has_its_rates_and_moves_no_word_further_than_three():
   assert once != sampling.noise_words(text, sampling.line_rng(4, 9, 1))
 
 
-def test_the_sampled_search_compiles_for_a_tpu_slice_without_one(libtpu):
+def test_the_sampled_search_compiles_for_a_tpu_slice_without_one(libtpu, no_persistent_cache):
   """The sampled search, nucleus cut included (a sort per step), sharded over a TPU target's
   batch axis and compiled by libtpu on this CPU; no concrete array is made for it."""
   from t2t_jax.compile import targets  # pylint: disable=import-outside-toplevel
