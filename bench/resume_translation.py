@@ -6,10 +6,11 @@ killed with SIGKILL after some chunks and run again; the two outputs compared by
 
 Prints one JSON line: lines, seconds and lines/s of the uninterrupted run (its own log line),
 the chunks done at the kill, whether the outputs are identical, and the matmul rate measured
-before and after (numpy float32 2048^3, as .ci/matmul_rate.py). Arguments after `--` go to
+before and after (.ci/matmul_rate.py's median). Arguments after `--` go to
 both translate commands.
 """
 
+import importlib.util
 import json
 import os
 import re
@@ -20,7 +21,6 @@ import tempfile
 import time
 
 from absl import flags
-import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -33,14 +33,13 @@ flags.DEFINE_integer('kill_after', 3, 'Chunks written before the SIGKILL.')
 flags.DEFINE_integer('chunk_lines', 10000, 'translate --chunk_lines.')
 
 
-def matmul_gflops(size: int = 2048, repeats: int = 5) -> float:
-  a = np.random.default_rng(0).random((size, size), dtype=np.float32)
-  times = []
-  for _ in range(repeats + 1):
-    start = time.perf_counter()
-    a @ a
-    times.append(time.perf_counter() - start)
-  return 2 * size ** 3 / sorted(times[1:])[repeats // 2] / 1e9
+def matmul_gflops() -> float:
+  """.ci/matmul_rate.py's median, the yardstick printed beside every wall time."""
+  spec = importlib.util.spec_from_file_location(
+      'matmul_rate', os.path.join(ROOT, '.ci', 'matmul_rate.py'))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.main()['gflops_median']
 
 
 def _command(output: str, extra: list[str]) -> list[str]:

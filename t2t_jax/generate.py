@@ -56,8 +56,7 @@ def main(argv):
   policy = sampling_lib.Sampling(FLAGS.temperature, FLAGS.top_k, FLAGS.top_p, FLAGS.seed)
   run = trained_run.load(FLAGS.workdir, FLAGS.checkpoint, batch_tokens=FLAGS.batch_tokens,
                          dtype=FLAGS.dtype, weights=FLAGS.weights, sampling=policy,
-                         language_model=True)
-  run.translator.max_extra_len = FLAGS.max_new_tokens  # Tokens after each prompt, at most.
+                         language_model=True, max_extra_len=FLAGS.max_new_tokens)
   texts = generate(run, prompts, FLAGS.samples, FLAGS.continuation_only,
                    progress=bool(FLAGS.input), name=FLAGS.input or '<stdin>')
   stats = run.translator.stats

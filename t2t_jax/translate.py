@@ -92,28 +92,41 @@ def main(argv):
   run = trained_run.load_from_flags(FLAGS.checkpoint, FLAGS.beam_size, FLAGS.alpha,
                                     FLAGS.batch_tokens, FLAGS.weights, FLAGS.dtype, sampling)
   if chunked:
-    output_ids = []  # Each output's token count, for the throughput line.
+    _translate_file(run, plan, noise)
+  else:
+    _translate_lines(run, lines, noise)
 
-    def translate_chunk(lines, first_line):
-      translations, _, outputs = trained_run.translate_lines(
-          run, lines, FLAGS.input, samples=FLAGS.samples, first_line=first_line, noise=noise)
-      output_ids.extend(range(len(o)) for o in outputs)
-      return translations
 
-    outcome = file_translation.translate_file(plan, translate_chunk)
-    logging.info('%s: %d lines in %d chunks; this process translated %d of them in %.1f s '
-                 '(%.1f lines/s)%s', FLAGS.input, outcome.lines, outcome.chunks,
-                 outcome.translated, outcome.seconds,
-                 outcome.translated / max(outcome.seconds, 1e-9),
-                 f'; wrote {FLAGS.output}' if outcome.merged else
-                 '; other chunks are still to do, so --output is not written yet')
-    if outcome.translated:
-      logging.info('%s', trained_run.summary(run.translator, output_ids))
-    return
+def _translate_file(run: trained_run.Run, plan: file_translation.Plan,
+                    noise: sampling_lib.Noise | None) -> None:
+  """--input translated in chunks into --output (deploy/file_translation.py)."""
+  tokens = 0  # Output tokens, for the throughput line.
+
+  def translate_chunk(lines, first_line):
+    nonlocal tokens
+    translations, _, outputs = trained_run.translate_lines(
+        run, lines, FLAGS.input, samples=FLAGS.samples, first_line=first_line, noise=noise)
+    tokens += sum(len(ids) for ids in outputs)
+    return translations
+
+  outcome = file_translation.translate_file(plan, translate_chunk)
+  logging.info('%s: %d lines in %d chunks; this process translated %d of them in %.1f s '
+               '(%.1f lines/s)%s', FLAGS.input, outcome.lines, outcome.chunks,
+               outcome.translated, outcome.seconds,
+               outcome.translated / max(outcome.seconds, 1e-9),
+               f'; wrote {FLAGS.output}' if outcome.merged else
+               '; other chunks are still to do, so --output is not written yet')
+  if outcome.translated:
+    logging.info('%s', trained_run.summary(run.translator, tokens))
+
+
+def _translate_lines(run: trained_run.Run, lines: list[str],
+                     noise: sampling_lib.Noise | None) -> None:
+  """Lines read whole, translated, written to --output or stdout; attention pictures."""
   translations, inputs, outputs = trained_run.translate_lines(
       run, lines, FLAGS.input or '<stdin>', progress=bool(FLAGS.input), samples=FLAGS.samples,
       noise=noise)
-  logging.info('%s', trained_run.summary(run.translator, outputs))
+  logging.info('%s', trained_run.summary(run.translator, sum(len(ids) for ids in outputs)))
   text = ''.join(t + '\n' for t in translations)
   if FLAGS.output:
     with open(FLAGS.output, 'w', encoding='utf-8') as f:

@@ -100,14 +100,15 @@ def from_config(config, model_config: TransformerConfig, mesh, axis_rules,
                 beam_size: int | None = None, alpha: float | None = None,
                 batch_tokens: int | None = None, dtype: str | None = None,
                 length_penalty: str | None = None, sampling: Sampling | None = None,
-                prompts: bool = False) -> 'Translator':
+                prompts: bool = False, max_extra_len: int | None = None) -> 'Translator':
   """The translator a run's config asks for (config.data batching, config.eval decoding);
   the arguments given override the config's values (`Translator` says what `sampling` and
   `prompts` do)."""
   return Translator(
       model_config, mesh, axis_rules,
       config.data.batch_tokens if batch_tokens is None else batch_tokens,
-      config.data.min_bucket, config.eval.max_extra_len,
+      config.data.min_bucket,
+      config.eval.max_extra_len if max_extra_len is None else max_extra_len,
       beam_size=config.eval.beam_size if beam_size is None else beam_size,
       alpha=config.eval.alpha if alpha is None else alpha,
       dtype=config.eval.dtype if dtype is None else dtype,

@@ -72,7 +72,7 @@ def load(workdir: str, checkpoint: str | None = None, beam_size: int | None = No
          alpha: float | None = None, batch_tokens: int | None = None,
          dtype: str | None = None, weights: str = 'params',
          length_penalty: str | None = None, sampling: sampling_lib.Sampling | None = None,
-         language_model: bool = False) -> Run:
+         language_model: bool = False, max_extra_len: int | None = None) -> Run:
   """Config, vocabulary and parameters of a run (`weights`='ema': their moving average);
   unset decoding options come from its config. With `sampling` the outputs are drawn; a
   `language_model` run continues prompts (translator.Translator's `prompts`)."""
@@ -85,7 +85,8 @@ def load(workdir: str, checkpoint: str | None = None, beam_size: int | None = No
       workdir, build.abstract_params(model_config, mesh, axis_rules), checkpoint, weights)
   translator = translator_lib.from_config(config, model_config, mesh, axis_rules, beam_size,
                                           alpha, batch_tokens or None, dtype, length_penalty,
-                                          sampling, prompts=language_model)
+                                          sampling, prompts=language_model,
+                                          max_extra_len=max_extra_len)
   return Run(config, vocab, model_config, params, translator)
 
 
@@ -170,11 +171,10 @@ def translate_lines(run: Run, lines, name: str = '<stdin>', progress: bool = Fal
   return translations, inputs, outputs
 
 
-def summary(translator, outputs) -> str:
-  """One line of throughput, and where the time went, for the log."""
+def summary(translator, tokens: int) -> str:
+  """One line of throughput (`tokens` output tokens in all), and where the time went."""
   stats = translator.stats
   seconds = stats.seconds + stats.text_seconds
-  tokens = sum(len(ids) for ids in outputs)
   outside = seconds - stats.search_seconds
   head = (f'Translated {stats.sentences} sentences in {seconds:.1f} s: '
           f'{stats.sentences / seconds:.1f} sentences/s, {tokens / seconds:.0f} target tokens/s; ')
