@@ -353,3 +353,37 @@ def test_bytes_by_part_reads_a_kept_program_as_the_dry_run_does(tmp_path):
   assert sum(row['seconds'] for row in parts.values()) == pytest.approx(
       result['prediction']['kernel_seconds'], rel=1e-2)
   assert 'attention' in bytes_by_part.table(result)
+
+
+def _evaluated_run(root, name: str, bleu: float, seconds: float | None = None) -> None:
+  """A run folder as bench/backtranslation_table.py reads it: evaluate's output, final.json."""
+  os.makedirs(root / name)
+  (root / name / 'eval_avg10_beam5.txt').write_text(
+      '1014 sentences of valid.en, checkpoint avg10, beam 5\n'
+      'sacreBLEU 13a 1.00 (nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:2.6.0)\n'
+      f'tokenised BLEU (as configured) {bleu:.2f} (nrefs:1|case:mixed|eff:no|tok:none|'
+      'smooth:exp|version:2.6.0)\n')
+  if seconds is not None:
+    (root / name / 'final.json').write_text(json.dumps({'train_seconds': seconds}))
+
+
+def test_backtranslation_table_averages_seeds_and_measures_the_gap_closed(tmp_path, capsys):
+  table = _load('backtranslation_table')
+  for name, bleu in (('parallel_s0', 30.0), ('parallel_s1', 32.0), ('all_s0', 40.0),
+                     ('all_s1', 42.0), ('mix_beam_s0', 37.5)):
+    _evaluated_run(tmp_path, name, bleu, seconds=600.0)
+  _evaluated_run(tmp_path, 'unscored_s0', 0.0)
+  os.remove(tmp_path / 'unscored_s0' / 'eval_avg10_beam5.txt')  # Still training: left out.
+  os.makedirs(tmp_path / 'not_a_run')
+  found = table.settings(str(tmp_path))
+  assert sorted(found) == ['all', 'mix_beam', 'parallel']
+  parallel = table.summary(found['parallel'])
+  assert (parallel['mean'], parallel['min'], parallel['max']) == (31.0, 30.0, 32.0)
+  assert parallel['std'] == pytest.approx(math.sqrt(2.0))  # Sample deviation of 30 and 32.
+  assert table.summary(found['mix_beam'])['std'] == 0.0
+  # Bounds 31 and 41: 37.5 closes 6.5 of the 10 points.
+  assert table.recovered(37.5, 31.0, 41.0) == pytest.approx(0.65)
+  assert table.recovered(37.5, None, 41.0) is None
+  with pytest.raises(table.DataError, match='holds no BLEU'):
+    (tmp_path / 'broken.txt').write_text('Traceback ...\n')
+    table.bleu_of(str(tmp_path / 'broken.txt'))

@@ -1,0 +1,110 @@
+"""The back-translation table of docs/results/backtranslation.md: per setting, the valid BLEU of
+its seeds' runs (the last 10 checkpoints averaged, beam 5), and the share of the gap between the
+parallel third and all real pairs that each setting recovers.
+
+  python bench/backtranslation_table.py /tmp/bt/runs
+
+Each run is a folder <root>/<setting>_s<seed> holding eval_avg10_beam5.txt, the output of
+
+  python -m t2t_jax.evaluate --workdir=<run> --checkpoint=<run>/avg10 --beam_size=5
+
+whose last line is the figure the recipe reports (tokenised BLEU as configured). The lower and
+upper bounds are the settings named by --lower (parallel) and --upper (all). One JSON line per
+setting, then a markdown table.
+"""
+
+import json
+import os
+import re
+import statistics
+import sys
+
+from absl import app
+from absl import flags
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from t2t_jax import cli  # pylint: disable=wrong-import-position
+from t2t_jax import workdir_layout  # pylint: disable=wrong-import-position
+from t2t_jax.errors import DataError  # pylint: disable=wrong-import-position
+
+EVALUATION = 'eval_avg10_beam5.txt'
+RUN_NAME = re.compile(r'^(?P<setting>.+)_s(?P<seed>\d+)$')
+SCORE = re.compile(r' (?P<bleu>\d+\.\d+) \(nrefs:')
+
+
+def bleu_of(path: str) -> float:
+  """The BLEU on the last line of an `evaluate` output."""
+  with open(path, encoding='utf-8') as f:
+    lines = f.read().splitlines()
+  found = SCORE.search(lines[-1]) if lines else None
+  if not found:
+    raise DataError(f'{path}: the last line holds no BLEU figure ("... NN.NN (nrefs:...")')
+  return float(found['bleu'])
+
+
+def settings(root: str) -> dict[str, list[dict]]:
+  """{setting: [{seed, bleu, train_seconds} of each evaluated run]}, seeds in order."""
+  found = {}
+  for name in sorted(os.listdir(root)):
+    match = RUN_NAME.match(name)
+    evaluation = os.path.join(root, name, EVALUATION)
+    if not match or not os.path.isfile(evaluation):
+      continue
+    final = workdir_layout.read_final(os.path.join(root, name)) or {}
+    found.setdefault(match['setting'], []).append(
+        {'seed': int(match['seed']), 'bleu': bleu_of(evaluation),
+         'train_seconds': final.get('train_seconds')})
+  return {setting: sorted(runs, key=lambda run: run['seed']) for setting, runs in found.items()}
+
+
+def summary(runs: list[dict]) -> dict:
+  """Mean, sample standard deviation (0 for one run), minimum and maximum BLEU."""
+  scores = [run['bleu'] for run in runs]
+  return {'runs': len(runs), 'seeds': [run['seed'] for run in runs],
+          'mean': statistics.fmean(scores),
+          'std': statistics.stdev(scores) if len(scores) > 1 else 0.0,
+          'min': min(scores), 'max': max(scores),
+          'train_seconds': [run['train_seconds'] for run in runs]}
+
+
+def recovered(mean: float, lower: float | None, upper: float | None) -> float | None:
+  """The share of the lower-to-upper gap that a mean BLEU closes (None without both bounds)."""
+  if lower is None or upper is None or upper == lower:
+    return None
+  return (mean - lower) / (upper - lower)
+
+
+def main(argv):
+  if len(argv) != 2:
+    raise app.UsageError('pass one folder: the root holding a <setting>_s<seed> folder per run')
+  if not os.path.isdir(argv[1]):
+    raise DataError(f'{argv[1]} is not a folder')
+  found = settings(argv[1])
+  order = sorted(found, key=lambda setting: (setting == FLAGS.upper, setting != FLAGS.lower,
+                                             setting))  # The lower bound first, the upper last.
+  rows = {setting: summary(found[setting]) for setting in order}
+  if not rows:
+    raise DataError(f'{argv[1]}: no evaluated run (<setting>_s<seed>/{EVALUATION}) below it')
+  lower = rows.get(FLAGS.lower, {}).get('mean')
+  upper = rows.get(FLAGS.upper, {}).get('mean')
+  for setting, row in rows.items():
+    row['gap_recovered'] = recovered(row['mean'], lower, upper)
+    print(json.dumps({'setting': setting, **row}))
+  print('\n| setting | seeds | valid BLEU (mean ± std) | min-max | share of the gap | '
+        'minutes of training/run |')
+  print('|---|---|---|---|---|---|')
+  for setting, row in rows.items():
+    share = row['gap_recovered']
+    minutes = [seconds / 60 for seconds in row['train_seconds'] if seconds]
+    print(f"| {setting} | {row['runs']} | {row['mean']:.2f} ± {row['std']:.2f} | "
+          f"{row['min']:.2f}-{row['max']:.2f} | "
+          f"{'' if share is None else f'{100 * share:.0f}%'} | "
+          f"{statistics.fmean(minutes) if minutes else float('nan'):.1f} |")
+
+
+FLAGS = flags.FLAGS
+
+if __name__ == '__main__':
+  flags.DEFINE_string('lower', 'parallel', 'The setting trained on the parallel third alone.')
+  flags.DEFINE_string('upper', 'all', 'The setting trained on all the real pairs.')
+  cli.run(main)
