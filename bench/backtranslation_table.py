@@ -23,6 +23,7 @@ from absl import app
 from absl import flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench import common  # pylint: disable=wrong-import-position
 from t2t_jax import cli  # pylint: disable=wrong-import-position
 from t2t_jax import workdir_layout  # pylint: disable=wrong-import-position
 from t2t_jax.errors import DataError  # pylint: disable=wrong-import-position
@@ -59,11 +60,8 @@ def settings(root: str) -> dict[str, list[dict]]:
 
 def summary(runs: list[dict]) -> dict:
   """Mean, sample standard deviation (0 for one run), minimum and maximum BLEU."""
-  scores = [run['bleu'] for run in runs]
   return {'runs': len(runs), 'seeds': [run['seed'] for run in runs],
-          'mean': statistics.fmean(scores),
-          'std': statistics.stdev(scores) if len(scores) > 1 else 0.0,
-          'min': min(scores), 'max': max(scores),
+          **common.spread(run['bleu'] for run in runs),
           'train_seconds': [run['train_seconds'] for run in runs]}
 
 

@@ -1,4 +1,4 @@
-"""What the benchmarks share: model shapes and their t2t_jax configs, medians, a matmul
+"""What the benchmarks share: model shapes and their t2t_jax configs, medians and spreads, a matmul
 yardstick in-process, XLA's FLOP count and op profiles. Imports no other bench module."""
 
 import ast
@@ -102,6 +102,14 @@ def median_seconds(fn, repeats: int, warmup: int = 2) -> float:
     fn()
     times.append(time.perf_counter() - start)
   return statistics.median(times)
+
+
+def spread(values) -> dict:
+  """Mean, sample standard deviation (0 for one value), minimum and maximum: a setting's seeds."""
+  values = list(values)
+  return {'mean': statistics.fmean(values),
+          'std': statistics.stdev(values) if len(values) > 1 else 0.0,
+          'min': min(values), 'max': max(values)}
 
 
 class Matmul:

@@ -19,6 +19,7 @@ from absl import app
 from absl import flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench import common  # pylint: disable=wrong-import-position
 from t2t_jax import cli  # pylint: disable=wrong-import-position
 from t2t_jax import plot  # pylint: disable=wrong-import-position
 from t2t_jax import workdir_layout  # pylint: disable=wrong-import-position
@@ -48,11 +49,8 @@ def row(setting: str, finals: list[dict]) -> dict:
   record = {'setting': setting, 'runs': len(finals)}
   for figure in FIGURES + ('train_seconds',):
     values = [final[figure] for final in finals if final.get(figure) is not None]
-    if not values:
-      continue
-    record[figure] = {'mean': statistics.fmean(values),
-                      'std': statistics.stdev(values) if len(values) > 1 else 0.0,
-                      'min': min(values), 'max': max(values)}
+    if values:
+      record[figure] = common.spread(values)
   return record
 
 
