@@ -9,8 +9,10 @@ Each run is a folder <root>/<setting>_s<seed> holding eval_avg10_beam5.txt, the 
   python -m t2t_jax.evaluate --workdir=<run> --checkpoint=<run>/avg10 --beam_size=5
 
 whose last line is the figure the recipe reports (tokenised BLEU as configured). The lower and
-upper bounds are the settings named by --lower (parallel) and --upper (all). One JSON line per
-setting, then a markdown table.
+upper bounds are the settings named by --lower (parallel) and --upper (all). A bound measured
+by another command (the upper one is configs/multi30k.py:speedrun on the same files) is given
+by its seeds' figures instead, e.g. --upper_bleu=42.70,42.46,41.86. One JSON line per setting,
+then a markdown table.
 """
 
 import json
@@ -58,6 +60,15 @@ def settings(root: str) -> dict[str, list[dict]]:
   return {setting: sorted(runs, key=lambda run: run['seed']) for setting, runs in found.items()}
 
 
+def given_runs(figures: list[str]) -> list[dict]:
+  """Runs measured elsewhere, from their BLEU figures: seeds 0, 1, ... in the order given."""
+  try:
+    return [{'seed': seed, 'bleu': float(figure), 'train_seconds': None}
+            for seed, figure in enumerate(figures)]
+  except ValueError as e:
+    raise DataError(f'--upper_bleu={",".join(figures)}: each figure must be a number') from e
+
+
 def summary(runs: list[dict]) -> dict:
   """Mean, sample standard deviation (0 for one run), minimum and maximum BLEU."""
   return {'runs': len(runs), 'seeds': [run['seed'] for run in runs],
@@ -78,6 +89,8 @@ def main(argv):
   if not os.path.isdir(argv[1]):
     raise DataError(f'{argv[1]} is not a folder')
   found = settings(argv[1])
+  if FLAGS.upper_bleu:
+    found[FLAGS.upper] = given_runs(FLAGS.upper_bleu)
   order = sorted(found, key=lambda setting: (setting == FLAGS.upper, setting != FLAGS.lower,
                                              setting))  # The lower bound first, the upper last.
   rows = {setting: summary(found[setting]) for setting in order}
@@ -97,7 +110,7 @@ def main(argv):
     print(f"| {setting} | {row['runs']} | {row['mean']:.2f} ± {row['std']:.2f} | "
           f"{row['min']:.2f}-{row['max']:.2f} | "
           f"{'' if share is None else f'{100 * share:.0f}%'} | "
-          f"{statistics.fmean(minutes) if minutes else float('nan'):.1f} |")
+          f"{f'{statistics.fmean(minutes):.1f}' if minutes else 'elsewhere'} |")
 
 
 FLAGS = flags.FLAGS
@@ -105,4 +118,6 @@ FLAGS = flags.FLAGS
 if __name__ == '__main__':
   flags.DEFINE_string('lower', 'parallel', 'The setting trained on the parallel third alone.')
   flags.DEFINE_string('upper', 'all', 'The setting trained on all the real pairs.')
+  flags.DEFINE_list('upper_bleu', [], 'The upper bound measured by another command: its '
+                    "seeds' BLEU figures, replacing the runs of the --upper setting.")
   cli.run(main)

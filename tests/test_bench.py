@@ -384,6 +384,11 @@ def test_backtranslation_table_averages_seeds_and_measures_the_gap_closed(tmp_pa
   # Bounds 31 and 41: 37.5 closes 6.5 of the 10 points.
   assert table.recovered(37.5, 31.0, 41.0) == pytest.approx(0.65)
   assert table.recovered(37.5, None, 41.0) is None
+  given = table.summary(table.given_runs(['42.70', '42.46', '41.86']))  # Measured elsewhere.
+  assert (given['seeds'], given['min'], given['max']) == ([0, 1, 2], 41.86, 42.70)
+  assert given['mean'] == pytest.approx(42.34) and given['std'] == pytest.approx(0.43, abs=0.005)
+  with pytest.raises(table.DataError, match='must be a number'):
+    table.given_runs(['42.7', 'n/a'])
   with pytest.raises(table.DataError, match='holds no BLEU'):
     (tmp_path / 'broken.txt').write_text('Traceback ...\n')
     table.bleu_of(str(tmp_path / 'broken.txt'))
