@@ -26,6 +26,7 @@ from t2t_jax.compile import hlo_cost
 from t2t_jax.compile import mesh_choice
 from t2t_jax.compile import targets
 from t2t_jax.data import pipeline as data
+from t2t_jax.model import flash_attention
 from t2t_jax.model import flops
 from t2t_jax.model import transformer as model_lib
 from t2t_jax.training import build as setup_lib
@@ -225,6 +226,33 @@ def test_cudnn_attention_lowers_for_an_h100(cudnn_compiler, tiny_config, no_pers
   fused = sum(k.flops for k in cost.kernels if 'cudnn' in k.name or 'attention' in k.name)
   rows, length = batch['targets'].shape
   assert fused == 3 * 2 * (2 + 5) * rows * length * length * config.model.d_model
+
+
+@pytest.mark.slow
+def test_flash_attention_compiles_for_an_h100_inside_the_train_step(cuda_compiler, tiny_config,
+                                                                     no_persistent_cache):
+  """t2t_jax's flash kernels with attention dropout, compiled by XLA's Triton path for an
+  H100 (not interpreted): forward, dq and dkv for each of the three attention layers, counted
+  as 2 + 3 + 4 matmuls of B Q K H D (the lengths padded to the kernels' blocks)."""
+  del cuda_compiler, no_persistent_cache
+  config = tiny_config
+  config.model.dtype, config.model.attention_dropout = 'bfloat16', 0.1
+  config.model.attention_impl = 'flash'
+  mesh = sharding.make_mesh(config.mesh, targets.devices(targets.parse('gpu:h100x1')))
+  setup = setup_lib.build(config, 12, mesh=mesh)
+  assert setup.model_config.attention_impl == 'flash'
+  batch, rows, length = dry_run_lib.abstract_batch(config, mesh)
+  hlo = setup.train_step.lower(setup.abstract_state, batch,
+                               jax.ShapeDtypeStruct((2,), jnp.uint32)).compile().as_text()
+  calls = [line for line in hlo.splitlines() if '__gpu$xla.gpu.triton' in line]
+  for kernel in ('t2t_flash_fwd', 't2t_flash_dq', 't2t_flash_dkv'):
+    assert len([c for c in calls if f'"{kernel}"' in c.replace('\\"', '"')]) == 3, kernel
+  cost = hlo_cost.analyse(hlo, 1)
+  flash = sum(k.flops * k.count for k in cost.kernels if '__gpu' not in k.name and
+              k.opcode == 'custom-call')
+  block = flash_attention._block(length, 64)  # pylint: disable=protected-access
+  padded = -(-length // block) * block
+  assert flash == 3 * 2 * (2 + 3 + 4) * rows * padded * padded * config.model.d_model
 
 
 @pytest.mark.slow

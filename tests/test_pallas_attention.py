@@ -14,6 +14,7 @@ from t2t_jax import ConfigError
 from t2t_jax import sharding
 from t2t_jax.model import attention
 from t2t_jax.model import attention_variants
+from t2t_jax.model import flash_attention
 from t2t_jax.model import model_config
 from t2t_jax.model import pallas_attention
 from t2t_jax.model.decoder_only import make_model
@@ -36,6 +37,14 @@ GRADIENT_TOLERANCE = 5e-5
 # and the sharded step the same roundings, relative to each array's scale: measured at most
 # 8.7e-7 over their logits, loss gradients and Adam moments; a margin of about 10 again.
 MODEL_TOLERANCE = 8e-6
+
+
+# The two Pallas kernels behind attention_impl: splash attention ('pallas') and t2t_jax's flash
+# kernels ('flash', here without dropout: test_flash_attention.py has it). Both take the rows
+# as SplashRows and must give the einsum path's arithmetic.
+KERNELS = {'pallas': pallas_attention.splash_attention,
+           'flash': lambda q, k, v, rows: flash_attention.flash_attention(q, k, v, rows)}
+IMPLS = pytest.mark.parametrize('impl', list(KERNELS))
 
 
 def _assert_close(actual, expected, tolerance, where=None):
@@ -66,12 +75,12 @@ def _outputs_and_grads(attend, q, k, v, weights_BQ):
   return attend(q, k, v), jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
 
 
-def _compare(q, k, v, mask_B1QK, rows, used_BQ):
-  """Splash attention under `rows` against the einsum path under `mask_B1QK`: equal outputs
+def _compare(q, k, v, mask_B1QK, rows, used_BQ, impl):
+  """The `impl` kernel under `rows` against the einsum path under `mask_B1QK`: equal outputs
   at the used queries, finite everywhere, and equal gradients."""
   einsum = lambda q, k, v: attention_variants.dense_attention(q, k, v, mask_B1QK,
                                                               lambda w: w)[0]
-  splash = lambda q, k, v: pallas_attention.splash_attention(q, k, v, rows)
+  splash = lambda q, k, v: KERNELS[impl](q, k, v, rows)
   # Each path one program, its forward and backward passes together (eagerly, the einsum
   # path's operations would compile one by one).
   expected = quick_jit(functools.partial(_outputs_and_grads, einsum))(q, k, v, used_BQ)
@@ -94,7 +103,8 @@ def _packed_segments(layout, length):
 
 @pytest.mark.parametrize('causal', [False, True])
 @pytest.mark.parametrize('length, head_dim', [(40, 32), (300, 64), (128, 16)])
-def test_padded_self_attention_equals_einsum(length, head_dim, causal):
+@IMPLS
+def test_padded_self_attention_equals_einsum(length, head_dim, causal, impl):
   """Bucketed rows of different lengths; lengths off and on the 128-key block, several
   blocks, head sizes of the tiny configs and of Transformer-base."""
   lengths = [length, length // 3, 1, 0]  # 0: a row of padding only.
@@ -105,11 +115,12 @@ def test_padded_self_attention_equals_einsum(length, head_dim, causal):
   # Padding queries see the real keys as in the einsum path: their outputs compare too, but
   # for the empty row's, which see its padding keys here, uniformly weighted there (unused).
   _compare(q, k, v, mask_B1QK, rows, jnp.broadcast_to(valid_BL.any(-1, keepdims=True),
-                                                       valid_BL.shape))
+                                                       valid_BL.shape), impl)
 
 
 @pytest.mark.parametrize('causal', [False, True])
-def test_packed_self_attention_equals_einsum_at_real_tokens(causal):
+@IMPLS
+def test_packed_self_attention_equals_einsum_at_real_tokens(causal, impl):
   length = 150  # Two blocks of 128 keys, a segment across their border.
   segments_BL = _packed_segments([[60, 70, 5], [1, 140], [150]], length)
   valid_BL = segments_BL > 0
@@ -117,25 +128,27 @@ def test_packed_self_attention_equals_einsum_at_real_tokens(causal):
   mask_B1QK = attention.attention_mask(valid_BL, segments_BL, segments_BL, causal=causal)
   rows = pallas_attention.self_rows(valid_BL, segments_BL, causal)
   # Padding queries (segment 0) see other keys than in the einsum path; their output is unused.
-  _, expected = _compare(q, k, v, mask_B1QK, rows, valid_BL)
+  _, expected = _compare(q, k, v, mask_B1QK, rows, valid_BL, impl)
   # Without the segments each token would see its neighbours' tokens too: far off.
   unsegmented = pallas_attention.self_rows(valid_BL, None, causal)
-  wrong = pallas_attention.splash_attention(q, k, v, unsegmented)
+  wrong = KERNELS[impl](q, k, v, unsegmented)
   error = np.abs(np.asarray(wrong - expected[0])[np.asarray(valid_BL)]).max()
   assert error > 1000 * OUTPUT_TOLERANCE * np.abs(expected[0]).max()
 
 
-def test_cross_attention_over_padded_sources_equals_einsum():
+@IMPLS
+def test_cross_attention_over_padded_sources_equals_einsum(impl):
   queries, keys = 24, 140  # Targets and sources of other lengths.
   valid_BK = _valid([140, 30, 1], keys)
   q, k, v = _qkv(3, queries, keys, 4, 64)
   mask_B1QK = attention.attention_mask(valid_BK)
   rows = pallas_attention.cross_rows(mask_B1QK, queries)
-  _compare(q, k, v, mask_B1QK, rows, jnp.ones((3, queries), bool))
+  _compare(q, k, v, mask_B1QK, rows, jnp.ones((3, queries), bool), impl)
 
 
 @pytest.mark.parametrize('source_layout', [[[20, 30, 9], [59]], [[20, 39, 1], [60]]])
-def test_packed_cross_attention_equals_einsum_at_real_targets(source_layout):
+@IMPLS
+def test_packed_cross_attention_equals_einsum_at_real_targets(source_layout, impl):
   """Each target segment sees its own source segment; the ids come from the mask. The second
   layout fills the source rows: no padding key for the padding queries to see."""
   queries, keys = 30, 60
@@ -145,7 +158,7 @@ def test_packed_cross_attention_equals_einsum_at_real_targets(source_layout):
   mask_B1QK = attention.attention_mask(source_segments_BK > 0, target_segments_BQ,
                                        source_segments_BK)
   rows = pallas_attention.cross_rows(mask_B1QK, queries)
-  _compare(q, k, v, mask_B1QK, rows, target_segments_BQ > 0)
+  _compare(q, k, v, mask_B1QK, rows, target_segments_BQ > 0, impl)
 
 
 def test_segment_ids_from_the_packed_cross_mask_give_the_same_mask():
@@ -203,11 +216,11 @@ def _logits_and_grads(config, params, batch):
   return quick_jit(jax.grad(loss, has_aux=True))(params)[::-1]
 
 
-def _einsum_and_pallas(tiny_config, **overrides):
-  """The tiny model's config with einsum and with pallas attention, and its parameters."""
+def _einsum_and_pallas(tiny_config, impl='pallas', **overrides):
+  """The tiny model's config with einsum and with `impl` attention, and its parameters."""
   einsum = _tiny(tiny_config, 'einsum', **overrides)
-  pallas = dataclasses.replace(einsum, attention_impl='pallas')
-  assert _tiny(tiny_config, 'pallas', **overrides) == pallas  # Accepted on cpu.
+  pallas = dataclasses.replace(einsum, attention_impl=impl)
+  assert _tiny(tiny_config, impl, **overrides) == pallas  # Accepted on cpu.
   tokens = jnp.ones((1, 4), jnp.int32)
   return einsum, pallas, make_model(einsum).init(jax.random.PRNGKey(0), tokens, tokens)['params']
 
@@ -215,8 +228,9 @@ def _einsum_and_pallas(tiny_config, **overrides):
 # The decoder-only model joins source and target in one causal stack: causal and segments.
 @pytest.mark.parametrize('model_kind', ['encoder_decoder', 'decoder_only'])
 @pytest.mark.parametrize('kind', ['padded', 'packed'])
-def test_tiny_model_with_pallas_equals_einsum(tiny_config, kind, model_kind):
-  einsum, pallas, params = _einsum_and_pallas(tiny_config, kind=model_kind)
+@IMPLS
+def test_tiny_model_with_pallas_equals_einsum(tiny_config, kind, model_kind, impl):
+  einsum, pallas, params = _einsum_and_pallas(tiny_config, impl, kind=model_kind)
   batch = _model_batches()[kind]
   expected = _logits_and_grads(einsum, params, batch)
   actual = _logits_and_grads(pallas, params, batch)
@@ -225,16 +239,18 @@ def test_tiny_model_with_pallas_equals_einsum(tiny_config, kind, model_kind):
   _assert_close(actual[1], expected[1], MODEL_TOLERANCE)
 
 
-def test_cached_decoding_with_pallas_matches_its_teacher_forcing(tiny_config):
+@IMPLS
+def test_cached_decoding_with_pallas_matches_its_teacher_forcing(tiny_config, impl):
   """Decode mode keeps XLA's attention (one query a step) and gives what the kernel does."""
-  _, pallas, params = _einsum_and_pallas(tiny_config)
+  _, pallas, params = _einsum_and_pallas(tiny_config, impl)
   inputs, _ = _model_batches()['padded']  # Padded sources; every target token decodes.
   targets = np.random.default_rng(2).integers(2, 16, (4, 6)).astype(np.int32)
   assert_cached_decoding_matches_teacher_forcing(pallas, params, jnp.asarray(inputs),
                                                  jnp.asarray(targets))
 
 
-def test_one_sharded_train_step_with_pallas_equals_einsum(tiny_config):
+@IMPLS
+def test_one_sharded_train_step_with_pallas_equals_einsum(tiny_config, impl):
   """On a (2, 2, 2) mesh of the 8 CPU devices (rows split 4 ways, heads 2): one step's loss
   and gradients (Adam's first moments, (1 - b1) g) as einsum's."""
   tiny_config.mesh.shape = (2, 2, 2)
@@ -242,24 +258,25 @@ def test_one_sharded_train_step_with_pallas_equals_einsum(tiny_config):
   inputs, targets = _model_batches()['padded']
   batch = {'inputs': np.tile(inputs, (2, 1)), 'targets': np.tile(targets, (2, 1))}
   results = {}
-  for impl in ('einsum', 'pallas'):
-    setup = setup_lib.build(_config_with(tiny_config, impl), 16)
-    assert setup.model_config.attention_impl == impl
+  for name in ('einsum', impl):
+    setup = setup_lib.build(_config_with(tiny_config, name), 16)
+    assert setup.model_config.attention_impl == name
     state, metrics = setup.train_step(setup.init(jax.random.PRNGKey(0)),
                                       sharding.global_batch(batch, setup.mesh),
                                       jax.random.PRNGKey(1))
-    results[impl] = metrics['loss'], adam_moments(state.opt_state)[0]
-  np.testing.assert_allclose(results['pallas'][0], results['einsum'][0], rtol=MODEL_TOLERANCE)
-  _assert_close(results['pallas'][1], results['einsum'][1], MODEL_TOLERANCE)
+    results[name] = metrics['loss'], adam_moments(state.opt_state)[0]
+  np.testing.assert_allclose(results[impl][0], results['einsum'][0], rtol=MODEL_TOLERANCE)
+  _assert_close(results[impl][1], results['einsum'][1], MODEL_TOLERANCE)
 
 
-def test_the_kernel_runs_per_device_under_a_mesh(tiny_config):
+@IMPLS
+def test_the_kernel_runs_per_device_under_a_mesh(tiny_config, impl):
   """Under the mesh and its rules the kernel runs in a shard_map over 'batch' and 'heads'."""
   tiny_config.mesh.shape = (2, 2, 2)
   mesh = sharding.make_mesh(tiny_config.mesh)
   q, k, v = _qkv(4, 40, 40, 2, 32)
   rows = pallas_attention.self_rows(_valid([40, 3, 20, 9], 40), None, causal=True)
-  attend = lambda q, k, v: pallas_attention.splash_attention(q, k, v, rows)
+  attend = lambda q, k, v: KERNELS[impl](q, k, v, rows)
   with sharding.mesh_context(mesh, sharding.rules(tiny_config.mesh)):
     jaxpr = str(jax.make_jaxpr(attend)(q, k, v))
     sharded = jax.jit(attend)(q, k, v)
@@ -268,16 +285,22 @@ def test_the_kernel_runs_per_device_under_a_mesh(tiny_config):
 
 
 @pytest.mark.parametrize('overrides, message', [
-    ({'attention_dropout': 0.1}, 'config.model.attention_dropout=0.1 is not 0'),
-    ({'positions': 'alibi'}, "attention_impl='pallas' .*config.model.positions='alibi'"),
-    ({'positions': 'relative'}, "attention_impl='pallas' .*config.model.positions='relative'"),
-    ({'attention_pattern': 'local'}, "attention_impl='pallas' .*runs 'full' attention only"),
+    ({'positions': 'alibi'}, "attention_impl='{impl}' .*config.model.positions='alibi'"),
+    ({'positions': 'relative'}, "attention_impl='{impl}' .*config.model.positions='relative'"),
+    ({'attention_pattern': 'local'}, "attention_impl='{impl}' .*runs 'full' attention only"),
     ({'kind': 'decoder_only', 'prefix_attention': 'full'},
-     "attention_impl='pallas' .*config.model.prefix_attention='full'"),
+     "attention_impl='{impl}' .*config.model.prefix_attention='full'"),
 ])
-def test_pallas_refuses_what_it_cannot_compute(tiny_config, overrides, message):
-  with pytest.raises(ConfigError, match=message):
-    _tiny(tiny_config, 'pallas', **overrides)
+@IMPLS
+def test_pallas_refuses_what_it_cannot_compute(tiny_config, overrides, message, impl):
+  with pytest.raises(ConfigError, match=message.format(impl=impl)):
+    _tiny(tiny_config, impl, **overrides)
+
+
+def test_splash_refuses_attention_dropout(tiny_config):
+  """Splash attention has no dropout on the weights (the flash kernels have)."""
+  with pytest.raises(ConfigError, match='config.model.attention_dropout=0.1 is not 0'):
+    _tiny(tiny_config, 'pallas', attention_dropout=0.1)
 
 
 def test_pallas_is_refused_on_gpu_and_accepted_on_tpu_and_cpu(caplog):

@@ -473,19 +473,26 @@ def _convolution_flops(ins: hlo_text.Instruction, lhs, rhs, out) -> float:
 # Fused attention kernels: matmuls of Q x K x D per head and row they do, 2 FLOPs each.
 # Forward: scores and the weighted values. Backward, flash-style, recomputing the scores:
 # splash's dq kernel (scores, dP, dQ) and dkv kernel (scores, dP, dV, dK); cuDNN's backward in
-# one call (scores, dP, dV, dQ, dK). Causal kernels skip some blocks: counted as full.
+# one call (scores, dP, dV, dQ, dK); t2t_jax's flash kernels (flash_attention.py, named in
+# the Triton call's config) like splash's, in [B, L, H, D]. Causal kernels skip some blocks:
+# counted as full.
 _ATTENTION_MATMULS = (
     (re.compile(r'splash_m[hq]a_fwd'), 2, -2), (re.compile(r'splash_m[hq]a_dq'), 3, -2),
     (re.compile(r'splash_m[hq]a_dkv'), 4, -2),
+    (re.compile(r'name = \\?"t2t_flash_fwd'), 2, -3),
+    (re.compile(r'name = \\?"t2t_flash_dq'), 3, -3),
+    (re.compile(r'name = \\?"t2t_flash_dkv'), 4, -3),
     (re.compile(r'^__cudnn\$fmha\w*Backward$'), 5, -3), (re.compile(r'^__cudnn\$fmha'), 2, -3))
 
 
 def _attention_flops(ins: hlo_text.Instruction, table, target: str) -> tuple[float, str] | None:
   """FLOPs of a fused attention kernel, from its query and key shapes ([B, H, Q, D] and
   [B, H, K, D] for splash, whose B goes where a device holds one row; [B, Q, H, D] and
-  [B, K, H, D] for cuDNN); None if it is not one."""
+  [B, K, H, D] for cuDNN and t2t_jax's flash kernels); None if it is not one."""
   for pattern, matmuls, key_axis in _ATTENTION_MATMULS:
-    if pattern.search(ins.name if pattern.pattern.startswith('splash') else target):
+    where = (ins.name if pattern.pattern.startswith('splash') else
+             ins.attributes if 't2t_flash' in pattern.pattern else target)
+    if pattern.search(where):
       operands = [hlo_text.arrays(table[name].shape)[0] for name in ins.operands if name in table
                   and hlo_text.arrays(table[name].shape)]
       arrays = [a for a in operands if len(a[1]) >= 3 and a[0][0] in 'fb']

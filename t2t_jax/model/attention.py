@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from t2t_jax import ConfigError
 from t2t_jax.model import attention_cache
 from t2t_jax.model import attention_variants
+from t2t_jax.model import flash_attention
 from t2t_jax.model import pallas_attention
 from t2t_jax.model import positions
 from t2t_jax.model.attention_variants import ATTENTION_KINDS
@@ -139,7 +140,8 @@ class _Attention(nn.Module):
 
   def _fused_attention(self, q_BQHD, k_BKHD, v_BKHD, mask_B1QK, lengths=None):
     """jax.nn.dot_product_attention (XLA's or cuDNN's) or splash attention ('pallas', which
-    takes `lengths` as pallas_attention.SplashRows, padded or packed), no weight dropout.
+    takes `lengths` as pallas_attention.SplashRows, padded or packed), no weight dropout; or
+    t2t_jax's flash kernels ('flash', SplashRows too), with dropout on the weights.
 
     `lengths` (FusedLengths), given for right-padded rows, replaces the mask by sequence
     lengths: cuDNN then skips the padding itself, where a boolean mask would become a
@@ -150,6 +152,10 @@ class _Attention(nn.Module):
     impl = 'xla' if self.config.decode else self.config.attention_impl
     if impl == 'pallas':
       return pallas_attention.splash_attention(q_BQHD, k_BKHD, v_BKHD, lengths)
+    if impl == 'flash':
+      rate = 0.0 if self.config.deterministic else self.config.attention_dropout
+      seed = jax.random.bits(self.make_rng('dropout'), (), jnp.uint32) if rate else None
+      return flash_attention.flash_attention(q_BQHD, k_BKHD, v_BKHD, lengths, rate, seed)
     if lengths is not None and not self.config.decode:
       return jax.nn.dot_product_attention(
           q_BQHD, k_BKHD, v_BKHD, scale=1.0, is_causal=lengths.causal,
@@ -188,7 +194,7 @@ class CrossAttention(_Attention):
       return self._output(out_BQHD)
     k_BKHD, v_BKHD = self._project('key', memory_BKE), self._project('value', memory_BKE)
     lengths = None
-    if self.config.attention_impl == 'pallas' and mask_B1QK is not None:
+    if self.config.attention_impl in ('pallas', 'flash') and mask_B1QK is not None:
       lengths = pallas_attention.cross_rows(mask_B1QK, q_BQHD.shape[1])
     elif (self.config.attention_impl != 'einsum' and mask_B1QK is not None
           and mask_B1QK.shape[2] == 1):  # Source padding only: not packed.
@@ -258,7 +264,7 @@ class SelfAttention(_Attention):
     if slopes_H is not None:
       bias_BHQK = positions.alibi_bias(positions_BL, positions_BL, slopes_H)
     lengths = None
-    if cfg.attention_impl == 'pallas' and not cfg.decode:  # Padded or packed, any model kind.
+    if cfg.attention_impl in ('pallas', 'flash') and not cfg.decode:  # Padded or packed, any kind.
       lengths = pallas_attention.self_rows(mask.valid_BL, mask.segments_BL, self.causal)
     elif (cfg.attention_impl != 'einsum' and mask.segments_BL is None
           and cfg.kind == 'encoder_decoder'):  # Right-padded rows.

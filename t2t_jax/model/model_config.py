@@ -48,7 +48,7 @@ class TransformerConfig:
   remat: str = 'none'
   dtype: Any = jnp.float32
   param_dtype: Any = jnp.float32
-  attention_impl: str = 'einsum'  # Resolved: 'einsum', 'xla', 'cudnn' or 'pallas' (never 'auto').
+  attention_impl: str = 'einsum'  # Resolved: 'einsum', 'xla', 'cudnn', 'pallas' or 'flash' (never 'auto').
   positions: str = 'sinusoidal'
   max_relative_distance: int = 16
   attention_pattern: str = 'full'
@@ -111,7 +111,7 @@ class TransformerConfig:
     return config
 
 
-ATTENTION_IMPLS = ('auto', 'einsum', 'xla', 'cudnn', 'pallas')
+ATTENTION_IMPLS = ('auto', 'einsum', 'xla', 'cudnn', 'pallas', 'flash')
 
 
 def resolve_attention_impl(impl: str, dtype, head_dim: int, attention_dropout: float,
@@ -122,8 +122,9 @@ def resolve_attention_impl(impl: str, dtype, head_dim: int, attention_dropout: f
   through `jax.nn.dot_product_attention` (cuDNN's fused flash attention on NVIDIA GPUs in
   bfloat16/float16 with head sizes up to 128 in multiples of 8); 'pallas' runs JAX's Pallas
   splash-attention kernel on TPUs (pallas_attention.py), on a CPU in the Pallas interpreter
-  (for tests). No fused one applies dropout to the attention weights, so they need
-  config.model.attention_dropout=0. 'xla' runs the same arithmetic as 'einsum' (measured equal
+  (for tests); 'flash' runs t2t_jax's own Pallas kernels on GPUs (flash_attention.py, Triton),
+  the only fused one with dropout on the weights (its masks drawn by a hash, not by
+  nn.Dropout), on a CPU in the interpreter. The others need config.model.attention_dropout=0. 'xla' runs the same arithmetic as 'einsum' (measured equal
   on CPU), so 'auto' is 'einsum' until cuDNN passes the equality test on a GPU
   (docs/performance.md); it logs why once.
   """
@@ -145,14 +146,18 @@ def resolve_attention_impl(impl: str, dtype, head_dim: int, attention_dropout: f
     if platform is not None:  # Said where it runs, not where a config is only checked.
       _log_once(f"config.model.attention_impl='auto' uses 'einsum' attention: {why_not}.")
     return 'einsum'
-  problem = dropout_problem if impl != 'einsum' else None
+  problem = dropout_problem if impl not in ('einsum', 'flash') else None
   if impl == 'cudnn':
     problem = problem or cudnn_problem
   if impl == 'pallas' and platform == 'gpu':
     raise ConfigError("config.model.attention_impl='pallas' runs Pallas TPU kernels (splash "
                       "attention), not GPU ones: use 'cudnn' or 'xla' on a gpu platform.")
-  if impl == 'pallas' and platform == 'cpu' and not problem:
-    _log_once("config.model.attention_impl='pallas' runs the TPU kernel in the Pallas "
+  if impl == 'flash' and platform == 'tpu':
+    raise ConfigError("config.model.attention_impl='flash' runs Pallas GPU kernels (Triton), "
+                      "not TPU ones: use 'pallas' (splash attention, no dropout on the "
+                      "weights) or 'einsum' on a tpu platform.")
+  if impl in ('pallas', 'flash') and platform == 'cpu' and not problem:
+    _log_once(f"config.model.attention_impl={impl!r} runs its kernels in the Pallas "
               'interpreter on cpu: the same arithmetic, slowly (for tests).')
   if problem:
     raise ConfigError(f'config.model.attention_impl={impl!r} cannot run: {problem}. Use '
@@ -218,7 +223,7 @@ def check_family(config) -> None:
     raise ConfigError(f"{fused} runs the encoder-decoder only: the decoder-only model's "
                       "prefix mask is not given to cuDNN as sequence lengths (only a boolean "
                       "mask, which cuDNN mishandles). Use 'xla', 'einsum' or 'auto'.")
-  if (config.attention_impl == 'pallas' and config.kind == 'decoder_only'
+  if (config.attention_impl in ('pallas', 'flash') and config.kind == 'decoder_only'
       and config.prefix_attention == 'full'):
     raise ConfigError(f"{fused} masks by segment ids and one causal pattern for every row, "
                       "which cannot say that each row's source (of its own length) sees later "

@@ -98,15 +98,15 @@ def splash_attention(q_BQHD: Array, k_BKHD: Array, v_BKHD: Array,
   if mesh.empty:
     return attend(*args)
   batch_axes, _, head_axes, _ = nn.logical_to_mesh_axes(('batch', 'length', 'heads', 'kv'))
-  batch_axes = _dividing(batch_axes, q_BQHD.shape[0], mesh)
-  head_axes = _dividing(head_axes, q_BQHD.shape[2], mesh)
+  batch_axes = dividing(batch_axes, q_BQHD.shape[0], mesh)
+  head_axes = dividing(head_axes, q_BQHD.shape[2], mesh)
   spec_BLHD, spec_BL = P(batch_axes, None, head_axes, None), P(batch_axes, None)
   # Unchecked: the kernel's pallas_call declares no per-axis variance of its outputs.
   return jax.shard_map(attend, in_specs=(spec_BLHD,) * 3 + (spec_BL,) * 2,
                        out_specs=spec_BLHD, check_vma=False)(*args)
 
 
-def _dividing(axes, size: int, mesh):
+def dividing(axes, size: int, mesh):
   """`axes` (a mesh axis, several or None) if they split `size` evenly, else None (replicated).
 
   Training batches and heads always split (sharding.check_batch_rows, the weights' shardings);

@@ -46,7 +46,7 @@ class Resolved:
   devices: int
   processes: int
   model_dtype: str  # config.model.dtype: the activations' dtype.
-  attention_impl: str  # config.model.attention_impl: 'einsum', 'xla', 'cudnn' or 'pallas'.
+  attention_impl: str  # config.model.attention_impl: 'einsum', 'xla', 'cudnn', 'pallas' or 'flash'.
   eval_dtype: str  # config.eval.dtype: what the searches of evaluation and translation run in.
   mesh_shape: tuple[int, ...]  # config.mesh.shape, every axis sized (MESH_AXES).
   batch_shards: int  # Ways a batch splits over the mesh's batch axes.

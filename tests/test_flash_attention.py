@@ -1,0 +1,161 @@
+"""The flash kernels' dropout (t2t_jax/model/flash_attention.py): against the explicit
+softmax(q k^T) v with the same masks, the masks' statistics, their independence of the mesh,
+and the model with attention_impl='flash'. Without dropout the kernels are checked against
+the einsum path beside splash attention, in test_pallas_attention.py."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import quick_jit
+from t2t_jax import ConfigError
+from t2t_jax import sharding
+from t2t_jax.model import attention
+from t2t_jax.model import flash_attention
+from t2t_jax.model import model_config
+from t2t_jax.model import pallas_attention
+from t2t_jax.model.decoder_only import make_model
+
+# As in test_pallas_attention.py (float32 rounding of the online softmax and of the backward's
+# dS = P (dP - delta)): dropout scales the kept weights by 1 / (1 - rate), up to 1.4 here, which
+# the margins of 10 there absorb.
+OUTPUT_TOLERANCE = 3e-6
+GRADIENT_TOLERANCE = 5e-5
+
+
+def _explicit(q_BQHD, k_BKHD, v_BKHD, mask_B1QK, keep_BHQK, rate):
+  """softmax(q k^T) v in float32 with the weights dropped where keep_BHQK is False."""
+  logits_BHQK = jnp.einsum('BQHD,BKHD->BHQK', q_BQHD, k_BKHD)
+  logits_BHQK = jnp.where(mask_B1QK, logits_BHQK, flash_attention.MASKED)
+  weights_BHQK = jax.nn.softmax(logits_BHQK, axis=-1)
+  dropped_BHQK = jnp.where(keep_BHQK, weights_BHQK / (1.0 - rate), 0.0)
+  return jnp.einsum('BHQK,BKHD->BQHD', dropped_BHQK, v_BKHD)
+
+
+def _outputs_and_grads(attend, q, k, v):
+  probe = jnp.asarray(np.random.default_rng(1).normal(size=q.shape), jnp.float32)
+  loss = lambda q, k, v: (attend(q, k, v) * probe).sum()
+  return attend(q, k, v), jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+
+def _qkv(batch, queries, keys, heads, head_dim, seed=0):
+  rng = np.random.default_rng(seed)
+  normal = lambda length: jnp.asarray(rng.normal(size=(batch, length, heads, head_dim)),
+                                      jnp.float32)
+  return normal(queries) * head_dim**-0.5, normal(keys), normal(keys)
+
+
+def _assert_close(actual, expected, tolerance):
+  for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+    a, e = np.asarray(a, np.float64), np.asarray(e, np.float64)
+    assert np.abs(a - e).max() <= tolerance * np.abs(e).max()
+
+
+def _kernel_keys(keys: int) -> int:
+  """The key length the kernels pad to (their masks' counter stride): whole blocks."""
+  block = flash_attention._block(keys, 64)  # pylint: disable=protected-access
+  return -(-keys // block) * block
+
+
+@pytest.mark.parametrize('causal, queries, keys, rate', [
+    (True, 40, 40, 0.1),     # The decoder's self-attention, one partial block.
+    (False, 24, 140, 0.3),   # Cross-attention: other lengths, several key blocks.
+    (False, 70, 70, 0.5),
+])
+def test_dropout_equals_the_explicit_path_with_the_same_masks(causal, queries, keys, rate):
+  """Outputs and gradients as softmax(q k^T) v with the weights that reference_keep drops
+  dropped, over right-padded rows. (A row without real keys sees its padding keys here and
+  none on the einsum path, an unused output: test_pallas_attention.py leaves it out too.)"""
+  lengths = [keys, keys // 3, 1]
+  valid_BK = jnp.arange(keys)[None] < jnp.asarray(lengths)[:, None]
+  batch, heads, seed = len(lengths), 2, 1234
+  q, k, v = _qkv(batch, queries, keys, heads, 32)
+  if causal:
+    rows = pallas_attention.self_rows(valid_BK, None, causal=True)
+    mask_B1QK = attention.attention_mask(valid_BK, causal=True)
+  else:
+    mask_B1QK = attention.attention_mask(valid_BK)
+    rows = pallas_attention.cross_rows(mask_B1QK, queries)
+  keep_BHQK = flash_attention.reference_keep(seed, batch, heads, queries, _kernel_keys(keys),
+                                             rate)[..., :keys]
+  kernel = lambda q, k, v: flash_attention.flash_attention(q, k, v, rows, rate,
+                                                           jnp.uint32(seed))
+  explicit = lambda q, k, v: _explicit(q, k, v, mask_B1QK, keep_BHQK, rate)
+  actual = quick_jit(functools.partial(_outputs_and_grads, kernel))(q, k, v)
+  expected = quick_jit(functools.partial(_outputs_and_grads, explicit))(q, k, v)
+  _assert_close(actual[0], expected[0], OUTPUT_TOLERANCE)
+  _assert_close(actual[1], expected[1], GRADIENT_TOLERANCE)
+  # Another seed draws other masks: the outputs move by far more than the tolerance.
+  other = flash_attention.flash_attention(q, k, v, rows, rate, jnp.uint32(seed + 1))
+  assert np.abs(np.asarray(other - actual[0])).max() > 100 * OUTPUT_TOLERANCE
+
+
+def test_the_masks_keep_each_weight_with_probability_one_minus_rate():
+  """Over 4 rows x 4 heads x 128 x 128 = 262,144 draws per rate: the kept share within 5
+  standard deviations of 1 - rate; neighbours along either axis, other heads and other seeds
+  uncorrelated (their agreement that of independent draws, p^2 + (1 - p)^2, within 5 sd)."""
+  for rate in (0.1, 0.3, 0.5):
+    keep = np.asarray(flash_attention.reference_keep(7, 4, 4, 128, 128, rate))
+    n, p = keep.size, 1.0 - rate
+    assert abs(keep.mean() - p) < 5 * np.sqrt(p * (1 - p) / n), (rate, keep.mean())
+    agree = p * p + (1 - p) * (1 - p)
+    other_seed = np.asarray(flash_attention.reference_keep(8, 4, 4, 128, 128, rate))
+    for a, b in ((keep[..., 1:], keep[..., :-1]), (keep[:, :, 1:], keep[:, :, :-1]),
+                 (keep[:, 1:], keep[:, :-1]), (keep[1:], keep[:-1]), (keep, other_seed)):
+      m = a.size
+      assert abs((a == b).mean() - agree) < 5 * np.sqrt(agree * (1 - agree) / m), rate
+
+
+def test_the_masks_do_not_depend_on_the_mesh(tiny_config):
+  """Each device draws its rows' and heads' masks by their global indices: split 4 ways over
+  rows and 2 over heads, the outputs and gradients are the single device's."""
+  tiny_config.mesh.shape = (2, 2, 2)
+  mesh = sharding.make_mesh(tiny_config.mesh)
+  q, k, v = _qkv(4, 40, 40, 2, 32)
+  valid_BL = jnp.arange(40)[None] < jnp.asarray([40, 3, 20, 9])[:, None]
+  rows = pallas_attention.self_rows(valid_BL, None, causal=True)
+  attend = lambda q, k, v: flash_attention.flash_attention(q, k, v, rows, 0.3, jnp.uint32(5))
+  single = _outputs_and_grads(attend, q, k, v)
+  with sharding.mesh_context(mesh, sharding.rules(tiny_config.mesh)):
+    assert 'shard_map' in str(jax.make_jaxpr(attend)(q, k, v))
+    sharded = jax.jit(functools.partial(_outputs_and_grads, attend))(q, k, v)
+  _assert_close(sharded, single, 1e-6)
+
+
+def _tiny_flash(tiny_config, deterministic):
+  tiny_config.model.attention_impl = 'flash'
+  tiny_config.model.attention_dropout = 0.3
+  return model_config.TransformerConfig.from_config(tiny_config.model, 16, platform='cpu',
+                                                    deterministic=deterministic)
+
+
+def test_the_model_with_flash_attention_draws_dropout_from_its_key(tiny_config):
+  """attention_impl='flash' keeps the config's attention dropout: in training the output
+  depends on the dropout key, the same key gives the same output, and at evaluation there is
+  none (the output equals the einsum model's)."""
+  tiny_config.model.dropout = tiny_config.model.relu_dropout = 0.0
+  train = _tiny_flash(tiny_config, deterministic=False)
+  evaluate = _tiny_flash(tiny_config, deterministic=True)
+  tiny_config.model.attention_impl = 'einsum'
+  einsum = model_config.TransformerConfig.from_config(tiny_config.model, 16, platform='cpu',
+                                                      deterministic=True)
+  tokens = jnp.asarray(np.random.default_rng(0).integers(2, 16, (2, 9)), jnp.int32)
+  params = make_model(evaluate).init(jax.random.PRNGKey(0), tokens, tokens)['params']
+  run = lambda config, key: make_model(config).apply(
+      {'params': params}, tokens, tokens, rngs={'dropout': jax.random.PRNGKey(key)})
+  np.testing.assert_array_equal(run(train, 1), run(train, 1))
+  assert np.abs(np.asarray(run(train, 1) - run(train, 2))).max() > 1e-3
+  np.testing.assert_allclose(run(evaluate, 1), run(einsum, 1), atol=1e-5)
+
+
+def test_flash_takes_dropout_on_gpu_and_cpu_and_is_refused_on_tpu():
+  for platform in ('gpu', 'cpu'):
+    assert model_config.resolve_attention_impl('flash', jnp.bfloat16, 64, 0.1,
+                                               platform) == 'flash'
+  with pytest.raises(ConfigError, match="attention_impl='flash' runs Pallas GPU kernels"):
+    model_config.resolve_attention_impl('flash', jnp.bfloat16, 64, 0.1, 'tpu')
+  # 'auto' stays einsum: the default model's attention is unchanged.
+  assert model_config.resolve_attention_impl('auto', jnp.bfloat16, 64, 0.1, 'gpu') == 'einsum'
