@@ -170,7 +170,7 @@ def test_auto_picks_the_fastest_verified_implementation(impl, dtype, head, dropo
     ('cudnn', jnp.bfloat16, 0.0, 'cpu', 'the platform is cpu, not gpu'),
     ('cudnn', jnp.float32, 0.0, 'gpu', 'config.model.dtype=float32, not bfloat16 or float16'),
     ('xla', jnp.float32, 0.1, 'cpu', 'config.model.attention_dropout=0.1 is not 0'),
-    ('flash', jnp.float32, 0.0, 'gpu', "must be one of"),
+    ('triton', jnp.float32, 0.0, 'gpu', "must be one of"),
 ])
 def test_an_implementation_that_cannot_run_is_a_config_error(impl, dtype, dropout, platform,
                                                              message):

@@ -29,7 +29,9 @@ import pytest
 from conftest import assert_cached_decoding_matches_teacher_forcing
 from t2t_jax import runtime
 from t2t_jax import sharding
+from t2t_jax.model import flash_attention
 from t2t_jax.model import flops
+from t2t_jax.model import pallas_attention
 from t2t_jax.model import transformer as model_lib
 from t2t_jax.training import train
 
@@ -122,6 +124,49 @@ def test_the_train_step_on_the_gpu_gives_the_cpus_first_loss(gpu_device, tiny_co
     losses[side] = float(metrics['loss']) / float(metrics['weight'])
   assert np.isfinite(losses['gpu'])
   assert abs(losses['gpu'] - losses['cpu']) <= 2e-2 * losses['cpu']
+
+
+def test_the_flash_kernels_compute_on_the_gpu_what_the_explicit_path_does_on_the_cpu(
+    gpu_device):
+  """attention_impl='flash' compiled by Triton, with dropout, against softmax(q k^T) v on the
+  CPU in float32 with the same masks (flash_attention.reference_keep): the kernels multiply
+  float32 blocks at the default precision (TF32 on this GPU), so the bounds above for
+  float32 at the default precision: 1e-2 for outputs, 3e-2 for gradients."""
+  rng = np.random.default_rng(0)
+  batch, length, heads, depth, rate, seed = 3, 80, 2, 32, 0.2, 99
+  q, k, v = (np.asarray(rng.normal(size=(batch, length, heads, depth)), np.float32)
+             for _ in range(3))
+  q *= depth**-0.5
+  probe = np.asarray(rng.normal(size=q.shape), np.float32)
+  valid = np.arange(length)[None] < np.asarray([80, 33, 5])[:, None]
+
+  def kernel(q, k, v):
+    rows = pallas_attention.self_rows(jnp.asarray(valid), None, causal=True)
+    return flash_attention.flash_attention(q, k, v, rows, rate, jnp.uint32(seed))
+
+  def explicit(q, k, v):
+    padded = flash_attention._block(length, 64) * -(-length // flash_attention._block(  # pylint: disable=protected-access
+        length, 64))
+    keep = flash_attention.reference_keep(seed, batch, heads, length, padded,
+                                          rate)[..., :length]
+    causal = np.tril(np.ones((length, length), bool))
+    mask = valid[:, None, None, :] & causal
+    logits = jnp.einsum('BQHD,BKHD->BHQK', q, k, precision='highest')
+    weights = jax.nn.softmax(jnp.where(mask, logits, flash_attention.MASKED), axis=-1)
+    return jnp.einsum('BHQK,BKHD->BQHD', jnp.where(keep, weights / (1 - rate), 0.0), v,
+                      precision='highest')
+
+  def outputs_and_grads(attend, device):
+    args = jax.device_put((q, k, v), device)
+    loss = lambda q, k, v: (attend(q, k, v) * probe).sum()
+    out = jax.jit(attend)(*args)
+    return jax.device_get((out, jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*args)))
+
+  on_gpu = outputs_and_grads(kernel, gpu_device)
+  on_cpu = outputs_and_grads(explicit, jax.devices('cpu')[0])
+  used = valid[:, :, None, None]  # Padding queries see other keys on the two paths.
+  assert _relative_error(on_gpu[0] * used, on_cpu[0] * used) <= 1e-2
+  assert _relative_error(on_gpu[1], on_cpu[1]) <= 3e-2
 
 
 def test_the_gpu_runs_with_the_projects_xla_flags_and_a_known_peak(gpu_device):

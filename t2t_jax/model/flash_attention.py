@@ -5,10 +5,11 @@ dot_product_attention`, splash attention) or take its seed as a compile-time con
 (cuDNN's), so a model trained with attention dropout, as the paper's is, kept the explicit
 softmax(q k^T) v, whose [B, H, Q, K] scores, weights and masks cross memory forward and
 backward. Here the three kernels (forward; backward for dk and dv; backward for dq) keep those
-arrays in on-chip memory, a block at a time, and draw the dropout masks from a counter-based
-hash of (seed, row, head, query, key) wherever they need them, backward included, instead of
-storing them. The arithmetic is the explicit path's with the mask `keep_mask` draws; the masks
-are not the ones flax's nn.Dropout would draw from the same key.
+arrays in on-chip memory, a block at a time, and draw the dropout masks wherever they need
+them, backward included, instead of storing them: prng.py's hash32 generator over (seed,
+row, head, query, key), a few integer operations per weight. The arithmetic is the explicit
+path's with the masks `keep_mask` draws; they are not the ones flax's nn.Dropout would draw
+from the same key.
 
 Which keys a query sees is given as in splash attention (pallas_attention.SplashRows): equal
 ids, and with `causal` no later position. On a GPU the kernels compile through Triton; on a CPU
@@ -26,6 +27,7 @@ from jax.experimental.pallas import triton as pallas_triton
 import jax.numpy as jnp
 
 from t2t_jax.model import pallas_attention
+from t2t_jax.model import prng
 
 Array = jax.Array
 P = jax.sharding.PartitionSpec
@@ -34,27 +36,19 @@ MASKED = -1e30  # A score no query may see: finite, so a row that sees no key st
 SCALARS = 4  # seed, first row, first head, unused: a power of two, as Triton loads need.
 
 
-def _mix(x: Array) -> Array:
-  """A 32-bit integer hash with full avalanche: xor-shift and multiply, three rounds (the
-  "lowbias32" constants of Chris Wellons' hash-prospector search)."""
-  x = x ^ (x >> 16)
-  x = x * jnp.uint32(0x7FEB352D)
-  x = x ^ (x >> 15)
-  x = x * jnp.uint32(0x846CA68B)
-  return x ^ (x >> 16)
-
-
-def stream(seed: Array, row: Array, head: Array, heads: int) -> Array:
-  """The uint32 stream key of one (row, head): the seed mixed with the pair's index."""
+def stream(seed: Array, row: Array, head: Array, heads: int) -> tuple[Array, Array]:
+  """The two uint32 key words of one (row, head): the seed, and the pair's index mixed."""
   pair = row.astype(jnp.uint32) * jnp.uint32(heads) + head.astype(jnp.uint32)
-  return _mix(seed.astype(jnp.uint32) ^ _mix(pair + jnp.uint32(0x9E3779B9)))
+  return seed.astype(jnp.uint32), prng.mix(pair + jnp.uint32(0x9E3779B9))
 
 
-def keep_mask(key: Array, queries_QK: Array, keys_QK: Array, stride: int, rate: float) -> Array:
-  """Which weights dropout keeps, for the query and key positions given, under stream `key`:
-  each is kept with probability 1 - rate, independently of the others."""
+def keep_mask(key: tuple[Array, Array], queries_QK: Array, keys_QK: Array, stride: int,
+              rate: float) -> Array:
+  """Which weights dropout keeps, for the query and key positions given, under the key words
+  of one (row, head): each is kept with probability 1 - rate, independently of the others.
+  The bits are prng.py's hash32 generator's, in a domain of their own."""
   counter = queries_QK.astype(jnp.uint32) * jnp.uint32(stride) + keys_QK.astype(jnp.uint32)
-  bits = _mix(_mix(counter ^ key) + key)
+  bits = prng.hash_bits(counter, key, prng.ATTENTION_DROPOUT)
   return bits >= jnp.uint32(min(round(rate * 2.0**32), 2**32 - 1))
 
 

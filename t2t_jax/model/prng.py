@@ -23,9 +23,10 @@ DROPOUT_PRNGS = ('hash32', 'threefry2x32', 'rbg', 'unsafe_rbg')
 # Domain-separation constants (odd, arbitrary) so that bits, split keys, folded keys and
 # seeds derived from one key never share a stream.
 _BITS, _BITS_HIGH, _SPLIT, _FOLD, _SEED = 0x0, 0x9E3779B9, 0x85EBCA6B, 0xC2B2AE35, 0x27D4EB2F
+ATTENTION_DROPOUT = 0x165667B1  # flash_attention.py's masks.
 
 
-def _mix(x: jax.Array) -> jax.Array:
+def mix(x: jax.Array) -> jax.Array:
   """A bijective avalanche on uint32 (multiply-xorshift, constants of the 'lowbias32' hash)."""
   x = x ^ (x >> 16)
   x = x * np.uint32(0x21F0AAAD)
@@ -34,10 +35,11 @@ def _mix(x: jax.Array) -> jax.Array:
   return x ^ (x >> 15)
 
 
-def _hash(counter: jax.Array, key: jax.Array, domain: int) -> jax.Array:
-  """32 pseudo-random bits per counter: two keyed rounds, one per key word."""
-  x = _mix(counter ^ (key[0] ^ np.uint32(domain)))
-  return _mix(x + key[1])
+def hash_bits(counter: jax.Array, key, domain: int) -> jax.Array:
+  """32 pseudo-random bits per counter: two keyed rounds, one per word of `key` (two uint32
+  words: an array or a pair of scalars)."""
+  x = mix(counter ^ (key[0] ^ np.uint32(domain)))
+  return mix(x + key[1])
 
 
 def _positions(shape) -> jax.Array:
@@ -54,21 +56,21 @@ def _positions(shape) -> jax.Array:
 
 def _random_bits(key: jax.Array, bit_width: int, shape) -> jax.Array:
   counter = _positions(tuple(shape))
-  bits = _hash(counter, key, _BITS)
+  bits = hash_bits(counter, key, _BITS)
   if bit_width == 64:
-    high = _hash(counter, key, _BITS_HIGH).astype(jnp.uint64)
+    high = hash_bits(counter, key, _BITS_HIGH).astype(jnp.uint64)
     return (high << np.uint64(32)) | bits.astype(jnp.uint64)
   return bits.astype({8: jnp.uint8, 16: jnp.uint16, 32: jnp.uint32}[bit_width])
 
 
 def _split(key: jax.Array, shape) -> jax.Array:
   counter = _positions(tuple(shape) + (2,))
-  return _hash(counter, key, _SPLIT)
+  return hash_bits(counter, key, _SPLIT)
 
 
 def _fold_in(key: jax.Array, data) -> jax.Array:
   data = lax.convert_element_type(data, jnp.uint32)
-  return jnp.stack([_hash(data, key, _FOLD), _hash(data, key, _FOLD + 1)])
+  return jnp.stack([hash_bits(data, key, _FOLD), hash_bits(data, key, _FOLD + 1)])
 
 
 def _seed(seed) -> jax.Array:
