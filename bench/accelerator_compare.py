@@ -21,7 +21,8 @@ keys are ShapeDtypeStructs: no array is made.
 
 Equal work, as bench/compare.py builds it (the reference's step is its `reference_step`):
 pre-LN (the example is pre-LN), dropout 0.1 on every residual, on the attention weights (so
-t2t_jax's attention is einsum, the one with attention dropout) and on the feed-forward hidden
+t2t_jax's attention is einsum, or with --attention_impl=flash on a GPU its flash kernels, the
+ones with attention dropout) and on the feed-forward hidden
 units (the example drops them at its residual rate), label smoothing 0.1, bfloat16 compute and
 float32 parameters, one embedding matrix shared by source, target and output, Adam. t2t_jax
 computes its loss in chunks of configs/wmt14_ende.py's 4096 tokens (one chunk at these
@@ -116,6 +117,9 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
   flags.DEFINE_string('hlo_dir', '', 'Also write each compiled program\'s optimised HLO here '
                       '(<target>_<model>_<implementation>.hlo), to read kernel by kernel.',
                       flag_values=flag_values)
+  flags.DEFINE_enum('attention_impl', 'einsum', ['einsum', 'flash'], "t2t_jax's attention: "
+                    "einsum, or 'flash' (its Pallas kernels with attention dropout; GPU "
+                    'targets).', flag_values=flag_values)
   flags.DEFINE_string('reference_dir', '../shared/anchor/flax_wmt',
                       "Flax's examples/wmt (models.py, train.py); relative to the cwd.",
                       flag_values=flag_values)
@@ -143,10 +147,11 @@ def model_shape(name: str) -> common.Shape:
                       model.num_encoder_layers, model.num_heads, ROWS[name], LENGTH)
 
 
-def t2t_config(shape: common.Shape):
+def t2t_config(shape: common.Shape, attention_impl: str = 'einsum'):
   """The t2t_jax config of `shape`: pre-LN, dropout 0.1 everywhere, bfloat16, one device."""
   chunk = wmt14_ende.get_config().opt.loss_chunk_tokens
-  return common.t2t_config(shape, DROPOUT, 'pre', DTYPE, (f'opt.loss_chunk_tokens={chunk}',))
+  return common.t2t_config(shape, DROPOUT, 'pre', DTYPE, (
+      f'opt.loss_chunk_tokens={chunk}', f'model.attention_impl={attention_impl}'))
 
 
 @dataclasses.dataclass
@@ -334,7 +339,7 @@ def ratio_line(t2t: dict, reference: dict) -> dict:
 
 
 def compare_on(target_name: str, model: str, reference, record: dict,
-               hlo_dir: str = '') -> list[dict]:
+               hlo_dir: str = '', attention_impl: str = 'einsum') -> list[dict]:
   """The lines of one model on one target: t2t_jax's, the example's, their ratio."""
   target = targets.parse(target_name)
   if target.num_devices != 1:
@@ -342,8 +347,8 @@ def compare_on(target_name: str, model: str, reference, record: dict,
                      'chip (tpu:v5e-1, tpu:v5p-2, gpu:h100x1, ...)')
   [device] = targets.devices(target)
   shape = model_shape(model)
-  config = t2t_config(shape)
-  head = {**record, 'target': target.name, 'device_kind': device.device_kind,
+  config = t2t_config(shape, attention_impl)
+  head = {**record, 'attention_impl': attention_impl, 'target': target.name, 'device_kind': device.device_kind,
           'compiler': dry_run.compiler_version(target), 'model': model,
           **{key: value for key, value in dataclasses.asdict(shape).items()
              if key not in ('packed_segments', 'accelerator_rows')},
@@ -386,7 +391,8 @@ def run(args) -> list[dict]:
   lines = []
   for target_name in args.targets:
     for model in models:
-      for line in compare_on(target_name, model, reference, record, args.hlo_dir):
+      for line in compare_on(target_name, model, reference, record, args.hlo_dir,
+                             args.attention_impl):
         text = cli.json_line(line)
         print(text, flush=True)
         with open(out, 'a') as f:
