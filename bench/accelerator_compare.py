@@ -348,7 +348,8 @@ def compare_on(target_name: str, model: str, reference, record: dict,
   [device] = targets.devices(target)
   shape = model_shape(model)
   config = t2t_config(shape, attention_impl)
-  head = {**record, 'attention_impl': attention_impl, 'target': target.name, 'device_kind': device.device_kind,
+  head = {**record, 'attention_impl': attention_impl, 'target': target.name,
+          'device_kind': device.device_kind,
           'compiler': dry_run.compiler_version(target), 'model': model,
           **{key: value for key, value in dataclasses.asdict(shape).items()
              if key not in ('packed_segments', 'accelerator_rows')},

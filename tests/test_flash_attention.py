@@ -60,18 +60,20 @@ def _kernel_keys(keys: int) -> int:
   return -(-keys // block) * block
 
 
-@pytest.mark.parametrize('causal, queries, keys, rate', [
-    (True, 40, 40, 0.1),     # The decoder's self-attention, one partial block.
-    (False, 24, 140, 0.3),   # Cross-attention: other lengths, several key blocks.
-    (False, 70, 70, 0.5),
+@pytest.mark.parametrize('causal, queries, keys, rate, seed', [
+    (True, 40, 40, 0.1, 1234),           # The decoder's self-attention, one partial block.
+    (True, 100, 100, 0.2, 3_000_000_000),  # Two blocks each way; a seed above 2^31.
+    (False, 24, 140, 0.3, 1234),         # Cross-attention: other lengths, several key blocks.
+    (False, 70, 70, 0.5, 77),
 ])
-def test_dropout_equals_the_explicit_path_with_the_same_masks(causal, queries, keys, rate):
+def test_dropout_equals_the_explicit_path_with_the_same_masks(causal, queries, keys, rate,
+                                                              seed):
   """Outputs and gradients as softmax(q k^T) v with the weights that reference_keep drops
   dropped, over right-padded rows. (A row without real keys sees its padding keys here and
   none on the einsum path, an unused output: test_pallas_attention.py leaves it out too.)"""
   lengths = [keys, keys // 3, 1]
   valid_BK = jnp.arange(keys)[None] < jnp.asarray(lengths)[:, None]
-  batch, heads, seed = len(lengths), 2, 1234
+  batch, heads = len(lengths), 2
   q, k, v = _qkv(batch, queries, keys, heads, 32)
   if causal:
     rows = pallas_attention.self_rows(valid_BK, None, causal=True)
@@ -103,19 +105,24 @@ def test_the_masks_keep_each_weight_with_probability_one_minus_rate():
     assert abs(keep.mean() - p) < 5 * np.sqrt(p * (1 - p) / n), (rate, keep.mean())
     agree = p * p + (1 - p) * (1 - p)
     other_seed = np.asarray(flash_attention.reference_keep(8, 4, 4, 128, 128, rate))
+    # The seed enters the first round as an xor on the counter: without its second use, seed
+    # 8's mask would be seed 7's with the keys permuted by k ^ 15.
+    permuted = other_seed[..., np.arange(128) ^ (7 ^ 8)]
     for a, b in ((keep[..., 1:], keep[..., :-1]), (keep[:, :, 1:], keep[:, :, :-1]),
-                 (keep[:, 1:], keep[:, :-1]), (keep[1:], keep[:-1]), (keep, other_seed)):
+                 (keep[:, 1:], keep[:, :-1]), (keep[1:], keep[:-1]), (keep, other_seed),
+                 (keep, permuted)):
       m = a.size
       assert abs((a == b).mean() - agree) < 5 * np.sqrt(agree * (1 - agree) / m), rate
 
 
 def test_the_masks_do_not_depend_on_the_mesh(tiny_config):
   """Each device draws its rows' and heads' masks by their global indices: split 4 ways over
-  rows and 2 over heads, the outputs and gradients are the single device's."""
+  rows and 2 over heads (2 rows and 2 heads a device), the outputs and gradients are the
+  single device's."""
   tiny_config.mesh.shape = (2, 2, 2)
   mesh = sharding.make_mesh(tiny_config.mesh)
-  q, k, v = _qkv(4, 40, 40, 2, 32)
-  valid_BL = jnp.arange(40)[None] < jnp.asarray([40, 3, 20, 9])[:, None]
+  q, k, v = _qkv(8, 40, 40, 4, 32)
+  valid_BL = jnp.arange(40)[None] < jnp.asarray([40, 3, 20, 9, 1, 40, 17, 33])[:, None]
   rows = pallas_attention.self_rows(valid_BL, None, causal=True)
   attend = lambda q, k, v: flash_attention.flash_attention(q, k, v, rows, 0.3, jnp.uint32(5))
   single = _outputs_and_grads(attend, q, k, v)
@@ -149,6 +156,26 @@ def test_the_model_with_flash_attention_draws_dropout_from_its_key(tiny_config):
   np.testing.assert_array_equal(run(train, 1), run(train, 1))
   assert np.abs(np.asarray(run(train, 1) - run(train, 2))).max() > 1e-3
   np.testing.assert_allclose(run(evaluate, 1), run(einsum, 1), atol=1e-5)
+
+
+def test_a_query_that_sees_no_key_gets_zero_and_no_gradient():
+  """Packed rows can leave a query with no visible key (its id on no key): output 0, and
+  nothing flows back from it into the keys and values."""
+  q, k, v = _qkv(1, 16, 16, 1, 16)
+  rows = pallas_attention.SplashRows(jnp.asarray([[1] * 8 + [-1] * 8], jnp.int32),
+                                     jnp.ones((1, 16), jnp.int32), causal=False)
+  attend = lambda q, k, v: flash_attention.flash_attention(q, k, v, rows, 0.2, jnp.uint32(3))
+  out = attend(q, k, v)
+  assert np.all(np.asarray(out[0, 8:]) == 0) and np.all(np.isfinite(np.asarray(out)))
+  seen_only = jax.grad(lambda k, v: attend(q, k, v)[0, :8].sum(), argnums=(0, 1))(k, v)
+  every_query = jax.grad(lambda k, v: attend(q, k, v).sum(), argnums=(0, 1))(k, v)
+  _assert_close(every_query, seen_only, 1e-6)
+
+
+def test_flash_needs_a_power_of_two_head_size():
+  for head in (8, 48, 80, 96):
+    with pytest.raises(ConfigError, match=f'the head size {head} .*not a power of two'):
+      model_config.resolve_attention_impl('flash', jnp.bfloat16, head, 0.1, 'gpu')
 
 
 def test_flash_takes_dropout_on_gpu_and_cpu_and_is_refused_on_tpu():

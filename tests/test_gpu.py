@@ -145,8 +145,8 @@ def test_the_flash_kernels_compute_on_the_gpu_what_the_explicit_path_does_on_the
     return flash_attention.flash_attention(q, k, v, rows, rate, jnp.uint32(seed))
 
   def explicit(q, k, v):
-    padded = flash_attention._block(length, 64) * -(-length // flash_attention._block(  # pylint: disable=protected-access
-        length, 64))
+    block = flash_attention._block(length, 64)  # pylint: disable=protected-access
+    padded = block * -(-length // block)
     keep = flash_attention.reference_keep(seed, batch, heads, length, padded,
                                           rate)[..., :length]
     causal = np.tril(np.ones((length, length), bool))
@@ -164,8 +164,7 @@ def test_the_flash_kernels_compute_on_the_gpu_what_the_explicit_path_does_on_the
 
   on_gpu = outputs_and_grads(kernel, gpu_device)
   on_cpu = outputs_and_grads(explicit, jax.devices('cpu')[0])
-  used = valid[:, :, None, None]  # Padding queries see other keys on the two paths.
-  assert _relative_error(on_gpu[0] * used, on_cpu[0] * used) <= 1e-2
+  assert _relative_error(on_gpu[0], on_cpu[0]) <= 1e-2
   assert _relative_error(on_gpu[1], on_cpu[1]) <= 3e-2
 
 

@@ -32,14 +32,17 @@ from t2t_jax.model import prng
 Array = jax.Array
 P = jax.sharding.PartitionSpec
 
-MASKED = -1e30  # A score no query may see: finite, so a row that sees no key stays NaN-free.
+MASKED = -1e30  # A score no query may see: finite, so the online softmax stays NaN-free.
 SCALARS = 4  # seed, first row, first head, unused: a power of two, as Triton loads need.
 
 
 def stream(seed: Array, row: Array, head: Array, heads: int) -> tuple[Array, Array]:
-  """The two uint32 key words of one (row, head): the seed, and the pair's index mixed."""
+  """The two uint32 key words of one (row, head): the seed, and the seed and the pair's index
+  mixed (were the second word the pair's alone, two seeds' masks would be permutations of
+  each other: the first word only flips counter bits)."""
+  seed = seed.astype(jnp.uint32)
   pair = row.astype(jnp.uint32) * jnp.uint32(heads) + head.astype(jnp.uint32)
-  return seed.astype(jnp.uint32), prng.mix(pair + jnp.uint32(0x9E3779B9))
+  return seed, prng.mix(prng.mix(seed ^ jnp.uint32(0x9E3779B9)) + pair)
 
 
 def keep_mask(key: tuple[Array, Array], queries_QK: Array, keys_QK: Array, stride: int,
@@ -112,8 +115,11 @@ def _forward_kernel(scalars_ref, q_ref, k_ref, v_ref, query_ids_ref, key_ids_ref
   init = (jnp.full((block_q,), MASKED, jnp.float32), jnp.zeros((block_q,), jnp.float32),
           jnp.zeros((block_q, depth), jnp.float32))
   m, l, acc = lax.fori_loop(0, k_ref.shape[0] // block_k, step, init)
-  out_ref[...] = (acc / l[:, None]).astype(out_ref.dtype)
-  lse_ref[...] = m + jnp.log(l)
+  # A query that sees no key (m still MASKED): output 0, and a log-sum-exp that gives its
+  # weights 0 in the backward kernels.
+  sees = m > 0.5 * MASKED
+  out_ref[...] = jnp.where(sees[:, None], acc / l[:, None], 0.0).astype(out_ref.dtype)
+  lse_ref[...] = jnp.where(sees, m + jnp.log(l), -MASKED)
 
 
 def _key_grads_kernel(scalars_ref, q_ref, k_ref, v_ref, query_ids_ref, key_ids_ref, dout_ref,
@@ -289,6 +295,9 @@ def flash_attention(q_BQHD: Array, k_BKHD: Array, v_BKHD: Array,
     raise ValueError('flash_attention: dropout (rate > 0) needs a seed')
   block_q, block_k = _block(queries, 64), _block(keys, 64)
   padded_q, padded_k = -(-queries // block_q) * block_q, -(-keys // block_k) * block_k
+  if padded_q * padded_k >= 2**32:  # The masks' uint32 counters would repeat.
+    raise ValueError(f'flash_attention: {padded_q} x {padded_k} (padded) queries and keys is '
+                     'too many for the dropout masks\' 32-bit counters')
   pad = lambda x, to, **kw: jnp.pad(x, [(0, 0), (0, to - x.shape[1])] + [(0, 0)] * (x.ndim - 2),
                                     **kw)
   # Padding keys are seen by no query; padding queries see what the last real one sees.

@@ -48,7 +48,8 @@ class TransformerConfig:
   remat: str = 'none'
   dtype: Any = jnp.float32
   param_dtype: Any = jnp.float32
-  attention_impl: str = 'einsum'  # Resolved: 'einsum', 'xla', 'cudnn', 'pallas' or 'flash' (never 'auto').
+  # Resolved: 'einsum', 'xla', 'cudnn', 'pallas' or 'flash' (never 'auto').
+  attention_impl: str = 'einsum'
   positions: str = 'sinusoidal'
   max_relative_distance: int = 16
   attention_pattern: str = 'full'
@@ -124,8 +125,9 @@ def resolve_attention_impl(impl: str, dtype, head_dim: int, attention_dropout: f
   splash-attention kernel on TPUs (pallas_attention.py), on a CPU in the Pallas interpreter
   (for tests); 'flash' runs t2t_jax's own Pallas kernels on GPUs (flash_attention.py, Triton),
   the only fused one with dropout on the weights (its masks drawn by a hash, not by
-  nn.Dropout), on a CPU in the interpreter. The others need config.model.attention_dropout=0. 'xla' runs the same arithmetic as 'einsum' (measured equal
-  on CPU), so 'auto' is 'einsum' until cuDNN passes the equality test on a GPU
+  nn.Dropout; head sizes powers of two from 16), on a CPU in the interpreter. The others need
+  config.model.attention_dropout=0. 'xla' runs the same arithmetic as 'einsum' (measured
+  equal on CPU), so 'auto' is 'einsum' until cuDNN passes the equality test on a GPU
   (docs/performance.md); it logs why once.
   """
   if impl not in ATTENTION_IMPLS:
@@ -152,6 +154,10 @@ def resolve_attention_impl(impl: str, dtype, head_dim: int, attention_dropout: f
   if impl == 'pallas' and platform == 'gpu':
     raise ConfigError("config.model.attention_impl='pallas' runs Pallas TPU kernels (splash "
                       "attention), not GPU ones: use 'cudnn' or 'xla' on a gpu platform.")
+  if impl == 'flash' and (head_dim < 16 or head_dim & (head_dim - 1)):
+    raise ConfigError(f"config.model.attention_impl='flash' cannot run: the head size "
+                      f'{head_dim} (d_model / num_heads) is not a power of two of at least 16, '
+                      "as Triton's blocks must be. Use 'einsum' or 'auto'.")
   if impl == 'flash' and platform == 'tpu':
     raise ConfigError("config.model.attention_impl='flash' runs Pallas GPU kernels (Triton), "
                       "not TPU ones: use 'pallas' (splash attention, no dropout on the "
