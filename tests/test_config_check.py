@@ -25,7 +25,7 @@ from t2t_jax.training import config_check
     ('model.norm', 'mid', "config.model.norm must be 'post' or 'pre', got 'mid'"),
     ('model.remat', 'all', 'config.model.remat must be one of'),
     ('model.dtype', 'int8', "config.model.dtype='int8' must be"),
-    ('model.attention_impl', 'flash', "config.model.attention_impl='flash' must be one of"),
+    ('model.attention_impl', 'triton', "config.model.attention_impl='triton' must be one of"),
     ('model.dropout_prng', 'mt', "config.model.dropout_prng='mt' must be one of"),
     ('opt.schedule', 'noam', 'config.opt.schedule must be'),
     ('opt.cooldown_steps', 10**9, 'config.opt.cooldown_steps=1000000000 must not exceed '
