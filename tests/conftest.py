@@ -91,6 +91,26 @@ def quick_jit(function, **jit_kwargs):
   return jax.jit(function, compiler_options=QUICK_COMPILE, **jit_kwargs)
 
 
+def attention_inputs(batch, queries, keys, heads, head_dim, seed=0):
+  """Scaled queries [B, Q, H, D] (as attention._Attention._queries gives them), keys, values:
+  float32 normal draws of `seed`."""
+  rng = np.random.default_rng(seed)
+  normal = lambda length: jax.numpy.asarray(rng.normal(size=(batch, length, heads, head_dim)),
+                                            np.float32)
+  return normal(queries) * head_dim**-0.5, normal(keys), normal(keys)
+
+
+def assert_close_to_scale(actual, expected, tolerance, where=None):
+  """Every array's largest difference (at `where`, [B, Q] rows) within `tolerance` of its
+  largest value there."""
+  for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+    a, e = np.asarray(a, np.float64), np.asarray(e, np.float64)
+    if where is not None:
+      a, e = a[where], e[where]
+    error, scale = np.abs(a - e).max(), np.abs(e).max()
+    assert error <= tolerance * scale, (error, scale, error / scale)
+
+
 def leaves_equal(a, b) -> bool:
   """Whether two trees hold bitwise equal arrays, leaf by leaf."""
   return all(np.array_equal(np.asarray(x), np.asarray(y))

@@ -204,19 +204,26 @@ def test_tiny_compiles_for_eight_h100s(cuda_compiler, tiny_config):
       result['analytic_flops_per_step'], rel=1e-6)
 
 
+def _train_step_hlo(config, attention_impl: str, target: str) -> tuple[str, int, int]:
+  """The optimised HLO of `config`'s train step with `attention_impl`, compiled for `target`'s
+  compile-only devices, and the rows and length of the abstract batch it was compiled for."""
+  config.model.attention_impl = attention_impl
+  mesh = sharding.make_mesh(config.mesh, targets.devices(targets.parse(target)))
+  setup = setup_lib.build(config, 12, mesh=mesh)
+  assert setup.model_config.attention_impl == attention_impl
+  batch, rows, length = dry_run_lib.abstract_batch(config, mesh)
+  compiled = setup.train_step.lower(setup.abstract_state, batch,
+                                    jax.ShapeDtypeStruct((2,), jnp.uint32)).compile()
+  return compiled.as_text(), rows, length
+
+
 @pytest.mark.slow
 def test_cudnn_attention_lowers_for_an_h100(cudnn_compiler, tiny_config, no_persistent_cache):
   """cuDNN's fused attention, with the sequence-length path of padded rows, in the train step."""
   del cudnn_compiler, no_persistent_cache
   config = tiny_config
   config.model.dtype, config.model.attention_dropout = 'bfloat16', 0.0
-  config.model.attention_impl = 'cudnn'
-  mesh = sharding.make_mesh(config.mesh, targets.devices(targets.parse('gpu:h100x1')))
-  setup = setup_lib.build(config, 12, mesh=mesh)
-  assert setup.model_config.attention_impl == 'cudnn'
-  batch, _, _ = dry_run_lib.abstract_batch(config, mesh)
-  hlo = setup.train_step.lower(setup.abstract_state, batch,
-                               jax.ShapeDtypeStruct((2,), jnp.uint32)).compile().as_text()
+  hlo, rows, length = _train_step_hlo(config, 'cudnn', 'gpu:h100x1')
   calls = [line for line in hlo.splitlines() if 'custom_call_target="__cudnn$fmha' in line]
   # Forward and backward of the encoder's, decoder's and cross-attention.
   assert len([c for c in calls if 'Backward' in c]) == 3
@@ -224,7 +231,6 @@ def test_cudnn_attention_lowers_for_an_h100(cudnn_compiler, tiny_config, no_pers
   # Counted as flash attention: 2 (forward) + 5 (backward) matmuls of B Q K H D each.
   cost = hlo_cost.analyse(hlo, 1)
   fused = sum(k.flops for k in cost.kernels if 'cudnn' in k.name or 'attention' in k.name)
-  rows, length = batch['targets'].shape
   assert fused == 3 * 2 * (2 + 5) * rows * length * length * config.model.d_model
 
 
@@ -237,13 +243,7 @@ def test_flash_attention_compiles_for_an_h100_inside_the_train_step(cuda_compile
   del cuda_compiler, no_persistent_cache
   config = tiny_config
   config.model.dtype, config.model.attention_dropout = 'bfloat16', 0.1
-  config.model.attention_impl = 'flash'
-  mesh = sharding.make_mesh(config.mesh, targets.devices(targets.parse('gpu:h100x1')))
-  setup = setup_lib.build(config, 12, mesh=mesh)
-  assert setup.model_config.attention_impl == 'flash'
-  batch, rows, length = dry_run_lib.abstract_batch(config, mesh)
-  hlo = setup.train_step.lower(setup.abstract_state, batch,
-                               jax.ShapeDtypeStruct((2,), jnp.uint32)).compile().as_text()
+  hlo, rows, length = _train_step_hlo(config, 'flash', 'gpu:h100x1')
   calls = [line for line in hlo.splitlines() if '__gpu$xla.gpu.triton' in line]
   for kernel in ('t2t_flash_fwd', 't2t_flash_dq', 't2t_flash_dkv'):
     assert len([c for c in calls if f'"{kernel}"' in c.replace('\\"', '"')]) == 3, kernel
@@ -378,13 +378,8 @@ def test_splash_attention_compiles_for_a_tpu_inside_the_train_step(libtpu, tiny_
   kernels for each of the three attention layers, counted as flash attention's FLOPs."""
   del libtpu, no_persistent_cache
   config = tiny_config
-  config.model.attention_dropout, config.model.attention_impl = 0.0, 'pallas'
-  mesh = sharding.make_mesh(config.mesh, targets.devices(targets.parse('tpu:v5e-8')))
-  setup = setup_lib.build(config, 12, mesh=mesh)
-  batch, rows, length = dry_run_lib.abstract_batch(config, mesh)
-  compiled = setup.train_step.lower(setup.abstract_state, batch,
-                                    jax.ShapeDtypeStruct((2,), jnp.uint32)).compile()
-  hlo = compiled.as_text()
+  config.model.attention_dropout = 0.0
+  hlo, rows, _ = _train_step_hlo(config, 'pallas', 'tpu:v5e-8')
   for kernel in ('splash_mha_fwd', 'splash_mha_dq', 'splash_mha_dkv'):
     assert len([line for line in hlo.splitlines()
                 if f'%{kernel}' in line and 'tpu_custom_call' in line]) == 3, kernel

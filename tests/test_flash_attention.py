@@ -10,6 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import assert_close_to_scale
+from conftest import attention_inputs
 from conftest import quick_jit
 from t2t_jax import ConfigError
 from t2t_jax import sharding
@@ -41,19 +43,6 @@ def _outputs_and_grads(attend, q, k, v):
   return attend(q, k, v), jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
 
 
-def _qkv(batch, queries, keys, heads, head_dim, seed=0):
-  rng = np.random.default_rng(seed)
-  normal = lambda length: jnp.asarray(rng.normal(size=(batch, length, heads, head_dim)),
-                                      jnp.float32)
-  return normal(queries) * head_dim**-0.5, normal(keys), normal(keys)
-
-
-def _assert_close(actual, expected, tolerance):
-  for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
-    a, e = np.asarray(a, np.float64), np.asarray(e, np.float64)
-    assert np.abs(a - e).max() <= tolerance * np.abs(e).max()
-
-
 def _kernel_keys(keys: int) -> int:
   """The key length the kernels pad to (their masks' counter stride): whole blocks."""
   block = flash_attention._block(keys, 64)  # pylint: disable=protected-access
@@ -74,7 +63,7 @@ def test_dropout_equals_the_explicit_path_with_the_same_masks(causal, queries, k
   lengths = [keys, keys // 3, 1]
   valid_BK = jnp.arange(keys)[None] < jnp.asarray(lengths)[:, None]
   batch, heads = len(lengths), 2
-  q, k, v = _qkv(batch, queries, keys, heads, 32)
+  q, k, v = attention_inputs(batch, queries, keys, heads, 32)
   if causal:
     rows = pallas_attention.self_rows(valid_BK, None, causal=True)
     mask_B1QK = attention.attention_mask(valid_BK, causal=True)
@@ -88,8 +77,8 @@ def test_dropout_equals_the_explicit_path_with_the_same_masks(causal, queries, k
   explicit = lambda q, k, v: _explicit(q, k, v, mask_B1QK, keep_BHQK, rate)
   actual = quick_jit(functools.partial(_outputs_and_grads, kernel))(q, k, v)
   expected = quick_jit(functools.partial(_outputs_and_grads, explicit))(q, k, v)
-  _assert_close(actual[0], expected[0], OUTPUT_TOLERANCE)
-  _assert_close(actual[1], expected[1], GRADIENT_TOLERANCE)
+  assert_close_to_scale(actual[0], expected[0], OUTPUT_TOLERANCE)
+  assert_close_to_scale(actual[1], expected[1], GRADIENT_TOLERANCE)
   # Another seed draws other masks: the outputs move by far more than the tolerance.
   other = flash_attention.flash_attention(q, k, v, rows, rate, jnp.uint32(seed + 1))
   assert np.abs(np.asarray(other - actual[0])).max() > 100 * OUTPUT_TOLERANCE
@@ -121,7 +110,7 @@ def test_the_masks_do_not_depend_on_the_mesh(tiny_config):
   single device's."""
   tiny_config.mesh.shape = (2, 2, 2)
   mesh = sharding.make_mesh(tiny_config.mesh)
-  q, k, v = _qkv(8, 40, 40, 4, 32)
+  q, k, v = attention_inputs(8, 40, 40, 4, 32)
   valid_BL = jnp.arange(40)[None] < jnp.asarray([40, 3, 20, 9, 1, 40, 17, 33])[:, None]
   rows = pallas_attention.self_rows(valid_BL, None, causal=True)
   attend = lambda q, k, v: flash_attention.flash_attention(q, k, v, rows, 0.3, jnp.uint32(5))
@@ -129,7 +118,7 @@ def test_the_masks_do_not_depend_on_the_mesh(tiny_config):
   with sharding.mesh_context(mesh, sharding.rules(tiny_config.mesh)):
     assert 'shard_map' in str(jax.make_jaxpr(attend)(q, k, v))
     sharded = jax.jit(functools.partial(_outputs_and_grads, attend))(q, k, v)
-  _assert_close(sharded, single, 1e-6)
+  assert_close_to_scale(sharded, single, 1e-6)
 
 
 def _tiny_flash(tiny_config, deterministic):
@@ -161,7 +150,7 @@ def test_the_model_with_flash_attention_draws_dropout_from_its_key(tiny_config):
 def test_a_query_that_sees_no_key_gets_zero_and_no_gradient():
   """Packed rows can leave a query with no visible key (its id on no key): output 0, and
   nothing flows back from it into the keys and values."""
-  q, k, v = _qkv(1, 16, 16, 1, 16)
+  q, k, v = attention_inputs(1, 16, 16, 1, 16)
   rows = pallas_attention.SplashRows(jnp.asarray([[1] * 8 + [-1] * 8], jnp.int32),
                                      jnp.ones((1, 16), jnp.int32), causal=False)
   attend = lambda q, k, v: flash_attention.flash_attention(q, k, v, rows, 0.2, jnp.uint32(3))
@@ -169,7 +158,7 @@ def test_a_query_that_sees_no_key_gets_zero_and_no_gradient():
   assert np.all(np.asarray(out[0, 8:]) == 0) and np.all(np.isfinite(np.asarray(out)))
   seen_only = jax.grad(lambda k, v: attend(q, k, v)[0, :8].sum(), argnums=(0, 1))(k, v)
   every_query = jax.grad(lambda k, v: attend(q, k, v).sum(), argnums=(0, 1))(k, v)
-  _assert_close(every_query, seen_only, 1e-6)
+  assert_close_to_scale(every_query, seen_only, 1e-6)
 
 
 def test_flash_needs_a_power_of_two_head_size():

@@ -9,7 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import adam_moments, assert_cached_decoding_matches_teacher_forcing, quick_jit
+from conftest import adam_moments
+from conftest import assert_cached_decoding_matches_teacher_forcing
+from conftest import assert_close_to_scale
+from conftest import attention_inputs
+from conftest import quick_jit
 from t2t_jax import ConfigError
 from t2t_jax import sharding
 from t2t_jax.model import attention
@@ -47,25 +51,6 @@ KERNELS = {'pallas': pallas_attention.splash_attention,
 IMPLS = pytest.mark.parametrize('impl', list(KERNELS))
 
 
-def _assert_close(actual, expected, tolerance, where=None):
-  """Every array's largest difference (at `where`, [B, Q] rows) within `tolerance` of its
-  largest value there."""
-  for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
-    a, e = np.asarray(a, np.float64), np.asarray(e, np.float64)
-    if where is not None:
-      a, e = a[where], e[where]
-    error, scale = np.abs(a - e).max(), np.abs(e).max()
-    assert error <= tolerance * scale, (error, scale, error / scale)
-
-
-def _qkv(batch, queries, keys, heads, head_dim, seed=0):
-  """Scaled queries [B, Q, H, D] (as attention._Attention._queries gives them), keys, values."""
-  rng = np.random.default_rng(seed)
-  normal = lambda length: jnp.asarray(rng.normal(size=(batch, length, heads, head_dim)),
-                                      jnp.float32)
-  return normal(queries) * head_dim**-0.5, normal(keys), normal(keys)
-
-
 def _outputs_and_grads(attend, q, k, v, weights_BQ):
   """The attention output and the gradients w.r.t. q, k, v of a random linear function of
   the outputs at the rows `weights_BQ` selects (the outputs the model uses)."""
@@ -86,8 +71,8 @@ def _compare(q, k, v, mask_B1QK, rows, used_BQ, impl):
   expected = quick_jit(functools.partial(_outputs_and_grads, einsum))(q, k, v, used_BQ)
   actual = quick_jit(functools.partial(_outputs_and_grads, splash))(q, k, v, used_BQ)
   assert all(np.isfinite(x).all() for x in jax.tree.leaves(actual))
-  _assert_close(actual[0], expected[0], OUTPUT_TOLERANCE, np.asarray(used_BQ))
-  _assert_close(actual[1], expected[1], GRADIENT_TOLERANCE)
+  assert_close_to_scale(actual[0], expected[0], OUTPUT_TOLERANCE, np.asarray(used_BQ))
+  assert_close_to_scale(actual[1], expected[1], GRADIENT_TOLERANCE)
   return actual, expected
 
 
@@ -109,7 +94,7 @@ def test_padded_self_attention_equals_einsum(length, head_dim, causal, impl):
   blocks, head sizes of the tiny configs and of Transformer-base."""
   lengths = [length, length // 3, 1, 0]  # 0: a row of padding only.
   valid_BL = _valid(lengths, length)
-  q, k, v = _qkv(len(lengths), length, length, 2, head_dim)
+  q, k, v = attention_inputs(len(lengths), length, length, 2, head_dim)
   mask_B1QK = attention.attention_mask(valid_BL, causal=causal)
   rows = pallas_attention.self_rows(valid_BL, None, causal)
   # Padding queries see the real keys as in the einsum path: their outputs compare too, but
@@ -124,7 +109,7 @@ def test_packed_self_attention_equals_einsum_at_real_tokens(causal, impl):
   length = 150  # Two blocks of 128 keys, a segment across their border.
   segments_BL = _packed_segments([[60, 70, 5], [1, 140], [150]], length)
   valid_BL = segments_BL > 0
-  q, k, v = _qkv(3, length, length, 2, 32)
+  q, k, v = attention_inputs(3, length, length, 2, 32)
   mask_B1QK = attention.attention_mask(valid_BL, segments_BL, segments_BL, causal=causal)
   rows = pallas_attention.self_rows(valid_BL, segments_BL, causal)
   # Padding queries (segment 0) see other keys than in the einsum path; their output is unused.
@@ -140,7 +125,7 @@ def test_packed_self_attention_equals_einsum_at_real_tokens(causal, impl):
 def test_cross_attention_over_padded_sources_equals_einsum(impl):
   queries, keys = 24, 140  # Targets and sources of other lengths.
   valid_BK = _valid([140, 30, 1], keys)
-  q, k, v = _qkv(3, queries, keys, 4, 64)
+  q, k, v = attention_inputs(3, queries, keys, 4, 64)
   mask_B1QK = attention.attention_mask(valid_BK)
   rows = pallas_attention.cross_rows(mask_B1QK, queries)
   _compare(q, k, v, mask_B1QK, rows, jnp.ones((3, queries), bool), impl)
@@ -154,7 +139,7 @@ def test_packed_cross_attention_equals_einsum_at_real_targets(source_layout, imp
   queries, keys = 30, 60
   target_segments_BQ = _packed_segments([[10, 12, 3], [25]], queries)
   source_segments_BK = _packed_segments(source_layout, keys)
-  q, k, v = _qkv(2, queries, keys, 2, 32, seed=3)
+  q, k, v = attention_inputs(2, queries, keys, 2, 32, seed=3)
   mask_B1QK = attention.attention_mask(source_segments_BK > 0, target_segments_BQ,
                                        source_segments_BK)
   rows = pallas_attention.cross_rows(mask_B1QK, queries)
@@ -235,8 +220,8 @@ def test_tiny_model_with_pallas_equals_einsum(tiny_config, kind, model_kind, imp
   expected = _logits_and_grads(einsum, params, batch)
   actual = _logits_and_grads(pallas, params, batch)
   used = batch[1] != 0  # Predicting padding: unused, and packed padding sees other keys.
-  _assert_close(actual[0], expected[0], MODEL_TOLERANCE, used)
-  _assert_close(actual[1], expected[1], MODEL_TOLERANCE)
+  assert_close_to_scale(actual[0], expected[0], MODEL_TOLERANCE, used)
+  assert_close_to_scale(actual[1], expected[1], MODEL_TOLERANCE)
 
 
 @IMPLS
@@ -266,7 +251,7 @@ def test_one_sharded_train_step_with_pallas_equals_einsum(tiny_config, impl):
                                       jax.random.PRNGKey(1))
     results[name] = metrics['loss'], adam_moments(state.opt_state)[0]
   np.testing.assert_allclose(results[impl][0], results['einsum'][0], rtol=MODEL_TOLERANCE)
-  _assert_close(results[impl][1], results['einsum'][1], MODEL_TOLERANCE)
+  assert_close_to_scale(results[impl][1], results['einsum'][1], MODEL_TOLERANCE)
 
 
 @IMPLS
@@ -274,7 +259,7 @@ def test_the_kernel_runs_per_device_under_a_mesh(tiny_config, impl):
   """Under the mesh and its rules the kernel runs in a shard_map over 'batch' and 'heads'."""
   tiny_config.mesh.shape = (2, 2, 2)
   mesh = sharding.make_mesh(tiny_config.mesh)
-  q, k, v = _qkv(4, 40, 40, 2, 32)
+  q, k, v = attention_inputs(4, 40, 40, 2, 32)
   rows = pallas_attention.self_rows(_valid([40, 3, 20, 9], 40), None, causal=True)
   attend = lambda q, k, v: KERNELS[impl](q, k, v, rows)
   with sharding.mesh_context(mesh, sharding.rules(tiny_config.mesh)):

@@ -20,6 +20,9 @@ from t2t_jax.model import positions
 from t2t_jax.model.attention_variants import ATTENTION_KINDS
 
 Array = jax.Array
+# The attention implementations that take their rows as segment ids (pallas_attention's
+# SplashRows): splash attention and t2t_jax's flash kernels.
+SEGMENT_ID_IMPLS = ('pallas', 'flash')
 
 
 def attention_mask(key_valid_BK: Array, query_segments_BQ: Array | None = None,
@@ -194,7 +197,7 @@ class CrossAttention(_Attention):
       return self._output(out_BQHD)
     k_BKHD, v_BKHD = self._project('key', memory_BKE), self._project('value', memory_BKE)
     lengths = None
-    if self.config.attention_impl in ('pallas', 'flash') and mask_B1QK is not None:
+    if self.config.attention_impl in SEGMENT_ID_IMPLS and mask_B1QK is not None:
       lengths = pallas_attention.cross_rows(mask_B1QK, q_BQHD.shape[1])
     elif (self.config.attention_impl != 'einsum' and mask_B1QK is not None
           and mask_B1QK.shape[2] == 1):  # Source padding only: not packed.
@@ -264,7 +267,7 @@ class SelfAttention(_Attention):
     if slopes_H is not None:
       bias_BHQK = positions.alibi_bias(positions_BL, positions_BL, slopes_H)
     lengths = None
-    if cfg.attention_impl in ('pallas', 'flash') and not cfg.decode:  # Padded or packed, any kind.
+    if cfg.attention_impl in SEGMENT_ID_IMPLS and not cfg.decode:  # Padded or packed, any kind.
       lengths = pallas_attention.self_rows(mask.valid_BL, mask.segments_BL, self.causal)
     elif (cfg.attention_impl != 'einsum' and mask.segments_BL is None
           and cfg.kind == 'encoder_decoder'):  # Right-padded rows.

@@ -18,8 +18,8 @@ they run in the Pallas interpreter (slow, for tests). Shapes in names follow the
 """
 
 import functools
+from typing import NamedTuple
 
-import flax.linen as nn
 import jax
 from jax import lax
 from jax.experimental import pallas as pl
@@ -30,7 +30,6 @@ from t2t_jax.model import pallas_attention
 from t2t_jax.model import prng
 
 Array = jax.Array
-P = jax.sharding.PartitionSpec
 
 MASKED = -1e30  # A score no query may see: finite, so the online softmax stays NaN-free.
 SCALARS = 4  # seed, first row, first head, unused: a power of two, as Triton loads need.
@@ -65,6 +64,19 @@ def reference_keep(seed: int, rows: int, heads: int, queries: int, keys: int,
   return jax.vmap(lambda b: jax.vmap(lambda h: one(b, h))(jnp.arange(heads)))(jnp.arange(rows))
 
 
+class _Settings(NamedTuple):
+  """What the kernels are compiled for (static): the mask pattern, the dropout rate, the global
+  head count (for the masks' stream keys), the blocks along queries and keys, the Pallas
+  interpreter or not, and the masks' counter stride (the padded key length)."""
+  causal: bool
+  rate: float
+  heads: int
+  block_q: int
+  block_k: int
+  interpret: bool
+  stride: int
+
+
 def _scores(q, k, query_ids, key_ids, first_query, first_key, causal):
   """Block scores q k^T in float32, MASKED where the query does not see the key; the
   visibility and the positions come back too."""
@@ -78,23 +90,31 @@ def _scores(q, k, query_ids, key_ids, first_query, first_key, causal):
   return jnp.where(visible, s, MASKED), visible, queries, keys
 
 
-def _dropped(x, key, queries, keys, stride, rate):
-  """x with dropout's mask and 1 / (1 - rate) scaling applied (x itself without dropout)."""
-  if not rate:
+def _keep(key, queries, keys, settings: _Settings):
+  """The block's dropout mask, or None without dropout."""
+  if not settings.rate:
+    return None
+  return keep_mask(key, queries, keys, settings.stride, settings.rate)
+
+
+def _dropped(x, keep, settings: _Settings):
+  """x with the dropout mask `keep` and 1 / (1 - rate) scaling applied (x itself without)."""
+  if keep is None:
     return x
-  return jnp.where(keep_mask(key, queries, keys, stride, rate), x * (1.0 / (1.0 - rate)), 0.0)
+  return jnp.where(keep, x * (1.0 / (1.0 - settings.rate)), 0.0)
 
 
-def _stream_of(scalars_ref, heads):
+def _stream_of(scalars_ref, settings: _Settings):
   seed, row, head = scalars_ref[0], scalars_ref[1], scalars_ref[2]
-  return stream(seed, row + pl.program_id(0), head + pl.program_id(1), heads)
+  return stream(seed, row + pl.program_id(0), head + pl.program_id(1), settings.heads)
 
 
 def _forward_kernel(scalars_ref, q_ref, k_ref, v_ref, query_ids_ref, key_ids_ref, out_ref,
-                    lse_ref, *, block_k, causal, rate, heads, stride):
+                    lse_ref, *, settings: _Settings):
   block_q, depth = q_ref.shape
+  block_k = settings.block_k
   first_query = pl.program_id(2) * block_q
-  key = _stream_of(scalars_ref, heads)
+  key = _stream_of(scalars_ref, settings)
   q, query_ids = q_ref[...], query_ids_ref[...]
 
   def step(j, carry):
@@ -102,11 +122,11 @@ def _forward_kernel(scalars_ref, q_ref, k_ref, v_ref, query_ids_ref, key_ids_ref
     first_key = j * block_k
     part = pl.ds(first_key, block_k)
     s, _, queries, keys = _scores(q, k_ref[part, :], query_ids, key_ids_ref[part], first_query,
-                                  first_key, causal)
+                                  first_key, settings.causal)
     m_next = jnp.maximum(m, s.max(axis=1))
     p = jnp.exp(s - m_next[:, None])
     scale = jnp.exp(m - m_next)
-    p_used = _dropped(p, key, queries, keys, stride, rate)
+    p_used = _dropped(p, _keep(key, queries, keys, settings), settings)
     v = v_ref[part, :]
     acc = acc * scale[:, None] + jnp.dot(p_used.astype(v.dtype), v,
                                          preferred_element_type=jnp.float32)
@@ -123,11 +143,11 @@ def _forward_kernel(scalars_ref, q_ref, k_ref, v_ref, query_ids_ref, key_ids_ref
 
 
 def _key_grads_kernel(scalars_ref, q_ref, k_ref, v_ref, query_ids_ref, key_ids_ref, dout_ref,
-                      lse_ref, delta_ref, dk_ref, dv_ref, *, block_q, causal, rate, heads,
-                      stride):
+                      lse_ref, delta_ref, dk_ref, dv_ref, *, settings: _Settings):
   block_k, depth = k_ref.shape
+  block_q = settings.block_q
   first_key = pl.program_id(2) * block_k
-  key = _stream_of(scalars_ref, heads)
+  key = _stream_of(scalars_ref, settings)
   k, v, key_ids = k_ref[...], v_ref[...], key_ids_ref[...]
 
   def step(i, carry):
@@ -136,14 +156,13 @@ def _key_grads_kernel(scalars_ref, q_ref, k_ref, v_ref, query_ids_ref, key_ids_r
     part = pl.ds(first_query, block_q)
     q, dout = q_ref[part, :], dout_ref[part, :]
     s, visible, queries, keys = _scores(q, k, query_ids_ref[part], key_ids, first_query,
-                                        first_key, causal)
+                                        first_key, settings.causal)
+    keep = _keep(key, queries, keys, settings)  # Drawn once for dP and dV.
     p = jnp.exp(s - lse_ref[part][:, None])
     dp = _dropped(lax.dot_general(dout, v, (((1,), (1,)), ((), ())),
-                                  preferred_element_type=jnp.float32),
-                  key, queries, keys, stride, rate)
-    p_used = _dropped(p, key, queries, keys, stride, rate)
-    dv += lax.dot_general(p_used.astype(dout.dtype), dout, (((0,), (0,)), ((), ())),
-                          preferred_element_type=jnp.float32)
+                                  preferred_element_type=jnp.float32), keep, settings)
+    dv += lax.dot_general(_dropped(p, keep, settings).astype(dout.dtype), dout,
+                          (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
     ds = jnp.where(visible, p * (dp - delta_ref[part][:, None]), 0.0)
     dk += lax.dot_general(ds.astype(q.dtype), q, (((0,), (0,)), ((), ())),
                           preferred_element_type=jnp.float32)
@@ -156,10 +175,11 @@ def _key_grads_kernel(scalars_ref, q_ref, k_ref, v_ref, query_ids_ref, key_ids_r
 
 
 def _query_grads_kernel(scalars_ref, q_ref, k_ref, v_ref, query_ids_ref, key_ids_ref, dout_ref,
-                        lse_ref, delta_ref, dq_ref, *, block_k, causal, rate, heads, stride):
+                        lse_ref, delta_ref, dq_ref, *, settings: _Settings):
   block_q, depth = q_ref.shape
+  block_k = settings.block_k
   first_query = pl.program_id(2) * block_q
-  key = _stream_of(scalars_ref, heads)
+  key = _stream_of(scalars_ref, settings)
   q, dout, query_ids = q_ref[...], dout_ref[...], query_ids_ref[...]
   lse, delta = lse_ref[...], delta_ref[...]
 
@@ -168,11 +188,11 @@ def _query_grads_kernel(scalars_ref, q_ref, k_ref, v_ref, query_ids_ref, key_ids
     part = pl.ds(first_key, block_k)
     k, v = k_ref[part, :], v_ref[part, :]
     s, visible, queries, keys = _scores(q, k, query_ids, key_ids_ref[part], first_query,
-                                        first_key, causal)
+                                        first_key, settings.causal)
     p = jnp.exp(s - lse[:, None])
     dp = _dropped(lax.dot_general(dout, v, (((1,), (1,)), ((), ())),
                                   preferred_element_type=jnp.float32),
-                  key, queries, keys, stride, rate)
+                  _keep(key, queries, keys, settings), settings)
     ds = jnp.where(visible, p * (dp - delta[:, None]), 0.0)
     return dq + jnp.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
 
@@ -181,86 +201,81 @@ def _query_grads_kernel(scalars_ref, q_ref, k_ref, v_ref, query_ids_ref, key_ids
   dq_ref[...] = dq.astype(dq_ref.dtype)
 
 
-def _specs(block_q: int, block_k: int, queries: int, keys: int, depth: int):
-  """BlockSpecs over [B, L, H, D] arrays and [B, L] ids, grid (B, H, blocks along L)."""
-  def rows(length, over):  # `over`: this grid's blocks are along this length (else whole).
-    block = over or length
-    along = (lambda b, h, i: (b, i, h, 0)) if over else (lambda b, h, i: (b, 0, h, 0))
-    ids = (lambda b, h, i: (b, i)) if over else (lambda b, h, i: (b, 0))
-    return (pl.BlockSpec((None, block, None, depth), along), pl.BlockSpec((None, block), ids))
-  stats = lambda length, over: pl.BlockSpec(
-      (None, None, over or length),
-      (lambda b, h, i: (b, h, i)) if over else (lambda b, h, i: (b, h, 0)))
-  return rows, stats
+def _rows_spec(length: int, block: int | None, depth: int):
+  """BlockSpecs of a [B, L, H, D] array and its [B, L] ids on the grid (B, H, blocks): blocks
+  of `block` along L, or (None) the whole length at every step."""
+  if block is None:
+    return (pl.BlockSpec((None, length, None, depth), lambda b, h, i: (b, 0, h, 0)),
+            pl.BlockSpec((None, length), lambda b, h, i: (b, 0)))
+  return (pl.BlockSpec((None, block, None, depth), lambda b, h, i: (b, i, h, 0)),
+          pl.BlockSpec((None, block), lambda b, h, i: (b, i)))
 
 
-def _call(kernel, name, grid, in_specs, out_specs, out_shape, interpret, *args):
+def _stats_spec(length: int, block: int | None):
+  """The BlockSpec of a [B, H, Q] per-query statistic, as `_rows_spec`."""
+  if block is None:
+    return pl.BlockSpec((None, None, length), lambda b, h, i: (b, h, 0))
+  return pl.BlockSpec((None, None, block), lambda b, h, i: (b, h, i))
+
+
+_SCALARS_SPEC = pl.BlockSpec((SCALARS,), lambda b, h, i: (0,))
+
+
+def _call(kernel, settings: _Settings, name, grid, in_specs, out_specs, out_shape, *args):
   return pl.pallas_call(
-      kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-      name=name, interpret=interpret,
+      functools.partial(kernel, settings=settings), grid=grid, in_specs=in_specs,
+      out_specs=out_specs, out_shape=out_shape, name=name, interpret=settings.interpret,
       compiler_params=pallas_triton.CompilerParams(num_warps=4, num_stages=2))(*args)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10, 11))
-def _flash(scalars, q_BQHD, k_BKHD, v_BKHD, query_ids_BQ, key_ids_BK, causal, rate, heads,
-           blocks, interpret, stride):
-  return _flash_forward(scalars, q_BQHD, k_BKHD, v_BKHD, query_ids_BQ, key_ids_BK, causal, rate,
-                        heads, blocks, interpret, stride)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _flash(settings: _Settings, scalars, q_BQHD, k_BKHD, v_BKHD, query_ids_BQ, key_ids_BK):
+  return _flash_forward(settings, scalars, q_BQHD, k_BKHD, v_BKHD, query_ids_BQ, key_ids_BK)[0]
 
 
-def _flash_forward(scalars, q_BQHD, k_BKHD, v_BKHD, query_ids_BQ, key_ids_BK, causal, rate,
-                   heads, blocks, interpret, stride):
+def _flash_forward(settings: _Settings, scalars, q_BQHD, k_BKHD, v_BKHD, query_ids_BQ,
+                   key_ids_BK):
   (batch, queries, local_heads, depth), keys = q_BQHD.shape, k_BKHD.shape[1]
-  block_q, block_k = blocks
-  rows, stats = _specs(block_q, block_k, queries, keys, depth)
-  q_spec, query_id_spec = rows(queries, block_q)
-  k_spec, key_id_spec = rows(keys, None)
-  kernel = functools.partial(_forward_kernel, block_k=block_k, causal=causal, rate=rate,
-                             heads=heads, stride=stride)
+  q_spec, query_id_spec = _rows_spec(queries, settings.block_q, depth)
+  k_spec, key_id_spec = _rows_spec(keys, None, depth)
   out_BQHD, lse_BHQ = _call(
-      kernel, 't2t_flash_fwd', (batch, local_heads, queries // block_q),
-      [pl.BlockSpec((SCALARS,), lambda b, h, i: (0,)), q_spec, k_spec, k_spec, query_id_spec,
-       key_id_spec],
-      [q_spec, stats(queries, block_q)],
+      _forward_kernel, settings, 't2t_flash_fwd', (batch, local_heads, queries // settings.block_q),
+      [_SCALARS_SPEC, q_spec, k_spec, k_spec, query_id_spec, key_id_spec],
+      [q_spec, _stats_spec(queries, settings.block_q)],
       [jax.ShapeDtypeStruct(q_BQHD.shape, q_BQHD.dtype),
        jax.ShapeDtypeStruct((batch, local_heads, queries), jnp.float32)],
-      interpret, scalars, q_BQHD, k_BKHD, v_BKHD, query_ids_BQ, key_ids_BK)
+      scalars, q_BQHD, k_BKHD, v_BKHD, query_ids_BQ, key_ids_BK)
   return out_BQHD, (scalars, q_BQHD, k_BKHD, v_BKHD, query_ids_BQ, key_ids_BK, out_BQHD, lse_BHQ)
 
 
-def _flash_backward(causal, rate, heads, blocks, interpret, stride, saved, dout_BQHD):
+def _flash_backward(settings: _Settings, saved, dout_BQHD):
   scalars, q_BQHD, k_BKHD, v_BKHD, query_ids_BQ, key_ids_BK, out_BQHD, lse_BHQ = saved
   (batch, queries, local_heads, depth), keys = q_BQHD.shape, k_BKHD.shape[1]
-  block_q, block_k = blocks
+  block_q, block_k = settings.block_q, settings.block_k
   # sum_k P_qk dP_qk of each query (dP the gradient of the weights before dropout) is
   # dout_q . out_q: dropout's scaling is inside out.
   delta_BHQ = jnp.einsum('BQHD,BQHD->BHQ', dout_BQHD.astype(jnp.float32),
                          out_BQHD.astype(jnp.float32))
-  rows, stats = _specs(block_q, block_k, queries, keys, depth)
-  scalar_spec = pl.BlockSpec((SCALARS,), lambda b, h, i: (0,))
   args = (scalars, q_BQHD, k_BKHD, v_BKHD, query_ids_BQ, key_ids_BK, dout_BQHD, lse_BHQ,
           delta_BHQ)
-  settings = dict(causal=causal, rate=rate, heads=heads, stride=stride)
   # dk, dv: a grid over key blocks, each reading every query.
-  q_all, query_ids_all = rows(queries, None)
-  k_block, key_ids_block = rows(keys, block_k)
+  q_all, query_ids_all = _rows_spec(queries, None, depth)
+  k_block, key_ids_block = _rows_spec(keys, block_k, depth)
   dk_BKHD, dv_BKHD = _call(
-      functools.partial(_key_grads_kernel, block_q=block_q, **settings), 't2t_flash_dkv',
-      (batch, local_heads, keys // block_k),
-      [scalar_spec, q_all, k_block, k_block, query_ids_all, key_ids_block, q_all,
-       stats(queries, None), stats(queries, None)],
+      _key_grads_kernel, settings, 't2t_flash_dkv', (batch, local_heads, keys // block_k),
+      [_SCALARS_SPEC, q_all, k_block, k_block, query_ids_all, key_ids_block, q_all,
+       _stats_spec(queries, None), _stats_spec(queries, None)],
       [k_block, k_block],
       [jax.ShapeDtypeStruct(k_BKHD.shape, k_BKHD.dtype),
-       jax.ShapeDtypeStruct(v_BKHD.shape, v_BKHD.dtype)], interpret, *args)
+       jax.ShapeDtypeStruct(v_BKHD.shape, v_BKHD.dtype)], *args)
   # dq: a grid over query blocks, each reading every key.
-  q_block, query_ids_block = rows(queries, block_q)
-  k_all, key_ids_all = rows(keys, None)
+  q_block, query_ids_block = _rows_spec(queries, block_q, depth)
+  k_all, key_ids_all = _rows_spec(keys, None, depth)
   dq_BQHD = _call(
-      functools.partial(_query_grads_kernel, block_k=block_k, **settings), 't2t_flash_dq',
-      (batch, local_heads, queries // block_q),
-      [scalar_spec, q_block, k_all, k_all, query_ids_block, key_ids_all, q_block,
-       stats(queries, block_q), stats(queries, block_q)],
-      q_block, jax.ShapeDtypeStruct(q_BQHD.shape, q_BQHD.dtype), interpret, *args)
+      _query_grads_kernel, settings, 't2t_flash_dq', (batch, local_heads, queries // block_q),
+      [_SCALARS_SPEC, q_block, k_all, k_all, query_ids_block, key_ids_all, q_block,
+       _stats_spec(queries, block_q), _stats_spec(queries, block_q)],
+      q_block, jax.ShapeDtypeStruct(q_BQHD.shape, q_BQHD.dtype), *args)
   return None, dq_BQHD, dk_BKHD, dv_BKHD, None, None
 
 
@@ -282,15 +297,12 @@ def flash_attention(q_BQHD: Array, k_BKHD: Array, v_BKHD: Array,
   dropout at `rate` on the weights, its masks drawn from `seed` (a uint32 scalar; needed when
   rate > 0). The queries come scaled.
 
-  Under a mesh the kernels run per device (jax.shard_map over the axes the logical 'batch' and
-  'heads' axes map to); each device draws its rows' and heads' masks by their global indices,
-  so the masks do not depend on the mesh.
+  Under a mesh the kernels run per device (pallas_attention.per_device); each device draws its
+  rows' and heads' masks by their global indices, so the masks do not depend on the mesh.
   """
   batch, queries, heads, _ = q_BQHD.shape
   keys = k_BKHD.shape[1]
-  if rows is None:
-    rows = pallas_attention.SplashRows(jnp.zeros((batch, queries), jnp.int32),
-                                       jnp.zeros((batch, keys), jnp.int32), causal=False)
+  rows = rows or pallas_attention.every_key(batch, queries, keys)
   if rate and seed is None:
     raise ValueError('flash_attention: dropout (rate > 0) needs a seed')
   block_q, block_k = _block(queries, 64), _block(keys, 64)
@@ -298,40 +310,15 @@ def flash_attention(q_BQHD: Array, k_BKHD: Array, v_BKHD: Array,
   if padded_q * padded_k >= 2**32:  # The masks' uint32 counters would repeat.
     raise ValueError(f'flash_attention: {padded_q} x {padded_k} (padded) queries and keys is '
                      'too many for the dropout masks\' 32-bit counters')
-  pad = lambda x, to, **kw: jnp.pad(x, [(0, 0), (0, to - x.shape[1])] + [(0, 0)] * (x.ndim - 2),
-                                    **kw)
-  # Padding keys are seen by no query; padding queries see what the last real one sees.
-  query_ids_BQ = pad(rows.query_ids_BQ.astype(jnp.int32), padded_q, mode='edge')
-  key_ids_BK = pad(rows.key_ids_BK.astype(jnp.int32), padded_k,
-                   constant_values=pallas_attention.NO_QUERY_ID)
-  args = (pad(q_BQHD, padded_q), pad(k_BKHD, padded_k), pad(v_BKHD, padded_k), query_ids_BQ,
-          key_ids_BK)
+  settings = _Settings(rows.causal, float(rate), heads, block_q, block_k,
+                       pallas_attention.kernel_platform() == 'cpu', padded_k)
   seed = jnp.zeros((), jnp.uint32) if seed is None else seed
   seed_i32 = lax.bitcast_convert_type(jnp.asarray(seed, jnp.uint32), jnp.int32)
-  mesh = jax.sharding.get_abstract_mesh()
-  platform = (mesh.abstract_device.platform if not mesh.empty and mesh.abstract_device
-              else jax.default_backend())
-  settings = dict(causal=rows.causal, rate=float(rate), heads=heads, blocks=(block_q, block_k),
-                  interpret=platform == 'cpu', stride=padded_k)
 
   def attend(q, k, v, query_ids, key_ids, first_row, first_head):
     scalars = jnp.stack([seed_i32, first_row, first_head, jnp.int32(0)])
-    return _flash(scalars, q, k, v, query_ids, key_ids, *settings.values())
+    return _flash(settings, scalars, q, k, v, query_ids, key_ids)
 
-  if mesh.empty:
-    out_BQHD = attend(*args, jnp.int32(0), jnp.int32(0))
-  else:
-    batch_axes, _, head_axes, _ = nn.logical_to_mesh_axes(('batch', 'length', 'heads', 'kv'))
-    batch_axes = pallas_attention.dividing(batch_axes, batch, mesh)
-    head_axes = pallas_attention.dividing(head_axes, heads, mesh)
-
-    def per_device(q, k, v, query_ids, key_ids):
-      first = lambda axes, size: (jnp.int32(0) if axes is None
-                                  else lax.axis_index(axes).astype(jnp.int32) * size)
-      return attend(q, k, v, query_ids, key_ids, first(batch_axes, q.shape[0]),
-                    first(head_axes, q.shape[2]))
-
-    spec_BLHD, spec_BL = P(batch_axes, None, head_axes, None), P(batch_axes, None)
-    out_BQHD = jax.shard_map(per_device, in_specs=(spec_BLHD,) * 3 + (spec_BL,) * 2,
-                             out_specs=spec_BLHD, check_vma=False)(*args)
-  return out_BQHD[:, :queries]
+  padded = pallas_attention.padded_to_blocks(q_BQHD, k_BKHD, v_BKHD, rows.query_ids_BQ,
+                                             rows.key_ids_BK, padded_q, padded_k)
+  return pallas_attention.per_device(attend, *padded)[:, :queries]

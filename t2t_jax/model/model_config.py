@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from t2t_jax import ConfigError
 from t2t_jax import with_current_keys
 from t2t_jax.model import moe
+from t2t_jax.model.attention import SEGMENT_ID_IMPLS
 from t2t_jax.model.attention import attention_kinds
 from t2t_jax.model.positions import check_positions
 
@@ -162,7 +163,7 @@ def resolve_attention_impl(impl: str, dtype, head_dim: int, attention_dropout: f
     raise ConfigError("config.model.attention_impl='flash' runs Pallas GPU kernels (Triton), "
                       "not TPU ones: use 'pallas' (splash attention, no dropout on the "
                       "weights) or 'einsum' on a tpu platform.")
-  if impl in ('pallas', 'flash') and platform == 'cpu' and not problem:
+  if impl in SEGMENT_ID_IMPLS and platform == 'cpu' and not problem:
     _log_once(f"config.model.attention_impl={impl!r} runs its kernels in the Pallas "
               'interpreter on cpu: the same arithmetic, slowly (for tests).')
   if problem:
@@ -229,7 +230,7 @@ def check_family(config) -> None:
     raise ConfigError(f"{fused} runs the encoder-decoder only: the decoder-only model's "
                       "prefix mask is not given to cuDNN as sequence lengths (only a boolean "
                       "mask, which cuDNN mishandles). Use 'xla', 'einsum' or 'auto'.")
-  if (config.attention_impl in ('pallas', 'flash') and config.kind == 'decoder_only'
+  if (config.attention_impl in SEGMENT_ID_IMPLS and config.kind == 'decoder_only'
       and config.prefix_attention == 'full'):
     raise ConfigError(f"{fused} masks by segment ids and one causal pattern for every row, "
                       "which cannot say that each row's source (of its own length) sees later "

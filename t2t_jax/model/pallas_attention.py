@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import flax.linen as nn
 import jax
+from jax import lax
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 import jax.numpy as jnp
@@ -83,27 +84,67 @@ def splash_attention(q_BQHD: Array, k_BKHD: Array, v_BKHD: Array,
   """softmax(q k^T) v [B, Q, H, D] over the keys `rows` lets each query see (None: all).
 
   The queries come scaled (attention._Attention._queries), so the kernel does not scale them.
-  Under a mesh (jax.set_mesh) the kernel, which XLA cannot partition, runs per device under
-  jax.shard_map, split over the mesh axes the logical 'batch' and 'heads' axes map to.
+  Under a mesh (jax.set_mesh) the kernel, which XLA cannot partition, runs per device (see
+  `per_device`).
   """
-  if rows is None:
-    batch, queries, keys = q_BQHD.shape[0], q_BQHD.shape[1], k_BKHD.shape[1]
-    rows = SplashRows(jnp.zeros((batch, queries), jnp.int32),
-                      jnp.zeros((batch, keys), jnp.int32), causal=False)
+  rows = rows or every_key(q_BQHD.shape[0], q_BQHD.shape[1], k_BKHD.shape[1])
+  attend = functools.partial(_attend, causal=rows.causal, interpret=kernel_platform() == 'cpu')
+  return per_device(lambda *args, first_row, first_head: attend(*args), q_BQHD, k_BKHD, v_BKHD,
+                    rows.query_ids_BQ, rows.key_ids_BK)
+
+
+def every_key(batch: int, queries: int, keys: int) -> SplashRows:
+  """Rows in which every query sees every key."""
+  return SplashRows(jnp.zeros((batch, queries), jnp.int32), jnp.zeros((batch, keys), jnp.int32),
+                    causal=False)
+
+
+def kernel_platform() -> str:
+  """Where a kernel traced now will run: the mesh's platform under one, else JAX's default."""
   mesh = jax.sharding.get_abstract_mesh()
-  platform = (mesh.abstract_device.platform if not mesh.empty and mesh.abstract_device
-              else jax.default_backend())
-  attend = functools.partial(_attend, causal=rows.causal, interpret=platform == 'cpu')
-  args = (q_BQHD, k_BKHD, v_BKHD, rows.query_ids_BQ, rows.key_ids_BK)
+  return (mesh.abstract_device.platform if not mesh.empty and mesh.abstract_device
+          else jax.default_backend())
+
+
+def per_device(attend, q_BQHD: Array, k_BKHD: Array, v_BKHD: Array, query_ids_BQ: Array,
+               key_ids_BK: Array) -> Array:
+  """attend(q, k, v, query_ids, key_ids, first_row=, first_head=) [B, Q, H, D] over the whole
+  arrays, or under a mesh per device in a jax.shard_map split over the mesh axes the logical
+  'batch' and 'heads' axes map to, with the global index of the device's first row and head.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
-    return attend(*args)
+    return attend(q_BQHD, k_BKHD, v_BKHD, query_ids_BQ, key_ids_BK, first_row=jnp.int32(0),
+                  first_head=jnp.int32(0))
   batch_axes, _, head_axes, _ = nn.logical_to_mesh_axes(('batch', 'length', 'heads', 'kv'))
   batch_axes = dividing(batch_axes, q_BQHD.shape[0], mesh)
   head_axes = dividing(head_axes, q_BQHD.shape[2], mesh)
+
+  def on_device(q, k, v, query_ids, key_ids):
+    first = lambda axes, size: (jnp.int32(0) if axes is None
+                                else lax.axis_index(axes).astype(jnp.int32) * size)
+    return attend(q, k, v, query_ids, key_ids, first_row=first(batch_axes, q.shape[0]),
+                  first_head=first(head_axes, q.shape[2]))
+
   spec_BLHD, spec_BL = P(batch_axes, None, head_axes, None), P(batch_axes, None)
-  # Unchecked: the kernel's pallas_call declares no per-axis variance of its outputs.
-  return jax.shard_map(attend, in_specs=(spec_BLHD,) * 3 + (spec_BL,) * 2,
-                       out_specs=spec_BLHD, check_vma=False)(*args)
+  # Unchecked: a pallas_call declares no per-axis variance of its outputs.
+  return jax.shard_map(on_device, in_specs=(spec_BLHD,) * 3 + (spec_BL,) * 2,
+                       out_specs=spec_BLHD, check_vma=False)(
+                           q_BQHD, k_BKHD, v_BKHD, query_ids_BQ, key_ids_BK)
+
+
+def padded_to_blocks(q_BQHD: Array, k_BKHD: Array, v_BKHD: Array, query_ids_BQ: Array,
+                     key_ids_BK: Array, padded_q: int, padded_k: int) -> tuple[Array, ...]:
+  """The arrays padded along their lengths to `padded_q` queries and `padded_k` keys.
+
+  Padding keys are seen by no query; padding queries copy the last real query's id, so they
+  see what it sees and never an empty row (their outputs are sliced off: no gradient).
+  """
+  pad = lambda x, to, **kw: jnp.pad(x, [(0, 0), (0, to - x.shape[1])] + [(0, 0)] * (x.ndim - 2),
+                                    **kw)
+  return (pad(q_BQHD, padded_q), pad(k_BKHD, padded_k), pad(v_BKHD, padded_k),
+          pad(query_ids_BQ.astype(jnp.int32), padded_q, mode='edge'),
+          pad(key_ids_BK.astype(jnp.int32), padded_k, constant_values=NO_QUERY_ID))
 
 
 def dividing(axes, size: int, mesh):
@@ -129,14 +170,9 @@ def _attend(q_BQHD, k_BKHD, v_BKHD, query_ids_BQ, key_ids_BK, *, causal: bool,
   queries, keys, heads = q_BQHD.shape[1], k_BKHD.shape[1], q_BQHD.shape[2]
   block_q, block_k = _block(queries), _block(keys)
   padded_q, padded_k = -(-queries // block_q) * block_q, -(-keys // block_k) * block_k
-  # Padding keys are seen by no query; padding queries copy the last real query's id, so they
-  # see what it sees and never an empty row (their outputs are sliced off: no gradient).
-  pad = lambda x, to, **kw: jnp.pad(x, [(0, 0), (0, to - x.shape[1])] + [(0, 0)] * (x.ndim - 2),
-                                    **kw)
-  query_ids_BQ = pad(query_ids_BQ, padded_q, mode='edge')
-  key_ids_BK = pad(key_ids_BK, padded_k, constant_values=NO_QUERY_ID)
-  q_BHQD = pad(q_BQHD, padded_q).transpose(0, 2, 1, 3)
-  k_BHKD, v_BHKD = (pad(x, padded_k).transpose(0, 2, 1, 3) for x in (k_BKHD, v_BKHD))
+  q_BQHD, k_BKHD, v_BKHD, query_ids_BQ, key_ids_BK = padded_to_blocks(
+      q_BQHD, k_BKHD, v_BKHD, query_ids_BQ, key_ids_BK, padded_q, padded_k)
+  q_BHQD, k_BHKD, v_BHKD = (x.transpose(0, 2, 1, 3) for x in (q_BQHD, k_BKHD, v_BKHD))
   shape = (padded_q, padded_k)
   head_mask = masks.CausalMask(shape) if causal else masks.FullMask(shape)
   kernel = splash.make_splash_mha(
