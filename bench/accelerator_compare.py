@@ -22,7 +22,8 @@ keys are ShapeDtypeStructs: no array is made.
 Equal work, as bench/compare.py builds it (the reference's step is its `reference_step`):
 pre-LN (the example is pre-LN), dropout 0.1 on every residual, on the attention weights (so
 t2t_jax's attention is einsum, or with --attention_impl=flash on a GPU its flash kernels, the
-ones with attention dropout) and on the feed-forward hidden
+ones with attention dropout; with --loss_impl=fused its output layer and loss are its fused
+kernels) and on the feed-forward hidden
 units (the example drops them at its residual rate), label smoothing 0.1, bfloat16 compute and
 float32 parameters, one embedding matrix shared by source, target and output, Adam. t2t_jax
 computes its loss in chunks of configs/wmt14_ende.py's 4096 tokens (one chunk at these
@@ -120,6 +121,9 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
   flags.DEFINE_enum('attention_impl', 'einsum', ['einsum', 'flash'], "t2t_jax's attention: "
                     "einsum, or 'flash' (its Pallas kernels with attention dropout; GPU "
                     'targets).', flag_values=flag_values)
+  flags.DEFINE_enum('loss_impl', 'xla', ['xla', 'fused'], "t2t_jax's output layer and loss: "
+                    "'xla' (in chunks), or 'fused' (its Pallas kernels, no logits stored; GPU "
+                    'targets).', flag_values=flag_values)
   flags.DEFINE_string('reference_dir', '../shared/anchor/flax_wmt',
                       "Flax's examples/wmt (models.py, train.py); relative to the cwd.",
                       flag_values=flag_values)
@@ -147,11 +151,12 @@ def model_shape(name: str) -> common.Shape:
                       model.num_encoder_layers, model.num_heads, ROWS[name], LENGTH)
 
 
-def t2t_config(shape: common.Shape, attention_impl: str = 'einsum'):
+def t2t_config(shape: common.Shape, attention_impl: str = 'einsum', loss_impl: str = 'xla'):
   """The t2t_jax config of `shape`: pre-LN, dropout 0.1 everywhere, bfloat16, one device."""
   chunk = wmt14_ende.get_config().opt.loss_chunk_tokens
   return common.t2t_config(shape, DROPOUT, 'pre', DTYPE, (
-      f'opt.loss_chunk_tokens={chunk}', f'model.attention_impl={attention_impl}'))
+      f'opt.loss_chunk_tokens={chunk}', f'model.attention_impl={attention_impl}',
+      f'opt.loss_impl={loss_impl}'))
 
 
 @dataclasses.dataclass
@@ -339,7 +344,8 @@ def ratio_line(t2t: dict, reference: dict) -> dict:
 
 
 def compare_on(target_name: str, model: str, reference, record: dict,
-               hlo_dir: str = '', attention_impl: str = 'einsum') -> list[dict]:
+               hlo_dir: str = '', attention_impl: str = 'einsum',
+               loss_impl: str = 'xla') -> list[dict]:
   """The lines of one model on one target: t2t_jax's, the example's, their ratio."""
   target = targets.parse(target_name)
   if target.num_devices != 1:
@@ -347,8 +353,9 @@ def compare_on(target_name: str, model: str, reference, record: dict,
                      'chip (tpu:v5e-1, tpu:v5p-2, gpu:h100x1, ...)')
   [device] = targets.devices(target)
   shape = model_shape(model)
-  config = t2t_config(shape, attention_impl)
-  head = {**record, 'attention_impl': attention_impl, 'target': target.name,
+  config = t2t_config(shape, attention_impl, loss_impl)
+  head = {**record, 'attention_impl': attention_impl, 'loss_impl': loss_impl,
+          'target': target.name,
           'device_kind': device.device_kind,
           'compiler': dry_run.compiler_version(target), 'model': model,
           **{key: value for key, value in dataclasses.asdict(shape).items()
@@ -393,7 +400,7 @@ def run(args) -> list[dict]:
   for target_name in args.targets:
     for model in models:
       for line in compare_on(target_name, model, reference, record, args.hlo_dir,
-                             args.attention_impl):
+                             args.attention_impl, args.loss_impl):
         text = cli.json_line(line)
         print(text, flush=True)
         with open(out, 'a') as f:

@@ -150,6 +150,9 @@ def get_config():
   opt.label_smoothing = 0.1  # Mass spread uniformly over the other vocabulary entries.
   opt.grad_accum_steps = 1  # Micro-batches per update; data.batch_tokens stays the whole batch.
   opt.loss_chunk_tokens = 512  # Output softmax + loss over chunks of this many tokens; 0: whole.
+  # 'xla': the output layer and loss as XLA ops; 'fused' (GPU): as Pallas kernels that store no
+  # [tokens, vocab] logits (training/fused_loss.py; opt.loss_chunk_tokens does not apply).
+  opt.loss_impl = 'xla'
   opt.ema_decay = 0.0  # > 0: also keep, evaluate and save a moving average of the weights.
 
   train = config.train = ml_collections.ConfigDict()

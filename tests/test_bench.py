@@ -254,18 +254,19 @@ def test_accelerator_command_measures_flags_decoding_reference_and_speedrun_on_c
 @pytest.mark.slow
 @pytest.mark.skipif(not os.path.isfile(os.path.join(REFERENCE_DIR, 'models.py')),
                     reason=f"Flax's WMT example (the reference) is not at {REFERENCE_DIR}")
-@pytest.mark.parametrize('target, compiler, attention', [
-    ('tpu:v5e-1', 'libtpu', 'einsum'), ('gpu:h100x1', 'cuda_compiler', 'einsum'),
-    ('gpu:h100x1', 'cuda_compiler', 'flash')])
+@pytest.mark.parametrize('target, compiler, attention, loss', [
+    ('tpu:v5e-1', 'libtpu', 'einsum', 'xla'), ('gpu:h100x1', 'cuda_compiler', 'einsum', 'xla'),
+    ('gpu:h100x1', 'cuda_compiler', 'flash', 'xla'),
+    ('gpu:h100x1', 'cuda_compiler', 'einsum', 'fused')])
 def test_accelerator_compare_reads_both_steps_with_one_cost_model(target, compiler, attention,
-                                                                  request, tmp_path):
+                                                                  loss, request, tmp_path):
   request.getfixturevalue(compiler)  # Skips, with the reason, where the compiler is missing.
   out = tmp_path / 'results' / 'compare.jsonl'
   env = dict(os.environ, PYTHONPATH=ROOT)
   env.pop('XLA_FLAGS', None)
   process = subprocess.run([sys.executable, os.path.join(ROOT, 'bench', 'accelerator_compare.py'),
                             '--size=tiny', f'--targets={target}', f'--out={out}',
-                            f'--attention_impl={attention}',
+                            f'--attention_impl={attention}', f'--loss_impl={loss}',
                             f'--reference_dir={REFERENCE_DIR}'], cwd=ROOT, env=env,
                            capture_output=True, text=True, timeout=300, check=False)
   assert process.returncode == 0, process.stderr[-3000:]
@@ -281,10 +282,13 @@ def test_accelerator_compare_reads_both_steps_with_one_cost_model(target, compil
   by_hand = (6 * tokens * ((4 * d * d + 2 * d * ff) + 2 * d * d + (6 * d * d + 2 * d * ff)
                            + d * vocab) + 3 * 4 * d * (tokens * length + tokens * 2 * length))
   assert {line['attention_impl'] for line in lines} == {attention}
+  assert {line['loss_impl'] for line in lines} == {loss}
   # The flash kernels' backward computes the scores again: 2 + 3 + 4 products of B Q K D per
-  # head and layer where einsum's forward and backward do 2 + 4.
+  # head and layer where einsum's forward and backward do 2 + 4. The fused loss computes the
+  # logits again too: one more [tokens, vocab] product (the vocabulary is whole blocks here).
   per_layer = 2 * tokens * length * d * (0 if attention == 'einsum' else 9 - 6)
-  for line, extra in ((t2t, per_layer * 3), (reference, 0)):
+  output_layer = 2 * tokens * vocab * d * (loss == 'fused')
+  for line, extra in ((t2t, per_layer * 3 + output_layer), (reference, 0)):
     assert line['hbm_bytes_per_step'] > 0 and line['kernels_per_step'] > 0
     assert line['analytic_flops_per_step'] == by_hand
     # The cost model counts the matrix products, which are the analytic count.

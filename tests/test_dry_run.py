@@ -256,6 +256,37 @@ def test_flash_attention_compiles_for_an_h100_inside_the_train_step(cuda_compile
 
 
 @pytest.mark.slow
+def test_the_fused_loss_compiles_for_an_h100_inside_the_train_step(cuda_compiler, tiny_config,
+                                                                 no_persistent_cache):
+  """opt.loss_impl='fused': its two kernels compiled by XLA's Triton path for an H100 (not
+  interpreted), each counted as one matrix product of the tokens by the padded vocabulary,
+  and no [tokens, vocab] logits left but the backward's gradient, which the two library
+  matrix products read."""
+  del cuda_compiler, no_persistent_cache
+  config = tiny_config
+  config.model.dtype, config.opt.loss_impl = 'bfloat16', 'fused'
+  hlo, rows, length = _train_step_hlo(config, 'einsum', 'gpu:h100x1')
+  calls = [line for line in hlo.splitlines() if '__gpu$xla.gpu.triton' in line]
+  for kernel in ('t2t_fused_loss_fwd', 't2t_fused_loss_grad'):
+    assert len([c for c in calls if f'"{kernel}"' in c.replace('\\"', '"')]) == 1, kernel
+  cost = hlo_cost.analyse(hlo, 1)
+  fused = [k for k in cost.kernels if k.opcode == 'custom-call' and '__gpu' not in k.name]
+  tokens, width = rows * length, config.model.d_model
+  padded_vocab = fused[0].flops / (2 * tokens * width)
+  assert len(fused) == 2 and fused[0].flops == fused[1].flops
+  assert padded_vocab == int(padded_vocab) and 12 <= padded_vocab < 12 + 64
+
+
+def test_sizes_and_times_read_without_exponents():
+  assert dry_run_lib.human_bytes(1010 * 2**20) == '1010 MiB'
+  assert dry_run_lib.human_bytes(2.314 * 2**30) == '2.31 GiB'
+  assert dry_run_lib.human_bytes(100) == '100 B'
+  assert dry_run_lib.human_seconds(0.0012345) == '1.23 ms'
+  assert dry_run_lib.human_seconds(2.5) == '2500 ms'
+  assert dry_run_lib.human_seconds(0.000999) == '999 us'
+
+
+@pytest.mark.slow
 def test_two_slices_reduce_over_the_data_centre_network(libtpu, tiny_config):
   del libtpu
   tiny_config.mesh.shape = (2, 8, 1)  # config.mesh.dcn_data left at 1: the target sets it.

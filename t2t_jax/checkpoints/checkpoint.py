@@ -37,8 +37,8 @@ RNG, DATA = 'rng', 'data'  # Items of a training checkpoint beside STATE and CON
 # Config keys a resume may change: where, how often and how fast the run computes, what it
 # evaluates and saves, and where its data lies; not what it trains. Each change is logged.
 MAY_CHANGE = ('name', 'train.', 'eval.', 'ckpt.', 'mesh.', 'opt.grad_accum_steps',
-              'opt.loss_chunk_tokens', 'opt.ema_decay', 'model.remat', 'model.attention_impl',
-              'model.dtype', 'data.data_dir', 'data.cache_dir', 'data.tfds_data_dir',
+              'opt.loss_chunk_tokens', 'opt.loss_impl', 'opt.ema_decay', 'model.remat',
+              'model.attention_impl', 'model.dtype', 'data.data_dir', 'data.cache_dir', 'data.tfds_data_dir',
               'data.tfds_manual_dir', 'data.row_multiple')
 TMP_MARK = '.orbax-checkpoint-tmp'  # In the name of a folder orbax has not finished writing.
 

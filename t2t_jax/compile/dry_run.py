@@ -361,11 +361,16 @@ def command(config, target: str = '') -> None:
                       'config.model.dtype=bfloat16.')
 
 
+def _figures(x: float) -> str:
+  """Three significant figures, without an exponent: '2.31', '816', '1010'."""
+  return f'{x:.3g}' if abs(x) < 1000 else f'{x:.0f}'
+
+
 def human_bytes(n: float) -> str:
-  """'2.31 GiB', '816 KiB': binary units, three significant figures."""
+  """'2.31 GiB', '816 KiB', '1010 MiB': binary units, three significant figures."""
   for unit, size in (('GiB', 2**30), ('MiB', 2**20), ('KiB', 2**10)):
     if abs(n) >= size:
-      return f'{n / size:.3g} {unit}'
+      return f'{_figures(n / size)} {unit}'
   return f'{n:.0f} B'
 
 
@@ -376,7 +381,7 @@ def _short_op_name(op_name: str, width: int = 90) -> str:
 
 
 def human_seconds(s: float) -> str:
-  return f'{s * 1e3:.3g} ms' if s >= 1e-3 else f'{s * 1e6:.3g} us'
+  return f'{_figures(s * 1e3)} ms' if s >= 1e-3 else f'{_figures(s * 1e6)} us'
 
 
 def table(result: dict) -> str:

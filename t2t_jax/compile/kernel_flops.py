@@ -1,6 +1,7 @@
 """FLOPs of the kernels in a compiled program's optimised HLO, for hlo_cost.py: dots and
-convolutions from their dimension numbers, library calls the compiler emitted (cuBLAS GEMMs)
-and fused attention kernels (splash, cuDNN, t2t_jax's flash kernels) from their shapes.
+convolutions from their dimension numbers, library calls the compiler emitted (cuBLAS GEMMs),
+fused attention kernels (splash, cuDNN, t2t_jax's flash kernels) and t2t_jax's fused loss
+kernels from their shapes.
 """
 
 import math
@@ -79,6 +80,22 @@ _ATTENTION_MATMULS = (
     ('target', re.compile(r'^__cudnn\$fmha'), 2, -3))
 
 
+# The fused output layer and loss (training/fused_loss.py): each kernel multiplies the hidden
+# states [T, E] by the (padded) output matrix [V, E] once.
+_OUTPUT_LAYER_KERNEL = re.compile(r'name = \\?"t2t_fused_loss_(fwd|grad)')
+
+
+def _output_layer_flops(ins: hlo_text.Instruction, table) -> tuple[float, str] | None:
+  """2 T V E of a fused loss kernel, from its first two operands; None if it is not one."""
+  if not _OUTPUT_LAYER_KERNEL.search(ins.attributes):
+    return None
+  arrays = [hlo_text.arrays(table[name].shape)[0] for name in ins.operands[:2] if name in table]
+  if len(arrays) < 2 or any(len(dims) != 2 for _, dims, _ in arrays):
+    return None
+  (dtype, (tokens, width), _), (_, (vocab, _), _) = arrays
+  return 2.0 * tokens * vocab * width, dtype
+
+
 def _attention_flops(ins: hlo_text.Instruction, table, target: str) -> tuple[float, str] | None:
   """FLOPs of a fused attention kernel, from its query and key shapes ([B, H, Q, D] and
   [B, H, K, D] for splash, whose B goes where a device holds one row; [B, Q, H, D] and
@@ -101,9 +118,10 @@ def library_call_flops(ins: hlo_text.Instruction, table) -> tuple[float, str]:
   dimensions are in the backend config), fused attention (splash, cuDNN); 0 for calls whose
   arithmetic is not known here."""
   target = re.search(r'custom_call_target="([^"]*)"', ins.attributes)
-  attention = _attention_flops(ins, table, target.group(1) if target else '')
-  if attention is not None:
-    return attention
+  fused = (_attention_flops(ins, table, target.group(1) if target else '')
+           or _output_layer_flops(ins, table))
+  if fused is not None:
+    return fused
   if not target or not any(word in target.group(1).lower() for word in ('gemm', 'matmul')):
     return 0.0, ''
   first = table.get(ins.operands[0]) if ins.operands else None

@@ -328,6 +328,14 @@ class Transformer(nn.Module):
                        inputs_segments_BK, targets_segments_BL, return_hidden)
 
 
+def output_matrix(params, config: TransformerConfig) -> Array:
+  """The output layer's [V, E] parameter matrix (the logits are y matrix^T, in the compute
+  dtype): the tied embedding, or the output kernel transposed."""
+  if config.tie_output:
+    return params['embedding']['embedding']
+  return params['output_projection']['kernel'].T
+
+
 def output_params(params, config: TransformerConfig) -> dict:
   """The parameters `Transformer.output_logits` reads: the tied embedding or the output kernel."""
   name = 'embedding' if config.tie_output else 'output_projection'

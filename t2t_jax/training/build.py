@@ -16,6 +16,7 @@ from t2t_jax.model.decoder_only import make_model
 from t2t_jax.model.model_config import TransformerConfig
 from t2t_jax.training import optim
 from t2t_jax.training import step
+from t2t_jax.training import tasks
 
 
 @dataclasses.dataclass
@@ -72,8 +73,8 @@ def abstract_params(model_config: TransformerConfig, mesh, axis_rules):
 
 def build(config, vocab_size: int, mesh=None, objective: Callable | None = None) -> Setup:
   """Model, optimiser and the jitted init/train/eval with shardings from the logical axes;
-  the steps compute `objective` (a task's, training/task.py; None: step.model_metrics)."""
-  objective = objective or step.model_metrics
+  the steps compute `objective` (a task's, training/task.py; None: the config's task's)."""
+  objective = objective or tasks.for_config(config).objective
   mesh = mesh if mesh is not None else sharding.make_mesh(config.mesh)
   axis_rules = sharding.rules(config.mesh)
   model_config = TransformerConfig.from_config(config.model, vocab_size,

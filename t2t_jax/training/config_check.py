@@ -20,7 +20,9 @@ from t2t_jax.decoding import translator
 from t2t_jax.model import positions
 from t2t_jax.model import prng
 from t2t_jax.model.model_config import MODEL_KINDS, PREFIX_ATTENTION, TransformerConfig
+from t2t_jax.training import fused_loss
 from t2t_jax.training import optim
+from t2t_jax.training import step
 
 _INF = math.inf
 # key: (lowest, highest, whether the lowest itself is allowed). Highest is always allowed.
@@ -101,6 +103,7 @@ CHOICES = {
     'eval.dtype': translator.DECODE_DTYPES,
     'eval.length_penalty': translator.LENGTH_PENALTIES,
     'model.positions': positions.POSITION_KINDS,
+    'opt.loss_impl': step.LOSS_IMPLS,
 }
 
 
@@ -152,6 +155,7 @@ def check(config, mesh: bool = True, devices=None) -> None:
   if mesh and devices is None:
     devices = jax.devices()
   platform = devices[0].platform if devices else None  # None: checks that need one wait.
+  problems += _loss_problems(config, platform)
   for call in (lambda: TransformerConfig.from_config(config.model, data.vocab_size(config),
                                                      platform=platform),
                lambda: prng.impl(config.model.dropout_prng),
@@ -212,6 +216,25 @@ def _profile_problems(train) -> list[str]:
     return [f'config.train.profile_steps={steps!r} ends after config.train.num_steps='
             f'{train.num_steps}, the last step the run trains: end the window by then']
   return []
+
+
+def _loss_problems(config, platform: str | None) -> list[str]:
+  """What the fused loss kernels (fused_loss.py) cannot run: a TPU, an encoder-only model's
+  heads (their losses are not over the token vocabulary), an unsupported hidden width."""
+  if config.opt.loss_impl != 'fused':
+    return []
+  problems = []
+  if platform == 'tpu':
+    problems.append("config.opt.loss_impl='fused' runs Triton (GPU) kernels, which a TPU "
+                    "cannot: use loss_impl='xla' (with opt.loss_chunk_tokens) on a TPU")
+  if config.model.kind == 'encoder_only':
+    problems.append("config.opt.loss_impl='fused' computes the token loss of translation and "
+                    "language models; an encoder-only model's heads need loss_impl='xla'")
+  if not fused_loss.supported_width(config.model.d_model):
+    problems.append(f"config.opt.loss_impl='fused' needs config.model.d_model (got "
+                    f'{config.model.d_model}) a multiple of 16 whose slices of at most 128 are '
+                    "powers of two: use loss_impl='xla'")
+  return problems
 
 
 def _kind_and_source_problems(config) -> list[str]:

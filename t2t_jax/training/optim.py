@@ -13,7 +13,7 @@ from t2t_jax import ConfigError
 from t2t_jax import PAD_ID
 
 
-def _smoothed_target(vocab_size: int, label_smoothing: float) -> tuple[float, float, float]:
+def smoothed_target(vocab_size: int, label_smoothing: float) -> tuple[float, float, float]:
   """The target's probability, every other entry's, and the distribution's entropy."""
   confidence = 1.0 - label_smoothing
   low = label_smoothing / (vocab_size - 1)
@@ -31,7 +31,7 @@ def smoothed_cross_entropy(logits_BLV: jax.Array, targets_BL: jax.Array,
   (confidence - low) * log p_target.
   """
   vocab_size = logits_BLV.shape[-1]
-  confidence, low, entropy = _smoothed_target(vocab_size, label_smoothing)
+  confidence, low, entropy = smoothed_target(vocab_size, label_smoothing)
   log_probs_BLV = jax.nn.log_softmax(logits_BLV.astype(jnp.float32))
   target_log_prob_BL = jnp.take_along_axis(log_probs_BLV, targets_BL[..., None], -1)[..., 0]
   cross_entropy_BL = -(low * log_probs_BLV.sum(-1) + (confidence - low) * target_log_prob_BL)
@@ -59,7 +59,7 @@ def metrics_and_logits_grad(logits_TV: jax.Array, targets_T: jax.Array,
   (argmax, up to exact ties), which reuses the softmax's maximum instead of another reduction.
   """
   vocab_size = logits_TV.shape[-1]
-  confidence, low, entropy = _smoothed_target(vocab_size, label_smoothing)
+  confidence, low, entropy = smoothed_target(vocab_size, label_smoothing)
   # Every [T, V] pass reads the logits as they came (bfloat16: half the bytes) and widens
   # them itself; the target's logit is gathered from them too, so no float32 [T, V] array
   # is needed by two passes and written out between them.

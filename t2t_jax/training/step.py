@@ -13,8 +13,13 @@ import optax
 
 from t2t_jax.model import moe
 from t2t_jax.model import prng
+from t2t_jax.model.transformer import output_matrix
 from t2t_jax.model.transformer import output_params
+from t2t_jax.training import fused_loss
 from t2t_jax.training import optim
+
+# How the output layer and the loss over the vocabulary run (config.opt.loss_impl).
+LOSS_IMPLS = ('xla', 'fused')
 
 
 @flax.struct.dataclass
@@ -35,8 +40,10 @@ def apply_model(model: nn.Module, params, batch: dict, **kwargs) -> jax.Array:
 
 
 def model_metrics(model: nn.Module, params, batch: dict, label_smoothing: float,
-                  loss_chunk_tokens: int = 0, **kwargs) -> dict[str, jax.Array]:
-  """Metric sums of the model on a batch: from whole logits, or chunk by chunk of tokens.
+                  loss_chunk_tokens: int = 0, loss_impl: str = 'xla',
+                  **kwargs) -> dict[str, jax.Array]:
+  """Metric sums of the model on a batch: from whole logits, chunk by chunk of tokens, or
+  with `loss_impl='fused'` from the kernels of fused_loss.py, which store no logits.
 
   A model with experts adds 'moe_aux_loss' (the layers' mean load-balancing loss times the
   batch's target tokens, so sums over batches divide by 'weight' as the loss does),
@@ -48,7 +55,13 @@ def model_metrics(model: nn.Module, params, batch: dict, label_smoothing: float,
     kwargs['mutable'] = [moe.COLLECTION]
   # The loss over the vocabulary (the output projection with it) under the scope 'loss': the
   # dry run's bytes by part read it from the compiled program's metadata.
-  if not loss_chunk_tokens:
+  if loss_impl == 'fused':
+    output = apply_model(model, params, batch, return_hidden=True, **kwargs)
+    hidden_BLE, sown = output if with_experts else (output, None)
+    with jax.named_scope('loss'):
+      metrics = fused_loss.fused_metrics(hidden_BLE, output_matrix(params, model.config),
+                                         batch['targets'], label_smoothing)
+  elif not loss_chunk_tokens:
     output = apply_model(model, params, batch, **kwargs)
     logits_BLV, sown = output if with_experts else (output, None)
     with jax.named_scope('loss'):

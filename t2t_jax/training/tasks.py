@@ -4,6 +4,7 @@ perplexity alone; masked-LM pre-training of an encoder, judged by the masked tok
 accuracy; and classification or regression, judged by scikit-learn's and SciPy's figures. A new
 kind of run adds its task here; the loop does not change."""
 
+import dataclasses
 import functools
 
 from t2t_jax.data import classification
@@ -31,7 +32,11 @@ def for_config(config) -> Task:
           encoder_tasks.mlm_metrics, rate=config.data.mlm_rate,
           whole_word=config.data.whole_word_masking))
     return CLASSIFIER
-  return LANGUAGE_MODEL if config.data.source == 'lm' else TRANSLATION
+  task = LANGUAGE_MODEL if config.data.source == 'lm' else TRANSLATION
+  if config.opt.loss_impl != 'xla':
+    task = dataclasses.replace(task, objective=functools.partial(
+        step.model_metrics, loss_impl=config.opt.loss_impl))
+  return task
 
 
 def fill_labels(config) -> None:
