@@ -12,7 +12,8 @@ whose last line is the figure the recipe reports (tokenised BLEU as configured).
 upper bounds are the settings named by --lower (parallel) and --upper (all). A bound measured
 by another command (the upper one is configs/multi30k.py:speedrun on the same files) is given
 by its seeds' figures instead, e.g. --upper_bleu=42.70,42.46,41.86. One JSON line per setting,
-then a markdown table.
+then a markdown table; its minutes average the runs trained by one process (a resumed run's
+final.json times only its last process).
 """
 
 import json
@@ -45,15 +46,23 @@ def bleu_of(path: str) -> float:
   return float(found['bleu'])
 
 
+def resumed(run: str) -> bool:
+  """Whether more than one training process wrote to the run (each writes its own TensorBoard
+  events file): its final.json's train_seconds then counts only the last one's."""
+  return len([name for name in os.listdir(run) if name.startswith('events.out.tfevents')]) > 1
+
+
 def settings(root: str) -> dict[str, list[dict]]:
-  """{setting: [{seed, bleu, train_seconds} of each evaluated run]}, seeds in order."""
+  """{setting: [{seed, bleu, train_seconds} of each evaluated run]}, seeds in order; a resumed
+  run's train_seconds is None (final.json has only its last process's)."""
   found = {}
   for name in sorted(os.listdir(root)):
     match = RUN_NAME.match(name)
     evaluation = os.path.join(root, name, EVALUATION)
     if not match or not os.path.isfile(evaluation):
       continue
-    final = workdir_layout.read_final(os.path.join(root, name)) or {}
+    run = os.path.join(root, name)
+    final = {} if resumed(run) else workdir_layout.read_final(run) or {}
     found.setdefault(match['setting'], []).append(
         {'seed': int(match['seed']), 'bleu': bleu_of(evaluation),
          'train_seconds': final.get('train_seconds')})
@@ -110,7 +119,7 @@ def main(argv):
     print(f"| {setting} | {row['runs']} | {row['mean']:.2f} ± {row['std']:.2f} | "
           f"{row['min']:.2f}-{row['max']:.2f} | "
           f"{'' if share is None else f'{100 * share:.0f}%'} | "
-          f"{f'{statistics.fmean(minutes):.1f}' if minutes else 'elsewhere'} |")
+          f"{f'{statistics.fmean(minutes):.1f}' if minutes else 'not measured'} |")
 
 
 FLAGS = flags.FLAGS

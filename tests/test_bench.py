@@ -382,6 +382,9 @@ def test_backtranslation_table_averages_seeds_and_measures_the_gap_closed(tmp_pa
   for name, bleu in (('parallel_s0', 30.0), ('parallel_s1', 32.0), ('all_s0', 40.0),
                      ('all_s1', 42.0), ('mix_beam_s0', 37.5)):
     _evaluated_run(tmp_path, name, bleu, seconds=600.0)
+  _evaluated_run(tmp_path, 'mix_beam_s1', 38.5, seconds=100.0)
+  for process in (1, 2):  # Resumed: a second process wrote a second events file.
+    (tmp_path / 'mix_beam_s1' / f'events.out.tfevents.{process}.vm').write_text('')
   _evaluated_run(tmp_path, 'unscored_s0', 0.0)
   os.remove(tmp_path / 'unscored_s0' / 'eval_avg10_beam5.txt')  # Still training: left out.
   os.makedirs(tmp_path / 'not_a_run')
@@ -390,7 +393,8 @@ def test_backtranslation_table_averages_seeds_and_measures_the_gap_closed(tmp_pa
   parallel = table.summary(found['parallel'])
   assert (parallel['mean'], parallel['min'], parallel['max']) == (31.0, 30.0, 32.0)
   assert parallel['std'] == pytest.approx(math.sqrt(2.0))  # Sample deviation of 30 and 32.
-  assert table.summary(found['mix_beam'])['std'] == 0.0
+  mix = table.summary(found['mix_beam'])
+  assert mix['mean'] == 38.0 and mix['train_seconds'] == [600.0, None]
   # Bounds 31 and 41: 37.5 closes 6.5 of the 10 points.
   assert table.recovered(37.5, 31.0, 41.0) == pytest.approx(0.65)
   assert table.recovered(37.5, None, 41.0) is None
