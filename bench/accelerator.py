@@ -15,11 +15,13 @@ Parts (--parts), each printing one JSON line per measurement and appending it to
   xla_ab      the base step at 25k slots under each flag set of t2t_jax/runtime.py's
               AB_FLAG_SETS, each in a subprocess of its own (XLA reads XLA_FLAGS once, at
               backend start), and which set was fastest.
-  attention   einsum, xla and cudnn attention in the base model at 64- and 256-token rows:
+  attention   einsum, xla, cudnn and flash attention in the base model at 64- and 256-token rows:
               train-step time, and logits and gradients against float32 einsum's on the
               same parameters and batch (relative L2 error; attention_lines says when an
               implementation counts as equal); an implementation that cannot run
               here gives a line with the reason. --size=tiny: one length, 32.
+  loss        the base step at 25k slots with opt.loss_impl 'xla' (chunks of 4,096 tokens)
+              and 'fused' (training/fused_loss.py's kernels), timed beside the prediction.
   decode      greedy and beam-4 sentences/s of a base-sized random-weight model
               (bench/decode_speed.py's search), 64 sources of 32 tokens, 40 output tokens.
   compare     the train step beside Flax's WMT example at base (bench/compare.py), 2 rounds.
@@ -67,7 +69,7 @@ from t2t_jax.model import flops
 from t2t_jax.model.transformer import Transformer
 from t2t_jax.training import train
 
-PARTS = ('train_step', 'xla_ab', 'attention', 'decode', 'compare', 'speedrun')
+PARTS = ('train_step', 'xla_ab', 'attention', 'loss', 'decode', 'compare', 'speedrun')
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # XLA_FLAGS as the command found them, before t2t_jax's defaults: each A/B set starts here.
 _USER_XLA_FLAGS = os.environ.get('XLA_FLAGS', '')
@@ -171,7 +173,8 @@ def measure_step(config, shape_name: str, rows: int, length: int, steps: int) ->
   peak = flops.peak_flops_per_second(jax.devices()[0].device_kind, config.model.dtype)
   return {
       'model': shape_name, 'dtype': config.model.dtype,
-      'attention_impl': setup.model_config.attention_impl, 'rows': rows, 'length': length,
+      'attention_impl': setup.model_config.attention_impl, 'loss_impl': config.opt.loss_impl,
+      'rows': rows, 'length': length,
       'target_slots': rows * length, 'target_tokens': target_tokens,
       'step_seconds': seconds, 'target_tokens_per_second': target_tokens / seconds,
       'model_flops_per_step': model_flops, 'model_flops_per_second': model_flops / seconds,
@@ -317,8 +320,20 @@ def attention_lines(plan: Plan):
             'equal_to_einsum': all(errors[k] <= 2 * baseline[k] for k in errors)}
 
   for length in plan.attention_lengths:
-    for impl in ('einsum', 'xla', 'cudnn'):  # einsum first: the others compare against it.
+    # einsum first: the others compare against it.
+    for impl in ('einsum', 'xla', 'cudnn', 'flash'):
       yield 'attention', lambda i=impl, n=length: one(i, n)
+
+
+def loss_lines(plan: Plan):
+  """The base step with each opt.loss_impl (the fused kernels' equality is tests/test_gpu.py's
+  and tests/test_fused_loss.py's to check)."""
+  def one(impl: str) -> dict:
+    config = step_config(plan.ab_model, plan.dtype, (f'opt.loss_impl={impl}',))
+    return measure_step(config, plan.ab_model, plan.ab_slots // plan.length, plan.length,
+                        plan.steps)
+  for impl in ('xla', 'fused'):
+    yield 'loss', lambda i=impl: one(i)
 
 
 def decode_lines(plan: Plan):
@@ -403,7 +418,7 @@ def speedrun_lines(plan: Plan):
 
 
 _PART_LINES = {'train_step': train_step_lines, 'xla_ab': xla_ab_lines,
-               'attention': attention_lines, 'decode': decode_lines,
+               'attention': attention_lines, 'loss': loss_lines, 'decode': decode_lines,
                'compare': compare_lines, 'speedrun': speedrun_lines}
 
 

@@ -143,7 +143,7 @@ def test_no_bench_module_shadows_the_references_modules():
 def accelerator(tmp_path_factory) -> list[dict]:
   """The lines of one run of every part, the A/B test of two flag sets."""
   return _run_accelerator(tmp_path_factory.mktemp('accelerator'),
-                          '--parts=train_step,attention,xla_ab,decode,compare,speedrun',
+                          '--parts=train_step,attention,loss,xla_ab,decode,compare,speedrun',
                           '--ab_sets=xla_defaults,no_triton_gemm')
 
 
@@ -195,17 +195,22 @@ def test_accelerator_command_measures_train_steps_and_attention_on_cpu(accelerat
   for line in steps:
     _check_step(line, line['rows'], 16)
   attention = {line['impl']: line for line in lines if line['part'] == 'attention'}
-  assert list(attention) == ['einsum', 'xla', 'cudnn']
+  assert list(attention) == ['einsum', 'xla', 'cudnn', 'flash']
   assert 'the platform is cpu, not gpu' in attention['cudnn']['skipped']
-  einsum, fused = attention['einsum'], attention['xla']
-  for line in (einsum, fused):
+  einsum, fused, flash = attention['einsum'], attention['xla'], attention['flash']
+  for line in (einsum, fused, flash):
     _check_step(line, 4, 32)
     assert line['attention_impl'] == line['impl']
     assert line['einsum_errors_against_float32_einsum'] == einsum['errors_against_float32_einsum']
     for error in line['errors_against_float32_einsum'].values():
       assert 0 < error < 0.2  # bfloat16 is not float32, and not far from it.
-  # XLA's attention on CPU computes einsum's arithmetic: no further from float32 than einsum.
-  assert einsum['equal_to_einsum'] and fused['equal_to_einsum']
+  # XLA's attention on CPU computes einsum's arithmetic: no further from float32 than einsum;
+  # the flash kernels (interpreted) multiply float32 blocks: no further either.
+  assert einsum['equal_to_einsum'] and fused['equal_to_einsum'] and flash['equal_to_einsum']
+  losses = {line['loss_impl']: line for line in accelerator if line['part'] == 'loss'}
+  assert list(losses) == ['xla', 'fused']
+  for line in losses.values():
+    _check_step(line, 4, 16)
 
 
 @pytest.mark.slow
@@ -213,8 +218,8 @@ def test_accelerator_command_measures_flags_decoding_reference_and_speedrun_on_c
   by_part = {}
   for line in accelerator:
     by_part.setdefault(line['part'], []).append(line)
-  assert list(by_part) == ['train_step', 'attention', 'xla_ab', 'xla_ab_summary', 'decode',
-                           'compare', 'speedrun']  # Each part's lines, in the order asked.
+  assert list(by_part) == ['train_step', 'attention', 'loss', 'xla_ab', 'xla_ab_summary',
+                           'decode', 'compare', 'speedrun']  # Each part's lines, in the order asked.
   ab = {line['flag_set']: line for line in by_part['xla_ab']}
   assert ab['xla_defaults']['xla_flags'] == []
   assert ab['no_triton_gemm']['xla_flags'] == [
