@@ -284,6 +284,8 @@ def test_sizes_and_times_read_without_exponents():
   assert dry_run_lib.human_seconds(0.0012345) == '1.23 ms'
   assert dry_run_lib.human_seconds(2.5) == '2500 ms'
   assert dry_run_lib.human_seconds(0.000999) == '999 us'
+  assert dry_run_lib.human_bytes(999.7 * 2**20) == '1000 MiB'  # Rounds up to four digits.
+  assert dry_run_lib.human_seconds(0.9997) == '1000 ms'
 
 
 @pytest.mark.slow

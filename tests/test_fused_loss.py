@@ -20,6 +20,8 @@ from t2t_jax.training import step
 from t2t_jax.training import tasks
 from t2t_jax import ConfigError
 
+P = jax.sharding.PartitionSpec
+
 
 def _inputs(tokens_shape, width, vocab, seed=0, dtype=jnp.float32):
   """Hidden states, an output matrix and targets: a quarter of the tokens PAD, and a quarter
@@ -41,12 +43,18 @@ def _reference(hidden, weight, targets, smoothing):
   return optim.compute_metrics(logits, targets, smoothing)
 
 
-@pytest.mark.parametrize('tokens_shape,vocab,smoothing', [
-    ((2, 25), 300, 0.1),  # 50 tokens: not whole blocks; 300 entries: a part block.
-    ((3, 7), 37, 0.0),  # Fewer entries than a block.
-    ((4, 64), 1000, 0.2)])  # Several spans.
-def test_sums_and_gradients_equal_the_float32_formulas(tokens_shape, vocab, smoothing):
-  hidden, weight, targets = _inputs(tokens_shape, 32, vocab)
+@pytest.mark.parametrize('tokens_shape,vocab,width,smoothing,programs', [
+    ((2, 25), 300, 32, 0.1, None),  # 50 tokens: not whole blocks; 300 entries: a part block.
+    ((3, 7), 37, 48, 0.0, None),  # Fewer entries than a block; the width in slices of 16.
+    ((4, 64), 1000, 32, 0.2, None),  # Several spans.
+    ((2, 9), 200, 192, 0.1, None),  # The width in three slices of 64 (float32).
+    # Two spans of three blocks over 300 entries: the last block of the second is padding only.
+    ((2, 25), 300, 32, 0.1, 4)])
+def test_sums_and_gradients_equal_the_float32_formulas(tokens_shape, vocab, width, smoothing,
+                                                       programs, monkeypatch):
+  if programs:
+    monkeypatch.setattr(fused_loss, 'PROGRAMS', programs)
+  hidden, weight, targets = _inputs(tokens_shape, width, vocab)
   fused = fused_loss.fused_metrics(hidden, weight, targets, smoothing)
   expected = _reference(hidden, weight, targets, smoothing)
   assert float(expected['correct']) > 0 and float(expected['weight']) < targets.size
@@ -70,12 +78,15 @@ def test_only_the_loss_is_differentiated_and_its_cotangent_scales_the_gradient()
                              atol=1e-6 * float(jnp.abs(once).max()))
 
 
-def test_sharded_over_the_batch_equals_one_device(tiny_config):
+@pytest.mark.parametrize('tokens_shape,weight_spec', [
+    ((8, 12), P(None, 'fsdp')),  # The matrix split as FSDP splits it, gathered for the kernels.
+    ((3, 7), P('tensor', None))])  # 21 tokens the 4 batch shards do not divide: whole on each.
+def test_sharded_over_the_batch_equals_one_device(tiny_config, tokens_shape, weight_spec):
   """Under a mesh each device runs the kernels on its tokens, the matrix whole: the sums and
   gradients equal the single device's."""
-  tiny_config.mesh.shape = (2, 4, 1)
+  tiny_config.mesh.shape = (2, 2, 2)
   mesh = sharding.make_mesh(tiny_config.mesh)
-  hidden, weight, targets = _inputs((8, 12), 32, 200)
+  hidden, weight, targets = _inputs(tokens_shape, 32, 200)
   def sums_and_grads(h, w):
     value, grads = jax.value_and_grad(
         lambda h, w: fused_loss.fused_metrics(h, w, targets, 0.1)['loss'], argnums=(0, 1))(h, w)
@@ -83,6 +94,7 @@ def test_sharded_over_the_batch_equals_one_device(tiny_config):
   single = sums_and_grads(hidden, weight)
   with sharding.mesh_context(mesh, sharding.rules(tiny_config.mesh)):
     assert 'shard_map' in str(jax.make_jaxpr(sums_and_grads)(hidden, weight))
+    weight = jax.device_put(weight, jax.sharding.NamedSharding(mesh, weight_spec))
     sharded = jax.jit(sums_and_grads)(hidden, weight)
   for got, want in zip(jax.tree.leaves(sharded), jax.tree.leaves(single)):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
@@ -141,10 +153,10 @@ def test_fused_is_refused_on_a_tpu_for_encoder_only_models_and_odd_widths(tiny_c
   problems = config_check._loss_problems(tiny_config, 'tpu')  # pylint: disable=protected-access
   assert len(problems) == 1 and "loss_impl='xla'" in problems[0] and 'TPU' in problems[0]
   tiny_config.model.kind = 'encoder_only'
-  tiny_config.model.d_model = 48
+  tiny_config.model.d_model = 40
   problems = config_check._loss_problems(tiny_config, 'gpu')  # pylint: disable=protected-access
   assert len(problems) == 2
-  assert 'encoder-only' in problems[0] and 'd_model (got 48)' in problems[1]
+  assert 'encoder-only' in problems[0] and 'd_model (got 40)' in problems[1]
   tiny_config.model.kind, tiny_config.model.d_model = 'encoder_decoder', 32
   tiny_config.opt.loss_impl = 'chunked'
   with pytest.raises(ConfigError, match=r"config.opt.loss_impl='chunked' must be one of"):
@@ -152,8 +164,11 @@ def test_fused_is_refused_on_a_tpu_for_encoder_only_models_and_odd_widths(tiny_c
 
 
 def test_the_widths_the_kernels_take():
-  assert [w for w in range(8, 1100, 8) if fused_loss.supported_width(w)] == (
-      [16, 32, 64] + list(range(128, 1100, 128)))
+  assert [w for w in range(8, 200, 8) if fused_loss.supported_width(w)] == list(range(16, 200, 16))
+  block = fused_loss._width_block  # pylint: disable=protected-access
+  assert [block(w, jnp.bfloat16) for w in (16, 48, 96, 320, 384, 512, 1024)] == [
+      16, 16, 32, 64, 128, 128, 128]
+  assert block(1024, jnp.float32) == 64
 
 
 def test_the_cost_model_counts_one_matrix_product_per_kernel():

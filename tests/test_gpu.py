@@ -195,6 +195,8 @@ def test_the_fused_loss_computes_on_the_gpu_what_the_formulas_do_on_the_cpu(gpu_
   for name in ('loss', 'nll'):
     assert abs(on_gpu[0][name] - on_cpu[0][name]) <= 1e-2 * abs(on_cpu[0][name]), name
   assert on_gpu[0]['weight'] == on_cpu[0]['weight']
+  # A token whose two largest logits lie within TF32's rounding may count either way.
+  assert abs(on_gpu[0]['correct'] - on_cpu[0]['correct']) <= 0.01 * on_cpu[0]['weight']
   assert _relative_error(on_gpu[1], on_cpu[1]) <= 3e-2
 
 

@@ -362,8 +362,9 @@ def command(config, target: str = '') -> None:
 
 
 def _figures(x: float) -> str:
-  """Three significant figures, without an exponent: '2.31', '816', '1010'."""
-  return f'{x:.3g}' if abs(x) < 1000 else f'{x:.0f}'
+  """Three significant figures, without an exponent: '2.31', '816', '1000', '1010'."""
+  text = f'{x:.3g}'
+  return text if 'e' not in text else f'{x:.0f}'
 
 
 def human_bytes(n: float) -> str:

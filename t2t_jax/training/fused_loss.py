@@ -235,9 +235,16 @@ def _power_of_two_at_most(n: int, most: int) -> int:
 
 
 def supported_width(width: int) -> bool:
-  """Whether the kernels take hidden states this wide: a multiple of 16 whose slices of at
-  most 128 are powers of two (Triton's blocks are)."""
-  return width % 16 == 0 and width % _power_of_two_at_most(width, 128) == 0
+  """Whether the kernels take hidden states this wide: a multiple of 16, multiplied a
+  power-of-two slice at a time (Triton's blocks are)."""
+  return width > 0 and width % 16 == 0
+
+
+def _width_block(width: int, dtype) -> int:
+  """The slice of the hidden width multiplied at a time: the largest power of two dividing it,
+  at most 128 in a 16-bit dtype and 64 in float32 (two pipeline stages of both operands'
+  tiles must fit a GPU's shared memory)."""
+  return min(128 if jnp.dtype(dtype).itemsize <= 2 else 64, width & -width)
 
 
 def fused_metrics(hidden_BLE: Array, weight_VE: Array, targets_BL: Array,
@@ -251,8 +258,7 @@ def fused_metrics(hidden_BLE: Array, weight_VE: Array, targets_BL: Array,
   """
   (vocab, width), tokens = weight_VE.shape, targets_BL.size
   if not supported_width(width):
-    raise ValueError(f'fused_metrics: a hidden width of {width} is not a multiple of 16 made '
-                     'of power-of-two slices of at most 128')
+    raise ValueError(f'fused_metrics: a hidden width of {width} is not a multiple of 16')
   platform = pallas_attention.kernel_platform()
   if platform == 'tpu':
     raise ValueError("fused_metrics: the kernels are Triton's (GPU) and the Pallas "
@@ -270,7 +276,7 @@ def fused_metrics(hidden_BLE: Array, weight_VE: Array, targets_BL: Array,
   span = -(-blocks // spans) * block_v
   spans = -(-vocab // span)  # No span of padding only.
   confidence, low, entropy = optim.smoothed_target(vocab, label_smoothing)
-  settings = _Settings(vocab, span, block_t, block_v, _power_of_two_at_most(width, 128),
+  settings = _Settings(vocab, span, block_t, block_v, _width_block(width, hidden_BLE.dtype),
                        float(confidence), float(low), float(entropy), platform == 'cpu',
                        spans * span, jnp.dtype(weight_VE.dtype).name)
   sums = _sums(settings, hidden_TE, weight_VE, targets_T)
