@@ -65,14 +65,14 @@ def settings(root: str) -> dict[str, list[dict]]:
     final = {} if resumed(run) else workdir_layout.read_final(run) or {}
     found.setdefault(match['setting'], []).append(
         {'seed': int(match['seed']), 'bleu': bleu_of(evaluation),
-         'train_seconds': final.get('train_seconds')})
+         'train_seconds': final.get('train_seconds'), 'resumed': resumed(run)})
   return {setting: sorted(runs, key=lambda run: run['seed']) for setting, runs in found.items()}
 
 
 def given_runs(figures: list[str]) -> list[dict]:
   """Runs measured elsewhere, from their BLEU figures: seeds 0, 1, ... in the order given."""
   try:
-    return [{'seed': seed, 'bleu': float(figure), 'train_seconds': None}
+    return [{'seed': seed, 'bleu': float(figure), 'train_seconds': None, 'resumed': False}
             for seed, figure in enumerate(figures)]
   except ValueError as e:
     raise DataError(f'--upper_bleu={",".join(figures)}: each figure must be a number') from e
@@ -82,7 +82,8 @@ def summary(runs: list[dict]) -> dict:
   """Mean, sample standard deviation (0 for one run), minimum and maximum BLEU."""
   return {'runs': len(runs), 'seeds': [run['seed'] for run in runs],
           **common.spread(run['bleu'] for run in runs),
-          'train_seconds': [run['train_seconds'] for run in runs]}
+          'train_seconds': [run['train_seconds'] for run in runs],
+          'resumed': sum(run['resumed'] for run in runs)}
 
 
 def recovered(mean: float, lower: float | None, upper: float | None) -> float | None:
@@ -116,10 +117,12 @@ def main(argv):
   for setting, row in rows.items():
     share = row['gap_recovered']
     minutes = [seconds / 60 for seconds in row['train_seconds'] if seconds]
+    timed = (f'{statistics.fmean(minutes):.1f}' if minutes
+             else 'resumed' if row['resumed'] else 'elsewhere')
     print(f"| {setting} | {row['runs']} | {row['mean']:.2f} ± {row['std']:.2f} | "
           f"{row['min']:.2f}-{row['max']:.2f} | "
           f"{'' if share is None else f'{100 * share:.0f}%'} | "
-          f"{f'{statistics.fmean(minutes):.1f}' if minutes else 'not measured'} |")
+          f"{timed} |")
 
 
 FLAGS = flags.FLAGS
