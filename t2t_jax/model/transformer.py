@@ -331,9 +331,8 @@ class Transformer(nn.Module):
 def output_matrix(params, config: TransformerConfig) -> Array:
   """The output layer's [V, E] parameter matrix (the logits are y matrix^T, in the compute
   dtype): the tied embedding, or the output kernel transposed."""
-  if config.tie_output:
-    return params['embedding']['embedding']
-  return params['output_projection']['kernel'].T
+  [(name, weights)] = output_params(params, config).items()
+  return weights['embedding'] if name == 'embedding' else weights['kernel'].T
 
 
 def output_params(params, config: TransformerConfig) -> dict:
