@@ -82,7 +82,8 @@ def table(result: dict) -> str:
                f'predicted step {dry_run.human_seconds(p["step_seconds"])} (compute alone '
                f'{dry_run.human_seconds(p["compute_seconds"])}, memory alone '
                f'{dry_run.human_seconds(p["memory_seconds"])}, collectives '
-               f'{dry_run.human_seconds(p["collective_seconds"])})')
+               f'{dry_run.human_seconds(p["collective_seconds"])}, of which '
+               f'{dry_run.human_seconds(p["overlapped_collective_seconds"])} beside the kernels)')
   return '\n'.join(lines)
 
 

@@ -197,6 +197,10 @@ def get_config():
   # Devices along ('data', 'fsdp', 'tensor', 'expert'); -1 takes what is left; 3 sizes: expert=1.
   mesh.shape = (-1, 1, 1)
   mesh.dcn_data = 1  # Slices (TPU) or processes (GPU) the data axis spans over the slow network.
+  # GPUs: XLA combines a train step's gradient reduce-scatters and parameter all-gathers into
+  # pieces of at most this many bytes, so each can start as its layer's gradients are ready
+  # and overlap the rest of the step (docs/accelerators.md); 0: XLA's own combining.
+  mesh.collective_combine_bytes = 0
   # Logical axis -> mesh axes. A mesh axis already used in an array goes to the next rule.
   mesh.rules = (
       ('expert', 'expert'),  # Mixture-of-experts weights and slots; before 'batch' claims it.

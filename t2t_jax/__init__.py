@@ -24,7 +24,8 @@ ADDED_KEYS = {'eval.length_penalty': 'gnmt', 'train.profile_steps': [],
               'model.pooling': 'cls', 'opt.decay_vectors': True, 'opt.layer_lr_decay': 1.0,
               'eval.best_metric': 'accuracy', 'data.holdout': 0.0, 'data.train_limit': 0,
               'model.next_sentence': False, 'data.extra_src': '', 'data.extra_tgt': '',
-              'data.mix_weights': '', 'data.extra_tag': '', 'opt.loss_impl': 'xla'}
+              'data.mix_weights': '', 'data.extra_tag': '', 'opt.loss_impl': 'xla',
+              'mesh.collective_combine_bytes': 0}
 
 
 # The errors most modules raise, defined in errors.py, importable from the package too.

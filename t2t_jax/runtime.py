@@ -292,6 +292,17 @@ def search_compiler_options(platform: str | None = None) -> dict:
   return {'xla_cpu_copy_insertion_use_region_analysis': True}
 
 
+def train_compiler_options(mesh_config, platform: str) -> dict:
+  """The XLA options the train step compiles with on `platform` ('gpu', 'tpu', 'cpu'): on
+  GPUs, the combine thresholds of config.mesh.collective_combine_bytes (when above 0) for
+  reduce-scatters, all-gathers and all-reduces; elsewhere none."""
+  size = int(mesh_config.get('collective_combine_bytes', 0))
+  if platform != 'gpu' or size <= 0:
+    return {}
+  return {f'xla_gpu_{kind}_combine_threshold_bytes': size
+          for kind in ('reduce_scatter', 'all_gather', 'all_reduce')}
+
+
 _IN_JIT_SEARCH = contextvars.ContextVar('t2t_jax_in_jit_search', default=False)
 
 

@@ -11,6 +11,7 @@ counted from the shapes (flops.py), and what fits a device's published memory.
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -24,6 +25,7 @@ from t2t_jax import sharding
 from t2t_jax.compile import dry_run as dry_run_lib
 from t2t_jax.compile import hlo_cost
 from t2t_jax.compile import mesh_choice
+from t2t_jax.compile import roofline
 from t2t_jax.compile import targets
 from t2t_jax.data import pipeline as data
 from t2t_jax.model import flash_attention
@@ -215,6 +217,44 @@ def _train_step_hlo(config, attention_impl: str, target: str) -> tuple[str, int,
   compiled = setup.train_step.lower(setup.abstract_state, batch,
                                     jax.ShapeDtypeStruct((2,), jnp.uint32)).compile()
   return compiled.as_text(), rows, length
+
+
+def _collective_shapes(hlo: str, kind: str) -> list[str]:
+  """The printed result shapes of the program's `kind` collectives (sync or started)."""
+  found = []
+  for line in hlo.splitlines():
+    head, _, rest = line.partition(f' {kind}')
+    if rest.startswith(('(', '-start(')) and ' = ' in head:
+      found.append(head.split(' = ', 1)[1])
+  return found
+
+
+@pytest.mark.slow
+def test_fsdp_on_gpus_gathers_the_embedding_in_bfloat16_and_combines_as_asked(
+    cuda_compiler, tiny_config, no_persistent_cache):
+  """FSDP over 8 H100s: the [vocab, d_model] table crosses the links in bfloat16 (XLA gathered
+  it in float32 and cast it inside the lookup until model.Embed cast it where it is split),
+  and mesh.collective_combine_bytes caps XLA's combined reduce-scatters, so there are more,
+  smaller ones that the roofline can run beside the backward's kernels."""
+  del cuda_compiler, no_persistent_cache
+  config = tiny_config
+  config.model.dtype, config.mesh.shape = 'bfloat16', (1, 8, 1)
+  config.model.d_model, config.model.d_ff = 128, 256
+  # The table's gathers, as [vocab, width] or transposed (_train_step_hlo's vocabulary: 12).
+  table = re.compile(r'(bf16|f32)\[(12,128|128,12)\]')
+  hlo_default, _, _ = _train_step_hlo(config, 'einsum', 'gpu:h100x8')
+  dtypes = {found.group(1) for shape in _collective_shapes(hlo_default, 'all-gather')
+            for found in table.finditer(shape)}
+  assert dtypes == {'bf16'}, dtypes
+  config.mesh.collective_combine_bytes = 4096
+  hlo_small, _, _ = _train_step_hlo(config, 'einsum', 'gpu:h100x8')
+  combined = len(_collective_shapes(hlo_default, 'reduce-scatter'))
+  capped = len(_collective_shapes(hlo_small, 'reduce-scatter'))
+  assert capped > combined >= 1, (capped, combined)
+  target = targets.parse('gpu:h100x8')
+  for hlo in (hlo_default, hlo_small):
+    prediction = roofline.predict(hlo_cost.analyse(hlo, 8), target, [0] * 8)
+    assert 0 <= prediction.overlapped_collective_seconds <= prediction.collective_seconds
 
 
 @pytest.mark.slow

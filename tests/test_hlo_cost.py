@@ -278,3 +278,83 @@ ENTRY %main (p: f32[256,256]) -> f32[256,256] {
 '''
   kernels = {k.name: k.part for k in hlo_cost.analyse(hlo, 1).kernels}
   assert kernels == {'prefetch': 'feed-forward', 'out': 'feed-forward'}
+
+
+_SCHEDULED = '''HloModule scheduled, is_scheduled=true
+
+%sum (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+ENTRY %main (p: f32[1024,1024], x: f32[ROWS,1024], v: f32[262144]) -> (f32[1024,1024], f32[GATHERED,1024], f32[262144]) {
+  %p = f32[1024,1024]{1,0} parameter(0)
+  %x = f32[ROWS,1024]{1,0} parameter(1)
+  %v = f32[262144]{0} parameter(2)
+  %first = f32[1024,1024]{1,0} add(%p, %p)
+  %gather = (f32[ROWS,1024]{1,0}, f32[GATHERED,1024]{1,0}) all-gather-start(%x), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}, use_global_device_ids=true
+  %between = f32[1024,1024]{1,0} multiply(%first, %first)
+  %gathered = f32[GATHERED,1024]{1,0} all-gather-done(%gather)
+  %after = f32[1024,1024]{1,0} subtract(%between, %p)
+  %reduced = f32[262144]{0} all-reduce(%v), channel_id=2, replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%sum
+  ROOT %out = (f32[1024,1024]{1,0}, f32[GATHERED,1024]{1,0}, f32[262144]{0}) tuple(%after, %gathered, %reduced)
+}
+'''
+
+
+@pytest.mark.parametrize('rows', [8, 512])
+def test_an_asynchronous_collective_runs_beside_the_kernels_scheduled_inside_it(rows):
+  """An all-gather's start and done with one kernel between them: the step pays only what the
+  gather takes beyond that kernel; a blocking all-reduce is paid in full. Each kernel of the
+  program reads two and writes one 4 MiB array."""
+  hlo = _SCHEDULED.replace('ROWS', str(rows)).replace('GATHERED', str(8 * rows))
+  target = targets.parse('gpu:h100x8')
+  chip = target.chip
+  cost = hlo_cost.analyse(hlo, 8)
+  prediction = roofline.predict(cost, target, [0] * 8)
+  kernel = 3 * 4 * 2**20 / chip.memory_bandwidth  # Each of first, between, after.
+  gather = 7 * rows * 1024 * 4 / chip.interconnect_bandwidth  # Its piece to 7 others.
+  reduce = 2 * 7 / 8 * 262144 * 4 / chip.interconnect_bandwidth  # A ring all-reduce.
+  assert prediction.kernel_seconds == pytest.approx(3 * kernel)
+  assert prediction.collective_seconds == pytest.approx(gather + reduce)
+  # first, then 'between' beside the gather, then after; the all-reduce after all of them.
+  assert prediction.step_seconds == pytest.approx(kernel + max(kernel, gather) + kernel + reduce)
+  assert prediction.overlapped_collective_seconds == pytest.approx(min(kernel, gather))
+  assert (gather < kernel) == (rows == 8)  # Both cases: hidden whole, and outlasting it.
+  # Without the schedule (a cost built by hand), every collective is in series.
+  serial = roofline.predict(hlo_cost.ProgramCost(cost.kernels, cost.collectives, 0), target,
+                            [0] * 8)
+  assert serial.step_seconds == pytest.approx(3 * kernel + gather + reduce)
+
+
+def test_collectives_share_the_links_and_an_async_wrapper_is_asynchronous():
+  """Two all-gathers started together take the links one after the other, and a collective
+  wrapped in async-start / async-done (as TPU programs print them) overlaps like a start and
+  done pair."""
+  hlo = '''HloModule two, is_scheduled=true
+
+%gather_body (y: f32[512,1024]) -> f32[4096,1024] {
+  %y = f32[512,1024]{1,0} parameter(0)
+  ROOT %g = f32[4096,1024]{1,0} all-gather(%y), channel_id=2, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}
+}
+
+ENTRY %main (p: f32[1024,1024], x: f32[512,1024], y: f32[512,1024]) -> (f32[1024,1024], f32[4096,1024], f32[4096,1024]) {
+  %p = f32[1024,1024]{1,0} parameter(0)
+  %x = f32[512,1024]{1,0} parameter(1)
+  %y = f32[512,1024]{1,0} parameter(2)
+  %one = (f32[512,1024]{1,0}, f32[4096,1024]{1,0}) all-gather-start(%x), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}
+  %two = ((f32[512,1024]{1,0}), f32[4096,1024]{1,0}, u32[]) async-start(%y), calls=%gather_body
+  %work = f32[1024,1024]{1,0} add(%p, %p)
+  %one_done = f32[4096,1024]{1,0} all-gather-done(%one)
+  %two_done = f32[4096,1024]{1,0} async-done(%two), calls=%gather_body
+  ROOT %out = (f32[1024,1024]{1,0}, f32[4096,1024]{1,0}, f32[4096,1024]{1,0}) tuple(%work, %one_done, %two_done)
+}
+'''
+  target = targets.parse('gpu:h100x8')
+  prediction = roofline.predict(hlo_cost.analyse(hlo, 8), target, [0] * 8)
+  kernel = 3 * 4 * 2**20 / target.chip.memory_bandwidth
+  gather = 7 * 512 * 1024 * 4 / target.chip.interconnect_bandwidth
+  assert prediction.step_seconds == pytest.approx(max(kernel, 2 * gather))
+  assert prediction.overlapped_collective_seconds == pytest.approx(
+      kernel + 2 * gather - max(kernel, 2 * gather))

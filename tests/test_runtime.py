@@ -270,3 +270,22 @@ def test_a_search_traced_without_jit_search_warns_once_on_cpu(caplog):
   assert decode.beam_search.__module__ == 't2t_jax.decoding.decode'
   runtime._warn_search_options.cache_clear()  # pylint: disable=protected-access
 
+
+
+def test_collective_combine_bytes_become_gpu_compiler_options_xla_knows():
+  """mesh.collective_combine_bytes gives the train step three XLA options on GPUs only, none
+  at 0; XLA (whose CPU build parses GPU options too) accepts them: an unknown one raises."""
+  import ml_collections  # pylint: disable=g-import-not-at-top
+  mesh = ml_collections.ConfigDict({'collective_combine_bytes': 8 << 20})
+  options = runtime.train_compiler_options(mesh, 'gpu')
+  assert options == {'xla_gpu_reduce_scatter_combine_threshold_bytes': 8 << 20,
+                     'xla_gpu_all_gather_combine_threshold_bytes': 8 << 20,
+                     'xla_gpu_all_reduce_combine_threshold_bytes': 8 << 20}
+  assert runtime.train_compiler_options(mesh, 'tpu') == {}
+  assert runtime.train_compiler_options(mesh, 'cpu') == {}
+  assert runtime.train_compiler_options(ml_collections.ConfigDict(
+      {'collective_combine_bytes': 0}), 'gpu') == {}
+  assert int(jax.jit(lambda x: x.sum(), compiler_options=options)(jnp.ones(3))) == 3
+  with pytest.raises(Exception, match='xla_gpu_no_such_threshold'):
+    jax.jit(lambda x: x.sum() + 1, compiler_options={'xla_gpu_no_such_threshold': 1})(
+        jnp.ones(3))

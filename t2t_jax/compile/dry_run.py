@@ -433,7 +433,10 @@ def table(result: dict) -> str:
                  f'{human_seconds(p["kernel_seconds"])} (compute alone '
                  f'{human_seconds(p["compute_seconds"])}, memory alone '
                  f'{human_seconds(p["memory_seconds"])}) + collectives '
-                 f'{human_seconds(p["collective_seconds"])}; {p["bound"]}-bound; '
+                 f'{human_seconds(p["collective_seconds"])}'
+                 + (f' - {human_seconds(p["overlapped_collective_seconds"])} of them beside '
+                    'the kernels' if p.get('overlapped_collective_seconds') else '')
+                 + f'; {p["bound"]}-bound; '
                  f'{p["target_tokens_per_second"]:,} target tokens/s; MFU '
                  f'{100 * p["mfu"]:.1f}%')
   return '\n'.join(lines)

@@ -129,6 +129,11 @@ class ProgramCost:
   kernels: list[Kernel]
   collectives: list[Collective]
   unknown_trip_counts: int  # Loops counted once for want of a trip count.
+  # The order XLA scheduled them in (a loop's body once, its kernels and collectives carrying
+  # the loop's count): ('kernel', i) and ('collective', i), which the next kernel waits for;
+  # an asynchronous collective as ('start', i, key), then ('done', key) where the program
+  # waits for it. None: no order known (the roofline then puts every collective in series).
+  schedule: list[tuple] | None = None
 
   @property
   def flops(self) -> float:
@@ -159,23 +164,40 @@ class _Walker:
     # The bytes of a shape that count as memory traffic.
     self.memory_bytes = hlo_text.total_bytes if every_memory else hlo_text.hbm_bytes
     self.kernels, self.collectives, self.unknown_trip_counts = [], [], 0
+    self.schedule = []
     self._users = {}  # {computation: {instruction: the instructions using it}}, as needed.
+    # Asynchronous collectives: (computation, start's name) for a start, its async-update
+    # chain and, while its wrapped computation is walked, `_async_key`.
+    self._async = {}
+    self._async_key = None
 
   def run(self) -> ProgramCost:
     self._walk(self.entry, 1)
-    return ProgramCost(self.kernels, self.collectives, self.unknown_trip_counts)
+    return ProgramCost(self.kernels, self.collectives, self.unknown_trip_counts, self.schedule)
 
   def _walk(self, computation: str, count: int) -> None:
     table = self.computations[computation]
     for ins in table.values():
       called = hlo_text.called(ins.attributes)
+      if ins.opcode.endswith('-done') or ins.opcode == 'async-update':
+        key = self._async.get((computation, ins.operands[0] if ins.operands else ''))
+        if key is not None and ins.opcode == 'async-update':
+          self._async[(computation, ins.name)] = key
+        elif key is not None:
+          self.schedule.append(('done', key))
       if ins.opcode == 'while':
         trips = self._trip_count(ins)
         self._walk(called['body'][0], count * trips)
         self._walk(called['condition'][0], count * (trips + 1))
       elif ins.opcode in ('call', 'async-start'):
+        outer, started = self._async_key, len(self.schedule)
+        if ins.opcode == 'async-start':
+          self._async_key = (computation, ins.name)
         for name in called.get('calls', called.get('to_apply', [])):
           self._walk(name, count)
+        self._async_key = outer
+        if any(event[0] == 'start' for event in self.schedule[started:]):
+          self._async[(computation, ins.name)] = (computation, ins.name)
       elif ins.opcode == 'conditional':
         branches = (called.get('branch_computations', []) + called.get('true_computation', [])
                     + called.get('false_computation', []))
@@ -183,8 +205,16 @@ class _Walker:
           self._walk(name, count)  # Every branch counted: an upper bound.
       elif _collective_kind(ins.opcode):
         self._collective(ins, table, count)
+        if ins.opcode.endswith('-start'):
+          self._async[(computation, ins.name)] = (computation, ins.name)
+          self.schedule.append(('start', len(self.collectives) - 1, (computation, ins.name)))
+        elif self._async_key is not None:  # Wrapped by an async-start.
+          self.schedule.append(('start', len(self.collectives) - 1, self._async_key))
+        else:
+          self.schedule.append(('collective', len(self.collectives) - 1))
       elif ins.opcode == 'send' and '_xla_megascale_transfer_type' in ins.attributes:
         self._slice_collective(ins, table, count)
+        self.schedule.append(('collective', len(self.collectives) - 1))
       elif not self._free(ins):
         kernel = self._kernel(ins, table, count)
         kernel.op_name = self._op_name(ins, computation)
@@ -194,6 +224,7 @@ class _Walker:
             named[op_name or kernel.op_name] += size
           kernel.bytes_by_op_name = dict(named)
         self.kernels.append(kernel)
+        self.schedule.append(('kernel', len(self.kernels) - 1))
 
   def _largest_dot(self, computation: str) -> str:
     """The op_name of the fused computation's dot or convolution with the most FLOPs."""

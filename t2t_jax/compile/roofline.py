@@ -3,10 +3,14 @@
 Each kernel takes the longer of its FLOPs at the device's peak for its dtype and its memory
 traffic at the memory bandwidth; the kernels run one after another; each collective moves its
 bytes (ring algorithms) at the interconnect's bandwidth, or the network's when its devices
-span several slices or hosts, and is not assumed to overlap the kernels. Everything a
-roofline leaves out makes a real step slower: kernel launch and dispatch gaps, kernels that
-reach neither peak, collectives' latency. It is a prediction, labelled as one, and
-docs/accelerators.md compares it with the steps measured.
+span several slices or hosts, one collective at a time. A collective the program waits for at
+once runs in series with the kernels; an asynchronous one (XLA's start and done pair) runs
+beside the kernels the compiler scheduled between its start and its done, and only the part
+that outlasts them adds to the step. Everything a roofline leaves out makes a real step
+slower: kernel launch and dispatch gaps, kernels that reach neither peak, collectives'
+latency, and on GPUs the streaming multiprocessors that a collective's kernels take from the
+kernels it overlaps. It is a prediction, labelled as one, and docs/accelerators.md compares it
+with the steps measured.
 """
 
 import dataclasses
@@ -27,10 +31,12 @@ class Prediction:
   kernel_seconds: float  # Sum over kernels of the longer of the two.
   collective_seconds: float  # Collectives' bytes over the links they cross.
   network_collective_seconds: float  # The part of that over the slow network.
+  # The part of collective_seconds that runs beside kernels (asynchronous collectives).
+  overlapped_collective_seconds: float = 0.0
 
   @property
   def step_seconds(self) -> float:
-    return self.kernel_seconds + self.collective_seconds
+    return self.kernel_seconds + self.collective_seconds - self.overlapped_collective_seconds
 
   @property
   def bound(self) -> str:
@@ -63,15 +69,42 @@ def predict(cost: hlo_cost.ProgramCost, target: targets.Target,
     memory += byte_seconds * kernel.count
     kernels += max(flop_seconds, byte_seconds) * kernel.count
   collectives = network = 0.0
+  collective_seconds = []
   for collective in cost.collectives:
     slow = bool(collective.slices) or any(
         len({granule_of_device[i] for i in group if i < len(granule_of_device)}) > 1
         for group in collective.groups)
     bandwidth = chip.network_bandwidth if slow else chip.interconnect_bandwidth
     seconds = collective.wire_bytes * collective.count / bandwidth
+    collective_seconds.append(seconds)
     collectives += seconds
     network += seconds if slow else 0.0
-  return Prediction(compute, memory, kernels, collectives, network)
+  overlapped = 0.0
+  if cost.schedule is not None and collectives:
+    timed = [kernel_seconds(k, chip) * k.count for k in cost.kernels]
+    overlapped = max(0.0, kernels + collectives - _scheduled_seconds(
+        cost.schedule, timed, collective_seconds))
+  return Prediction(compute, memory, kernels, collectives, network, overlapped)
+
+
+def _scheduled_seconds(schedule: list[tuple], kernel_seconds_: list[float],
+                       collective_seconds: list[float]) -> float:
+  """The step's seconds in schedule order: the kernels on one stream; collectives one at a
+  time on the links, each starting when both the kernels before it and the collective before
+  it are done; a done waits for its collective."""
+  now = links = 0.0  # When the kernels' stream and the links are next free.
+  ends = {}
+  for event in schedule:
+    if event[0] == 'kernel':
+      now += kernel_seconds_[event[1]]
+    elif event[0] == 'collective':
+      now = links = max(now, links) + collective_seconds[event[1]]
+    elif event[0] == 'start':
+      links = max(now, links) + collective_seconds[event[1]]
+      ends[event[2]] = links
+    elif event[0] == 'done':
+      now = max(now, ends.pop(event[1], now))
+  return max(now, links)
 
 
 def kernel_seconds(kernel: hlo_cost.Kernel, chip: targets.Chip) -> float:

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from t2t_jax import runtime
 from t2t_jax import sharding
 from t2t_jax.model.decoder_only import make_model
 from t2t_jax.model.model_config import TransformerConfig
@@ -89,7 +90,9 @@ def build(config, vocab_size: int, mesh=None, objective: Callable | None = None)
   jit_init = jax.jit(lambda rng: nn.meta.unbox(init(rng)), out_shardings=shardings)
   jit_train = jax.jit(train_step_of(config, model_config, optimizer, objective=objective),
                       in_shardings=(shardings, batch_sharding, replicated),
-                      out_shardings=(shardings, replicated), donate_argnums=0)
+                      out_shardings=(shardings, replicated), donate_argnums=0,
+                      compiler_options=runtime.train_compiler_options(
+                          config.mesh, mesh.devices.flat[0].platform) or None)
   jit_eval = jax.jit(
       functools.partial(step.eval_step, model=make_model(dataclasses.replace(
           model_config, deterministic=True)), label_smoothing=config.opt.label_smoothing,

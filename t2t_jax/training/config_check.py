@@ -87,6 +87,7 @@ RANGES = {
     'ckpt.keep_every': (0, _INF, True),
     'ckpt.preemption_grace_seconds': (0.0, _INF, False),
     'mesh.dcn_data': (1, _INF, True),
+    'mesh.collective_combine_bytes': (0, _INF, True),
 }
 # Dropout rates, Adam's betas and the EMA decay must stay below 1: at 1 nothing is kept, or
 # nothing forgotten (the moving average would never move).
