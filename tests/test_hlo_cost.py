@@ -358,3 +358,35 @@ ENTRY %main (p: f32[1024,1024], x: f32[512,1024], y: f32[512,1024]) -> (f32[1024
   assert prediction.step_seconds == pytest.approx(max(kernel, 2 * gather))
   assert prediction.overlapped_collective_seconds == pytest.approx(
       kernel + 2 * gather - max(kernel, 2 * gather))
+
+
+def test_a_fusion_reads_only_what_its_slice_needs_through_a_reduction():
+  """A split-K weight gradient's partial sums [4, 96, 32] summed, cast and sliced to a third
+  inside one loop fusion: XLA computes the fusion per output element, so only a third of the
+  partials is read; a second operand used whole is read whole."""
+  hlo = '''HloModule sliced
+
+%sum (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%fused (p0: f32[4,96,32], p1: bf16[32,32]) -> bf16[32,32] {
+  %p0 = f32[4,96,32]{2,1,0} parameter(0)
+  %p1 = bf16[32,32]{1,0} parameter(1)
+  %zero = f32[] constant(0)
+  %summed = f32[96,32]{1,0} reduce(%p0, %zero), dimensions={0}, to_apply=%sum
+  %cast = bf16[96,32]{1,0} convert(%summed)
+  %third = bf16[32,32]{1,0} slice(%cast), slice={[32:64], [0:32]}
+  ROOT %out = bf16[32,32]{1,0} add(%third, %p1)
+}
+
+ENTRY %main (x: f32[4,96,32], y: bf16[32,32]) -> bf16[32,32] {
+  %x = f32[4,96,32]{2,1,0} parameter(0)
+  %y = bf16[32,32]{1,0} parameter(1)
+  ROOT %f = bf16[32,32]{1,0} fusion(%x, %y), kind=kLoop, calls=%fused
+}
+'''
+  (kernel,) = hlo_cost.analyse(hlo, 1).kernels
+  assert kernel.hbm_bytes == 4 * 32 * 32 * 4 + 32 * 32 * 2 + 32 * 32 * 2

@@ -12,7 +12,8 @@ text on every backend. Counting:
     read from their dimension numbers and fused attention kernels from their shapes
     (kernel_flops.py);
   - its memory traffic is what it reads and writes in device memory (HBM): operands and
-    results in memory space 0, an operand that the kernel only slices counted as the slices,
+    results in memory space 0, a fused operand counted as the part of it the fusion's output
+    needs (followed back through slices, reductions, casts and elementwise ops),
     a result written in place by a dynamic-update-slice counted as the update;
   - a loop runs its trip count: XLA's known_trip_count where the HLO has one, else the
     constant its condition compares the counter with (JAX's loops count from 0).
@@ -38,6 +39,15 @@ _FREE_CUSTOM_CALLS = ('Bitcast', 'AllocateBuffer', 'AssumeGatherIndicesInBound',
                       'SPMDFullToShardShape', 'SPMDShardToFullShape', 'MoveToHost',
                       'MoveToDevice', 'Bitpacked')
 _SLICING = ('dynamic-slice', 'slice', 'gather')
+# Fused ops whose operands are read where their output is (a fraction f of the output needs
+# about f of each operand): elementwise arithmetic, converts, layout changes, reductions.
+_PASSES_SHARE = {'convert', 'bitcast', 'copy', 'reshape', 'transpose', 'reduce', 'tuple',
+                 'add', 'subtract', 'multiply', 'divide', 'maximum', 'minimum', 'negate', 'abs',
+                 'exponential', 'log', 'sqrt', 'rsqrt', 'tanh', 'select', 'compare', 'and', 'or',
+                 'xor', 'not', 'power', 'clamp', 'sign', 'floor', 'ceil', 'round-nearest-even',
+                 'exponential-minus-one', 'log-plus-one', 'logistic', 'cosine', 'sine',
+                 'shift-left', 'shift-right-logical', 'shift-right-arithmetic', 'remainder',
+                 'atan2', 'is-finite', 'bitcast-convert', 'reduce-precision'}
 _OP_NAME = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')
 
 
@@ -166,6 +176,7 @@ class _Walker:
     self.kernels, self.collectives, self.unknown_trip_counts = [], [], 0
     self.schedule = []
     self._users = {}  # {computation: {instruction: the instructions using it}}, as needed.
+    self._utilisations = {}  # {fused computation: _utilisation's answer}, as needed.
     # Asynchronous collectives: (computation, start's name) for a start, its async-update
     # chain and, while its wrapped computation is walked, `_async_key`.
     self._async = {}
@@ -380,8 +391,8 @@ class _Walker:
 
   def _fusion_reads(self, ins: hlo_text.Instruction, table,
                     computation: str) -> list[tuple[str, float]]:
-    """(op_name of its first user inside, bytes) of each operand in HBM; an operand the fused
-    code only slices counts as its slices."""
+    """(op_name of its first user inside, bytes) of each operand in HBM, counted as the part
+    of it the fused code needs (`_utilisation`)."""
     body = self.computations[computation]
     parameters = {int(p.arguments): p.name for p in body.values() if p.opcode == 'parameter'}
     users = collections.defaultdict(list)
@@ -398,13 +409,41 @@ class _Walker:
       if uses and all(u.opcode == 'dynamic-update-slice' and u.operands[0] == parameter
                       for u in uses):
         continue  # The buffer updated in place: not read.
-      if full and uses and all(u.opcode in _SLICING and u.operands[0] == parameter
-                               for u in uses):
-        size = min(full, sum(hlo_text.total_bytes(u.shape) for u in uses))
-      else:
-        size = full
+      size = full * min(1.0, self._utilisation(computation).get(parameter, 1.0))
       read.append((self._first_named(uses, body), size))
     return read
+
+  def _utilisation(self, computation: str) -> dict[str, float]:
+    """{instruction: the fraction of its elements the fused computation reads}, from the
+    root back: XLA emits a fusion per output element, so an operand only sliced (or reduced,
+    converted, reshaped... on the way to a slice) is read only where the slice needs it.
+    Elementwise ops, converts, layout changes and reductions pass their own fraction on; a
+    slice scales it by its share of the operand; a broadcast or pad passes on at least as
+    much as the output needs, and anything else reads its operands whole. Several users add
+    up (capped at the whole)."""
+    if computation in self._utilisations:
+      return self._utilisations[computation]
+    body = self.computations[computation]
+    needed = collections.defaultdict(float)
+    root = hlo_text.root_of(body)
+    needed[root.name] = 1.0
+    for ins in reversed(list(body.values())):
+      share = min(1.0, needed.get(ins.name, 0.0))
+      if not share:
+        continue
+      out = _elements(ins.shape)
+      for position, name in enumerate(ins.operands):
+        if name not in body:
+          continue
+        if ins.opcode in _PASSES_SHARE:
+          part = share
+        elif ins.opcode in _SLICING or ins.opcode in ('broadcast', 'pad'):
+          part = share * out / max(_elements(body[name].shape), 1) if position == 0 else 1.0
+        else:
+          part = 1.0
+        needed[name] += part
+    self._utilisations[computation] = dict(needed)
+    return self._utilisations[computation]
 
   def _parameter_user(self, fusion: hlo_text.Instruction, index: int) -> str:
     """The op_name of the first instruction inside `fusion` that uses its operand `index`."""
@@ -446,6 +485,10 @@ class _Walker:
         size = self.memory_bytes(element)
       written.append((named.group(1) if named else '', size))
     return written
+
+
+def _elements(shape: str) -> int:
+  return sum(math.prod(dims) for _, dims, _ in hlo_text.arrays(shape))
 
 
 def _collective_kind(opcode: str) -> str | None:
