@@ -390,3 +390,78 @@ ENTRY %main (x: f32[4,96,32], y: bf16[32,32]) -> bf16[32,32] {
 '''
   (kernel,) = hlo_cost.analyse(hlo, 1).kernels
   assert kernel.hbm_bytes == 4 * 32 * 32 * 4 + 32 * 32 * 2 + 32 * 32 * 2
+
+
+def test_collectives_that_libtpu_fuses_are_counted_once_and_overlap_like_a_start_and_done():
+  """libtpu's form: an all-gather started by a fusion whose root is an AsyncCollectiveStart
+  custom call, carried on by a compute fusion holding the same channel, waited for by an
+  AsyncCollectiveDone fusion: one all-gather, beside the kernel between. Its reduce-scatter is
+  an all-reduce fused with the dynamic-slice each device keeps: counted as a reduce-scatter,
+  (n - 1) / n of its operand on the wire, which the step waits for."""
+  gather = ("all-gather(%p), channel_id=7, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}, "
+            "use_global_device_ids=true")
+  hlo = f'''HloModule fused_collectives, is_scheduled=true
+
+%sum (a: f32[], b: f32[]) -> f32[] {{
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}}
+
+%start_body (p: f32[512,1024]) -> (f32[512,1024], f32[4096,1024]) {{
+  %p = f32[512,1024]{{1,0}} parameter(0)
+  %g = f32[4096,1024]{{1,0}} {gather}
+  ROOT %c = (f32[512,1024]{{1,0:S(1)}}, f32[4096,1024]{{1,0:S(1)}}) custom-call(%p, %g), custom_call_target="AsyncCollectiveStart"
+}}
+
+%carry_body (p: f32[512,1024], q: f32[1024,1024]) -> (f32[1024,1024], f32[4096,1024]) {{
+  %p = f32[512,1024]{{1,0}} parameter(0)
+  %q = f32[1024,1024]{{1,0}} parameter(1)
+  %g = f32[4096,1024]{{1,0}} {gather}
+  %w = f32[1024,1024]{{1,0}} add(%q, %q)
+  ROOT %t = (f32[1024,1024]{{1,0}}, f32[4096,1024]{{1,0:S(1)}}) tuple(%w, %g)
+}}
+
+%done_body (p: f32[512,1024], r: f32[4096,1024]) -> f32[4096,1024] {{
+  %p = f32[512,1024]{{1,0}} parameter(0)
+  %r = f32[4096,1024]{{1,0:S(1)}} parameter(1)
+  %g = f32[4096,1024]{{1,0}} {gather}
+  ROOT %d = f32[4096,1024]{{1,0:S(1)}} custom-call(%p, %r, %g), custom_call_target="AsyncCollectiveDone"
+}}
+
+%scatter_body (v: f32[262144]) -> f32[32768] {{
+  %v = f32[262144]{{0}} parameter(0)
+  %r = f32[262144]{{0}} all-reduce(%v), channel_id=9, replica_groups={{{{0,1,2,3,4,5,6,7}}}}, to_apply=%sum
+  %i = u32[] partition-id()
+  %k = u32[] constant(32768)
+  %o = u32[] multiply(%i, %k)
+  ROOT %s = f32[32768]{{0}} dynamic-slice(%r, %o), dynamic_slice_sizes={{32768}}
+}}
+
+ENTRY %main (x: f32[512,1024], q: f32[1024,1024], v: f32[262144]) -> (f32[1024,1024], f32[4096,1024], f32[32768]) {{
+  %x = f32[512,1024]{{1,0:S(1)}} parameter(0)
+  %q = f32[1024,1024]{{1,0}} parameter(1)
+  %v = f32[262144]{{0:S(1)}} parameter(2)
+  %start = (f32[512,1024]{{1,0:S(1)}}, f32[4096,1024]{{1,0:S(1)}}) fusion(%x), kind=kCustom, calls=%start_body
+  %s0 = f32[512,1024]{{1,0:S(1)}} get-tuple-element(%start), index=0
+  %s1 = f32[4096,1024]{{1,0:S(1)}} get-tuple-element(%start), index=1
+  %carry = (f32[1024,1024]{{1,0}}, f32[4096,1024]{{1,0:S(1)}}) fusion(%s0, %q), kind=kLoop, calls=%carry_body
+  %w = f32[1024,1024]{{1,0}} get-tuple-element(%carry), index=0
+  %c1 = f32[4096,1024]{{1,0:S(1)}} get-tuple-element(%carry), index=1
+  %done = f32[4096,1024]{{1,0:S(1)}} fusion(%s0, %c1), kind=kCustom, calls=%done_body
+  %scattered = f32[32768]{{0:S(1)}} fusion(%v), kind=kLoop, calls=%scatter_body
+  ROOT %out = (f32[1024,1024]{{1,0}}, f32[4096,1024]{{1,0:S(1)}}, f32[32768]{{0:S(1)}}) tuple(%w, %done, %scattered)
+}}
+'''
+  target = targets.parse('tpu:v5e-8')
+  cost = hlo_cost.analyse(hlo, 8)
+  assert cost.collectives_by_kind() == {
+      'all-gather': {'count': 1, 'bytes': 512 * 1024 * 4, 'wire_bytes': 7 * 512 * 1024 * 4},
+      'reduce-scatter': {'count': 1, 'bytes': 262144 * 4, 'wire_bytes': 7 / 8 * 262144 * 4}}
+  prediction = roofline.predict(cost, target, [0] * 8)
+  chip = target.chip
+  carried = 2 * 4 * 2**20 / chip.memory_bandwidth  # The carrying fusion: q read, w written.
+  gather = 7 * 512 * 1024 * 4 / chip.interconnect_bandwidth
+  scatter = 7 / 8 * 262144 * 4 / chip.interconnect_bandwidth
+  assert prediction.kernel_seconds == pytest.approx(carried)  # The rest is on chip (S(1)).
+  assert prediction.step_seconds == pytest.approx(max(carried, gather) + scatter)

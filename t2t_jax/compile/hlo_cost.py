@@ -15,6 +15,9 @@ text on every backend. Counting:
     results in memory space 0, a fused operand counted as the part of it the fusion's output
     needs (followed back through slices, reductions, casts and elementwise ops),
     a result written in place by a dynamic-update-slice counted as the update;
+  - collectives are found outside fusions and inside them (libtpu fuses a multi-chip
+    program's collectives: an AsyncCollectiveStart fusion, compute fusions carrying the same
+    channel, an AsyncCollectiveDone fusion), each counted once;
   - a loop runs its trip count: XLA's known_trip_count where the HLO has one, else the
     constant its condition compares the counter with (JAX's loops count from 0).
 """
@@ -181,6 +184,7 @@ class _Walker:
     # chain and, while its wrapped computation is walked, `_async_key`.
     self._async = {}
     self._async_key = None
+    self._open = set()  # Fused asynchronous collectives started and not yet waited for.
 
   def run(self) -> ProgramCost:
     self._walk(self.entry, 1)
@@ -236,6 +240,40 @@ class _Walker:
           kernel.bytes_by_op_name = dict(named)
         self.kernels.append(kernel)
         self.schedule.append(('kernel', len(self.kernels) - 1))
+        if ins.opcode == 'fusion' and called.get('calls'):
+          self._fused_collectives(called['calls'][0], computation, count)
+
+  def _fused_collectives(self, fused: str, computation: str, count: int) -> None:
+    """The collectives a fusion holds (libtpu compiles a multi-chip program's collectives
+    into fusions): one whose root is an AsyncCollectiveStart custom call starts them, one
+    whose root is AsyncCollectiveDone waits for them, and the compute fusions between that
+    hold the same collective (its channel) only carry it on. A collective in any other fusion
+    is counted where it stands, as one the program waits for."""
+    body = self.computations[fused]
+    inner = [ins for ins in body.values() if _collective_kind(ins.opcode)]
+    if not inner:
+      return
+    target = re.search(r'custom_call_target="([^"]*)"', hlo_text.root_of(body).attributes)
+    target = target.group(1) if target else ''
+    for collective in inner:
+      channel = re.search(r'channel_id=(\d+)', collective.attributes)
+      key = (computation, 'channel', channel.group(1) if channel else collective.name)
+      if target == 'AsyncCollectiveDone':
+        if key in self._open:
+          self._open.discard(key)
+          self.schedule.append(('done', key))
+      elif key in self._open:
+        continue  # Carried on by a compute fusion.
+      else:
+        self._collective(collective, body, count)
+        if collective.opcode == 'all-reduce' and _only_sliced(collective, body):
+          # libtpu's reduce-scatter: an all-reduce each device keeps one slice of.
+          self.collectives[-1].kind = 'reduce-scatter'
+        if target == 'AsyncCollectiveStart':
+          self._open.add(key)
+          self.schedule.append(('start', len(self.collectives) - 1, key))
+        else:
+          self.schedule.append(('collective', len(self.collectives) - 1))
 
   def _largest_dot(self, computation: str) -> str:
     """The op_name of the fused computation's dot or convolution with the most FLOPs."""
@@ -485,6 +523,14 @@ class _Walker:
         size = self.memory_bytes(element)
       written.append((named.group(1) if named else '', size))
     return written
+
+
+def _only_sliced(ins: hlo_text.Instruction, body: dict) -> bool:
+  """Whether every use of `ins` in `body` (through get-tuple-element) is a dynamic-slice."""
+  uses = [u for u in body.values() if ins.name in u.operands]
+  return bool(uses) and all(
+      u.opcode == 'dynamic-slice' or (u.opcode == 'get-tuple-element' and _only_sliced(u, body))
+      for u in uses)
 
 
 def _elements(shape: str) -> int:
