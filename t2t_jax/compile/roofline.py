@@ -61,13 +61,15 @@ def predict(cost: hlo_cost.ProgramCost, target: targets.Target,
   """The roofline of a compiled step; `granule_of_device[i]`: the slice or host of the
   program's i-th device."""
   chip = target.chip
-  compute = memory = kernels = 0.0
+  compute = memory = 0.0
+  timed = []  # Each kernel's seconds per step, all its runs.
   for kernel in cost.kernels:
     flop_seconds = kernel.flops / peak(chip, kernel.dtype) if kernel.flops else 0.0
     byte_seconds = kernel.hbm_bytes / chip.memory_bandwidth
     compute += flop_seconds * kernel.count
     memory += byte_seconds * kernel.count
-    kernels += max(flop_seconds, byte_seconds) * kernel.count
+    timed.append(max(flop_seconds, byte_seconds) * kernel.count)
+  kernels = sum(timed)
   collectives = network = 0.0
   collective_seconds = []
   for collective in cost.collectives:
@@ -81,7 +83,6 @@ def predict(cost: hlo_cost.ProgramCost, target: targets.Target,
     network += seconds if slow else 0.0
   overlapped = 0.0
   if cost.schedule is not None and collectives:
-    timed = [kernel_seconds(k, chip) * k.count for k in cost.kernels]
     overlapped = max(0.0, kernels + collectives - _scheduled_seconds(
         cost.schedule, timed, collective_seconds))
   return Prediction(compute, memory, kernels, collectives, network, overlapped)
