@@ -14,8 +14,9 @@ text on every backend. Counting:
   - its memory traffic is what it reads and writes in device memory (HBM): operands and
     results in memory space 0, a fused operand counted as the part of it the fusion's output
     needs (followed back through slices, reductions, casts and elementwise ops),
-    a result written in place by a dynamic-update-slice counted as the update;
-  - collectives are found outside fusions and inside them (libtpu fuses a multi-chip
+    a result written in place by a dynamic-update-slice counted as the update
+    (fusion_bytes.py);
+  - collectives (hlo_collectives.py) are found outside fusions and inside them (libtpu fuses a multi-chip
     program's collectives: an AsyncCollectiveStart fusion, compute fusions carrying the same
     channel, an AsyncCollectiveDone fusion), each counted once;
   - a loop runs its trip count: XLA's known_trip_count where the HLO has one, else the
@@ -24,16 +25,15 @@ text on every backend. Counting:
 
 import collections
 import dataclasses
-import math
 import re
 
-import numpy as np
-
+from t2t_jax.compile import fusion_bytes
+from t2t_jax.compile import hlo_collectives
 from t2t_jax.compile import hlo_text
 from t2t_jax.compile import kernel_flops
 
-COLLECTIVES = ('all-reduce', 'all-gather', 'reduce-scatter', 'all-to-all', 'collective-permute',
-               'ragged-all-to-all', 'collective-broadcast')
+COLLECTIVES = hlo_collectives.COLLECTIVES
+Collective = hlo_collectives.Collective
 # Instructions that move no data themselves (the computations they run are counted instead).
 _FREE = {'parameter', 'constant', 'get-tuple-element', 'tuple', 'bitcast', 'after-all',
          'add-dependency', 'opt-barrier', 'partition-id', 'replica-id', 'while', 'call',
@@ -41,17 +41,6 @@ _FREE = {'parameter', 'constant', 'get-tuple-element', 'tuple', 'bitcast', 'afte
 _FREE_CUSTOM_CALLS = ('Bitcast', 'AllocateBuffer', 'AssumeGatherIndicesInBound', 'Sharding',
                       'SPMDFullToShardShape', 'SPMDShardToFullShape', 'MoveToHost',
                       'MoveToDevice', 'Bitpacked')
-_SLICING = ('dynamic-slice', 'slice', 'gather')
-# Fused ops whose operands are read where their output is (a fraction f of the output needs
-# about f of each operand): elementwise arithmetic, converts, layout changes, reductions.
-_PASSES_SHARE = {'convert', 'bitcast', 'copy', 'reshape', 'transpose', 'reduce', 'tuple',
-                 'add', 'subtract', 'multiply', 'divide', 'maximum', 'minimum', 'negate', 'abs',
-                 'exponential', 'log', 'sqrt', 'rsqrt', 'tanh', 'select', 'compare', 'and', 'or',
-                 'xor', 'not', 'power', 'clamp', 'sign', 'floor', 'ceil', 'round-nearest-even',
-                 'exponential-minus-one', 'log-plus-one', 'logistic', 'cosine', 'sine',
-                 'shift-left', 'shift-right-logical', 'shift-right-arithmetic', 'remainder',
-                 'atan2', 'is-finite', 'bitcast-convert', 'reduce-precision'}
-_OP_NAME = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')
 
 
 # The parts of a train step that the bytes by part name, in the order tables list them.
@@ -108,36 +97,6 @@ class Kernel:
 
 
 @dataclasses.dataclass
-class Collective:
-  """One collective instruction, run `count` times per step."""
-  kind: str
-  operand_bytes: float  # Per device, one run.
-  groups: list[list[int]]  # Device ids (positions in the program's device assignment).
-  count: int = 1
-  # Between TPU slices: the runtime's (megascale) transfer over the data-centre network,
-  # among `slices` slices, where the program's groups list no devices.
-  slices: int = 0
-
-  @property
-  def group_size(self) -> int:
-    return self.slices or max((len(g) for g in self.groups), default=1)
-
-  @property
-  def wire_bytes(self) -> float:
-    """Bytes each device sends per run, with ring algorithms (n devices in a group)."""
-    n, size = self.group_size, self.operand_bytes
-    if n <= 1:
-      return 0.0
-    if self.kind == 'all-reduce':
-      return 2 * (n - 1) / n * size
-    if self.kind == 'all-gather':
-      return (n - 1) * size  # Each device's piece goes to the n - 1 others.
-    if self.kind in ('collective-permute', 'collective-broadcast', 'one-to-one'):
-      return size  # Each device sends its operand once (one-to-one: a slice-to-slice send).
-    return (n - 1) / n * size  # reduce-scatter, all-to-all.
-
-
-@dataclasses.dataclass
 class ProgramCost:
   kernels: list[Kernel]
   collectives: list[Collective]
@@ -179,7 +138,7 @@ class _Walker:
     self.kernels, self.collectives, self.unknown_trip_counts = [], [], 0
     self.schedule = []
     self._users = {}  # {computation: {instruction: the instructions using it}}, as needed.
-    self._utilisations = {}  # {fused computation: _utilisation's answer}, as needed.
+    self._fusions = fusion_bytes.FusionBytes(self.computations, self.memory_bytes)
     # Asynchronous collectives: (computation, start's name) for a start, its async-update
     # chain and, while its wrapped computation is walked, `_async_key`.
     self._async = {}
@@ -218,8 +177,8 @@ class _Walker:
                     + called.get('false_computation', []))
         for name in branches:
           self._walk(name, count)  # Every branch counted: an upper bound.
-      elif _collective_kind(ins.opcode):
-        self._collective(ins, table, count)
+      elif hlo_collectives.kind_of(ins.opcode):
+        self.collectives.append(hlo_collectives.read(ins, table, count, self.num_devices))
         if ins.opcode.endswith('-start'):
           self._async[(computation, ins.name)] = (computation, ins.name)
           self.schedule.append(('start', len(self.collectives) - 1, (computation, ins.name)))
@@ -228,7 +187,7 @@ class _Walker:
         else:
           self.schedule.append(('collective', len(self.collectives) - 1))
       elif ins.opcode == 'send' and '_xla_megascale_transfer_type' in ins.attributes:
-        self._slice_collective(ins, table, count)
+        self.collectives.append(hlo_collectives.read_across_slices(ins, table, count))
         self.schedule.append(('collective', len(self.collectives) - 1))
       elif not self._free(ins):
         kernel = self._kernel(ins, table, count)
@@ -250,7 +209,7 @@ class _Walker:
     hold the same collective (its channel) only carry it on. A collective in any other fusion
     is counted where it stands, as one the program waits for."""
     body = self.computations[fused]
-    inner = [ins for ins in body.values() if _collective_kind(ins.opcode)]
+    inner = [ins for ins in body.values() if hlo_collectives.kind_of(ins.opcode)]
     if not inner:
       return
     target = re.search(r'custom_call_target="([^"]*)"', hlo_text.root_of(body).attributes)
@@ -265,8 +224,8 @@ class _Walker:
       elif key in self._open:
         continue  # Carried on by a compute fusion.
       else:
-        self._collective(collective, body, count)
-        if collective.opcode == 'all-reduce' and _only_sliced(collective, body):
+        self.collectives.append(hlo_collectives.read(collective, body, count, self.num_devices))
+        if collective.opcode == 'all-reduce' and hlo_collectives.only_sliced(collective, body):
           # libtpu's reduce-scatter: an all-reduce each device keeps one slice of.
           self.collectives[-1].kind = 'reduce-scatter'
         if target == 'AsyncCollectiveStart':
@@ -283,8 +242,8 @@ class _Walker:
         nested = self._largest_dot(hlo_text.called(inner.attributes)['calls'][0])
         flops = self._fused_flops(hlo_text.called(inner.attributes)['calls'][0])[0]
       elif inner.opcode in ('dot', 'convolution'):
-        flops, named = kernel_flops.dot_flops(inner, table)[0], _OP_NAME.search(inner.attributes)
-        nested = named.group(1) if named else ''
+        flops = kernel_flops.dot_flops(inner, table)[0]
+        nested = hlo_text.op_name(inner.attributes)
       else:
         continue
       if nested and flops > best:
@@ -300,9 +259,9 @@ class _Walker:
       dot = self._largest_dot(called[0])
       if dot:
         return dot
-    named = _OP_NAME.search(ins.attributes)
+    named = hlo_text.op_name(ins.attributes)
     if named:
-      return named.group(1)
+      return named
     if computation not in self._users:
       users = collections.defaultdict(list)
       for inner in self.computations[computation].values():
@@ -314,12 +273,12 @@ class _Walker:
       name = frontier.pop(0)
       for user in users.get(name, []):
         if user.opcode == 'fusion' and 'calls' in hlo_text.called(user.attributes):
-          inside = self._parameter_user(user, user.operands.index(name))
+          inside = self._fusions.parameter_user(user, user.operands.index(name))
           if inside:
             return inside
-        found = _OP_NAME.search(user.attributes)
+        found = hlo_text.op_name(user.attributes)
         if found and not self._free(user):
-          return found.group(1)
+          return found
         if user.name not in seen and (self._free(user) or user.opcode.endswith('-done')):
           seen.add(user.name)
           frontier.append(user.name)
@@ -330,9 +289,9 @@ class _Walker:
       if producer is None or producer.name in seen:
         continue
       seen.add(producer.name)
-      found = _OP_NAME.search(producer.attributes)
+      found = hlo_text.op_name(producer.attributes)
       if found and not self._free(producer):
-        return found.group(1)
+        return found
       if self._free(producer):
         frontier.extend(producer.operands)
     return ''
@@ -360,31 +319,13 @@ class _Walker:
     self.unknown_trip_counts += 1
     return 1
 
-  def _collective(self, ins: hlo_text.Instruction, table, count: int) -> None:
-    size = sum(hlo_text.total_bytes(table[name].shape) for name in ins.operands if name in table)
-    groups = hlo_text.replica_groups(ins.attributes, self.num_devices)
-    self.collectives.append(Collective(_collective_kind(ins.opcode), size, groups, count))
-
-  def _slice_collective(self, ins: hlo_text.Instruction, table, count: int) -> None:
-    """A collective across TPU slices: the program sends its part to the runtime, which moves
-    it over the data-centre network (`_xla_megascale_target="{1,2}x{0:7}"`: slices x chips)."""
-    kind = re.search(r'_xla_megascale_transfer_type="(\w+)"', ins.attributes).group(1)
-    target = re.search(r'_xla_megascale_target="\{([^}]*)\}', ins.attributes)
-    slices = 0
-    for part in (target.group(1).split(',') if target else []):
-      low, _, high = part.partition(':')
-      slices += int(high) - int(low) + 1 if high else 1
-    size = hlo_text.total_bytes(table[ins.operands[0]].shape) if ins.operands[0] in table else 0.0
-    self.collectives.append(Collective(kind.lower().replace('_', '-'), size, [], count,
-                                       max(slices, 2)))
-
   def _kernel(self, ins: hlo_text.Instruction, table, count: int) -> Kernel:
     flops, dtype = 0.0, ''
     called = hlo_text.called(ins.attributes).get('calls', [])
     if ins.opcode == 'fusion' and called:
       flops, dtype = self._fused_flops(called[0])
-      read = self._fusion_reads(ins, table, called[0])
-      written = self._fusion_writes(ins, called[0])
+      read = self._fusions.reads(ins, table, called[0])
+      written = self._fusions.writes(ins, called[0])
       by_op_name = collections.Counter()
       for op_name, size in read + written:
         by_op_name[op_name] += size
@@ -427,119 +368,6 @@ class _Walker:
         largest, dtype = f, d
     return flops, dtype
 
-  def _fusion_reads(self, ins: hlo_text.Instruction, table,
-                    computation: str) -> list[tuple[str, float]]:
-    """(op_name of its first user inside, bytes) of each operand in HBM, counted as the part
-    of it the fused code needs (`_utilisation`)."""
-    body = self.computations[computation]
-    parameters = {int(p.arguments): p.name for p in body.values() if p.opcode == 'parameter'}
-    users = collections.defaultdict(list)
-    for inner in body.values():
-      for operand in inner.operands:
-        users[operand].append(inner)
-    read = []
-    for index, name in enumerate(ins.operands):
-      if name not in table:
-        continue
-      full = self.memory_bytes(table[name].shape)
-      parameter = parameters.get(index, '')
-      uses = users.get(parameter, [])
-      if uses and all(u.opcode == 'dynamic-update-slice' and u.operands[0] == parameter
-                      for u in uses):
-        continue  # The buffer updated in place: not read.
-      size = full * min(1.0, self._utilisation(computation).get(parameter, 1.0))
-      read.append((self._first_named(uses, body), size))
-    return read
-
-  def _utilisation(self, computation: str) -> dict[str, float]:
-    """{instruction: the fraction of its elements the fused computation reads}, from the
-    root back: XLA emits a fusion per output element, so an operand only sliced (or reduced,
-    converted, reshaped... on the way to a slice) is read only where the slice needs it.
-    Elementwise ops, converts, layout changes and reductions pass their own fraction on; a
-    slice scales it by its share of the operand; a broadcast or pad passes on at least as
-    much as the output needs, and anything else reads its operands whole. Several users add
-    up (capped at the whole)."""
-    if computation in self._utilisations:
-      return self._utilisations[computation]
-    body = self.computations[computation]
-    needed = collections.defaultdict(float)
-    root = hlo_text.root_of(body)
-    needed[root.name] = 1.0
-    for ins in reversed(list(body.values())):
-      share = min(1.0, needed.get(ins.name, 0.0))
-      if not share:
-        continue
-      out = _elements(ins.shape)
-      for position, name in enumerate(ins.operands):
-        if name not in body:
-          continue
-        if ins.opcode in _PASSES_SHARE:
-          part = share
-        elif ins.opcode in _SLICING or ins.opcode in ('broadcast', 'pad'):
-          part = share * out / max(_elements(body[name].shape), 1) if position == 0 else 1.0
-        else:
-          part = 1.0
-        needed[name] += part
-    self._utilisations[computation] = dict(needed)
-    return self._utilisations[computation]
-
-  def _parameter_user(self, fusion: hlo_text.Instruction, index: int) -> str:
-    """The op_name of the first instruction inside `fusion` that uses its operand `index`."""
-    body = self.computations[hlo_text.called(fusion.attributes)['calls'][0]]
-    parameter = next((p.name for p in body.values()
-                      if p.opcode == 'parameter' and p.arguments == str(index)), None)
-    return self._first_named([u for u in body.values() if parameter in u.operands], body)
-
-  def _first_named(self, uses: list[hlo_text.Instruction], body) -> str:
-    """The op_name of the first of `uses` (or of their users, breadth first) that has one."""
-    frontier, seen = list(uses), set()
-    while frontier:
-      inner = frontier.pop(0)
-      found = _OP_NAME.search(inner.attributes)
-      if found:
-        return found.group(1)
-      if inner.name not in seen:
-        seen.add(inner.name)
-        frontier.extend(u for u in body.values() if inner.name in u.operands)
-    return ''
-
-  def _fusion_writes(self, ins: hlo_text.Instruction,
-                     computation: str) -> list[tuple[str, float]]:
-    """(op_name of the root that made it, bytes) of each result in HBM; a root that updates a
-    buffer in place counts as the update."""
-    body = self.computations[computation]
-    root = hlo_text.root_of(body)
-    roots = [body[name] for name in root.operands] if root.opcode == 'tuple' else [root]
-    outputs = hlo_text.tuple_elements(ins.shape)
-    written = []
-    for i, element in enumerate(outputs):
-      inner = roots[i] if i < len(roots) else None
-      named = _OP_NAME.search(inner.attributes) if inner is not None else None
-      if inner is not None and inner.opcode == 'dynamic-update-slice' and \
-          inner.operands[1] in body:
-        update = body[inner.operands[1]].shape
-        size = min(self.memory_bytes(element), hlo_text.total_bytes(update))
-      else:
-        size = self.memory_bytes(element)
-      written.append((named.group(1) if named else '', size))
-    return written
-
-
-def _only_sliced(ins: hlo_text.Instruction, body: dict) -> bool:
-  """Whether every use of `ins` in `body` (through get-tuple-element) is a dynamic-slice."""
-  uses = [u for u in body.values() if ins.name in u.operands]
-  return bool(uses) and all(
-      u.opcode == 'dynamic-slice' or (u.opcode == 'get-tuple-element' and _only_sliced(u, body))
-      for u in uses)
-
-
-def _elements(shape: str) -> int:
-  return sum(math.prod(dims) for _, dims, _ in hlo_text.arrays(shape))
-
-
-def _collective_kind(opcode: str) -> str | None:
-  base = opcode[:-len('-start')] if opcode.endswith('-start') else opcode
-  return base if base in COLLECTIVES else None
 
 
 def analyse(hlo_text: str, num_devices: int, every_memory: bool = False) -> ProgramCost:

@@ -22,6 +22,7 @@ DTYPE_BYTES = {'pred': 1, 's8': 1, 'u8': 1, 's16': 2, 'u16': 2, 'f16': 2, 'bf16'
 _ARRAY = re.compile(r'\b([a-z]+[0-9a-z]*)\[([0-9,]*)\](\{[^{}]*\})?')
 _HEADER = re.compile(r'^(ENTRY )?%?([\w.\-]+) \(.*\) -> .* \{$')
 _INSTRUCTION = re.compile(r'^\s*(ROOT )?%([\w.\-]+) = ')
+_OP_NAME = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')
 
 
 @dataclasses.dataclass
@@ -134,6 +135,12 @@ def tuple_elements(shape: str) -> list[str]:
 def root_of(computation: dict[str, Instruction]) -> Instruction:
   return next((ins for ins in computation.values() if ins.root),
               list(computation.values())[-1])
+
+
+def op_name(attributes: str) -> str:
+  """The op_name of an instruction's metadata (the JAX source it came from), '' without one."""
+  found = _OP_NAME.search(attributes)
+  return found.group(1) if found else ''
 
 
 def called(attributes: str) -> dict[str, list[str]]:
