@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from t2t_jax import ConfigError
+from t2t_jax.model.relu_dropout import ReluDropout
 
 Array = jax.Array
 COLLECTION = 'moe'  # Flax collection the layers sow their loss and counts into.
@@ -195,8 +196,8 @@ class MoeFeedForward(nn.Module):
                         x_BLE.astype(cfg.dtype))
     x_XBAE = nn.with_logical_constraint(x_XBAE, ('expert', 'batch', None, 'embed'))
     h_XBAF = jnp.einsum('XBCE,XEF->XBCF', x_XBAE, wi_XEF) + bi_XF[:, None, None, :]
-    h_XBAF = nn.with_logical_constraint(nn.relu(h_XBAF), ('expert', 'batch', None, 'mlp'))
-    h_XBAF = nn.Dropout(cfg.relu_dropout)(h_XBAF, cfg.deterministic)
+    h_XBAF = nn.with_logical_constraint(h_XBAF, ('expert', 'batch', None, 'mlp'))
+    h_XBAF = ReluDropout(cfg.relu_dropout, name='Dropout_0')(h_XBAF, cfg.deterministic)
     y_XBAE = jnp.einsum('XBCF,XFE->XBCE', h_XBAF, wo_XFE) + bo_XE[:, None, None, :]
     y_XBAE = nn.with_logical_constraint(y_XBAE, ('expert', 'batch', None, 'embed'))
     # Empty slots hold bias-only outputs; their combine weight is zero.

@@ -19,6 +19,7 @@ from t2t_jax.model.attention import attention_mask, self_attention_mask
 from t2t_jax.model.attention import CrossAttention, SelfAttention, SelfMask, attention_kinds
 from t2t_jax.model.model_config import REMAT_POLICIES, TransformerConfig
 from t2t_jax.model.positions import Embedder
+from t2t_jax.model.relu_dropout import ReluDropout
 
 Array = jax.Array
 
@@ -48,8 +49,9 @@ class FeedForward(nn.Module):
                      kernel_init=dense_init(('embed', 'mlp')),
                      bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ('mlp',)),
                      name='wi')(x_BLE)
-    h_BLF = nn.with_logical_constraint(nn.relu(h_BLF), ('batch', 'length', 'mlp'))
-    h_BLF = nn.Dropout(cfg.relu_dropout)(h_BLF, cfg.deterministic)
+    h_BLF = nn.with_logical_constraint(h_BLF, ('batch', 'length', 'mlp'))
+    # nn.Dropout(relu_dropout)(nn.relu(h)), keeping neither mask nor h for the gradient.
+    h_BLF = ReluDropout(cfg.relu_dropout, name='Dropout_0')(h_BLF, cfg.deterministic)
     return nn.Dense(cfg.d_model, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
                     kernel_init=dense_init(('mlp', 'embed')),
                     bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ('embed',)),
