@@ -16,9 +16,9 @@ text on every backend. Counting:
     needs (followed back through slices, reductions, casts and elementwise ops),
     a result written in place by a dynamic-update-slice counted as the update
     (fusion_bytes.py);
-  - collectives (hlo_collectives.py) are found outside fusions and inside them (libtpu fuses a multi-chip
-    program's collectives: an AsyncCollectiveStart fusion, compute fusions carrying the same
-    channel, an AsyncCollectiveDone fusion), each counted once;
+  - collectives (hlo_collectives.py) are found outside fusions and inside them (libtpu
+    fuses a multi-chip program's collectives: an AsyncCollectiveStart fusion, compute
+    fusions carrying the same channel, an AsyncCollectiveDone fusion), each counted once;
   - a loop runs its trip count: XLA's known_trip_count where the HLO has one, else the
     constant its condition compares the counter with (JAX's loops count from 0).
 """
@@ -32,7 +32,6 @@ from t2t_jax.compile import hlo_collectives
 from t2t_jax.compile import hlo_text
 from t2t_jax.compile import kernel_flops
 
-COLLECTIVES = hlo_collectives.COLLECTIVES
 Collective = hlo_collectives.Collective
 # Instructions that move no data themselves (the computations they run are counted instead).
 _FREE = {'parameter', 'constant', 'get-tuple-element', 'tuple', 'bitcast', 'after-all',
@@ -367,7 +366,6 @@ class _Walker:
       if f > largest:
         largest, dtype = f, d
     return flops, dtype
-
 
 
 def analyse(hlo_text: str, num_devices: int, every_memory: bool = False) -> ProgramCost:

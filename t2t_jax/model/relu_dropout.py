@@ -4,9 +4,9 @@ only the output.
 `nn.Dropout(rate)(nn.relu(h))` keeps two things for its gradient: the boolean mask and the
 pre-activation `h` (for ReLU's derivative). Both are told by the output: an element passes
 its gradient exactly where the output is positive (kept by the mask and positive before
-the ReLU), and the output is kept anyway as the next matmul's input. So the mask and `h` need
-not be stored, nor read back: a memory-bound accelerator step saves a byte per hidden
-activation written and read, and two bytes (bfloat16) of `h` read.
+the ReLU), and the output is kept anyway as the next matmul's input. So the forward pass
+writes no mask and the backward pass reads the output instead of the mask and `h`: a byte per
+hidden activation less written and read by a memory-bound accelerator step.
 
 The same mask is drawn as `nn.Dropout` draws it (its module name keeps the dropout key's
 path), so outputs and gradients equal the unfused pair's bit for bit, save where a positive
