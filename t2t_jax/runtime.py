@@ -66,12 +66,18 @@ def reexec_with_huge_pages(argv: list[str], environ=os.environ) -> None:
   says so; returns where it does not. Call before anything allocates much."""
   if any(arg.split('=', 1)[0] in _HELP for arg in argv[1:]):
     return  # --help prints and exits: not worth a second start.
-  rerun_env = huge_page_env(environ, _libc_version(), _transparent_huge_pages(),
-                            _accelerator_possible(environ))
+  rerun_env = huge_page_rerun_env(environ)
   if rerun_env is not None:
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, [sys.executable] + sys.orig_argv[1:], rerun_env)
+
+
+def huge_page_rerun_env(environ=os.environ) -> dict | None:
+  """`huge_page_env` on this machine: the environment a command would run itself again in,
+  or None."""
+  return huge_page_env(environ, _libc_version(), _transparent_huge_pages(),
+                       _accelerator_possible(environ))
 
 
 def huge_page_env(environ, libc_version: str | None, huge_pages: str | None,

@@ -21,6 +21,11 @@ else:  # Subprocesses inherit it: they too see only the CPU.
   # The GPU compile tests' plugin without the CUDA runtime, as the commands set it.
   from t2t_jax import runtime  # pylint: disable=g-import-not-at-top
   runtime.apply_cuda_env()
+  # The commands the tests start begin in the environment they would run themselves again in
+  # (huge pages, runtime.reexec_with_huge_pages), so each starts once: the second start's
+  # imports cost 2-4 s a command here. tests/test_runtime.py checks the re-run itself in
+  # processes without it.
+  os.environ.update(runtime.huge_page_rerun_env() or {})
 
 CACHE_DIR = os.path.expanduser(os.environ.get('T2T_JAX_TEST_CACHE', '~/.cache/t2t_jax/xla'))
 # The same persistent compilation cache for every process the tests start (they inherit the
