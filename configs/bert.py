@@ -3,7 +3,7 @@ fine-tuning for labels (docs/pretraining.md has the whole workflow).
 
   python -m t2t_jax.main --config=configs/bert.py:small --workdir=/tmp/bert_small
   python -m t2t_jax.main --config=configs/bert.py:small,finetune --workdir=/tmp/sst2 \\
-      --config.ckpt.init_from=/tmp/bert_small/checkpoints/2000 \\
+      --config.ckpt.init_from=/tmp/bert_small/checkpoints/3500 \\
       --config.data.vocab_path=/tmp/bert_small/vocab.model
 
 Variants, chosen after the file name (a comma then 'finetune' turns any into a fine-tuning run:
@@ -77,14 +77,14 @@ def get_config(variant: str = 'small'):
   opt.b2 = 0.999
   opt.eps = 1e-6
   opt.grad_clip = 1.0
-  # small: about an hour of a 2-core CPU (docs/results/pretraining.md); base and large:
+  # small: about an hour of a normal day's 2-core CPU (docs/results/pretraining.md); base and large:
   # BERT's 1M updates, of 65,536 tokens here (BERT's: 256 rows of 128 tokens for 90% of its
   # updates, of 512 for the rest).
   opt.warmup_steps = 200 if size == 'small' else 10_000
   opt.lr_scale = peak_rate_scale(1e-3 if size == 'small' else 1e-4, d_model, opt.warmup_steps)
   opt.loss_chunk_tokens = 0
 
-  config.train.num_steps = 2000 if size == 'small' else 1_000_000
+  config.train.num_steps = 3500 if size == 'small' else 1_000_000
   config.train.log_every = 100
   config.train.eval_every = config.ckpt.every = 500 if size == 'small' else 10_000
   config.eval.bleu_sentences = 0

@@ -4,7 +4,7 @@ that favours the larger class), 12 trials, the median pruner after the first thr
 
   python launch/search.py configs/searches/bert_finetune.py -- python -m t2t_jax.main \
       --config=configs/bert.py:small,finetune --workdir=/tmp/bert_search \
-      --config.ckpt.init_from=/tmp/bert/pre/checkpoints/2000 \
+      --config.ckpt.init_from=/tmp/bert/pre/checkpoints/3500 \
       --config.data.vocab_path=/tmp/bert/pre/vocab.model --config.data.train_limit=1000 \
       --config.train.num_steps=300
 
