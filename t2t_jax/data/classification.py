@@ -146,8 +146,16 @@ def read_tsv(path: str, bad_lines: str) -> LabelledText:
       labels.append(example['label'])
       lines.append(number)
 
-  read = len(labels) + sum(skipped.values())
-  if not labels:
+  _report_read(path, len(labels), skipped, header)
+  pairs = columns.text2 is not None
+  return LabelledText(texts, texts2 if pairs else None, labels, lines, path)
+
+
+def _report_read(path: str, kept: int, skipped: collections.Counter, header: bool) -> None:
+  """A DataError when `path` gave no examples (saying why); else the skipped lines' counts by
+  reason, in one warning."""
+  read = kept + sum(skipped.values())
+  if not kept:
     raise DataError(f'{path}: no labelled examples: ' + (
         f'all {read} read were skipped as bad lines ({sources.describe(skipped)}) under '
         "config.data.bad_lines='skip'. Fix the data or point config.data at another file."
@@ -156,8 +164,6 @@ def read_tsv(path: str, bad_lines: str) -> LabelledText:
   if skipped:
     logging.warning('%s: skipped %d of %d examples (%s)', path, sum(skipped.values()), read,
                     sources.describe(skipped))
-  pairs = columns.text2 is not None
-  return LabelledText(texts, texts2 if pairs else None, labels, lines, path)
 
 
 def _regression_value(data: LabelledText, index: int) -> np.float32:
