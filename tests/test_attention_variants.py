@@ -136,14 +136,19 @@ def _embedding_gradients_program(config, side: str):
   model = model_lib.Transformer(config)
   inputs, targets = _tokens(2, (1, 12)), _tokens(3, (1, 12))
   params, perturbations = _init(config), _perturbations(model, inputs, targets)
+  # Random weights over the output's features: a plain sum of the encoder's layer-normed output
+  # is zero whatever the input (the norm subtracts the mean), so its gradient is rounding noise.
+  weights = np.random.default_rng(7).normal(size=max(config.d_model, config.vocab_size))
 
   @jax.jit
   def gradients(position):
     def output(perturbations):
       state = {'params': params, 'perturbations': perturbations}
       if side == 'source_embedder':
-        return model.apply(state, inputs, method=model_lib.Transformer.encode)[0, position].sum()
-      return model.apply(state, inputs, targets)[0, position].sum()
+        out = model.apply(state, inputs, method=model_lib.Transformer.encode)[0, position]
+      else:
+        out = model.apply(state, inputs, targets)[0, position]
+      return (out * weights[:out.shape[-1]]).sum()
     return jax.grad(output)(perturbations)[side]['embedded'][0]
 
   return gradients

@@ -10,8 +10,10 @@ the softmax (ctranslate2_layers.PAD_LOGIT_BIAS): greedy search is unaffected, an
 score is higher by -log(1 - p_PAD) per token. Where p_PAD is large (label smoothing spreads
 0.1 over a 14-token vocabulary: 0.8% on PAD) that can reorder close candidates and change a
 beam's path; with 37k tokens it is 3e-6. The trained fixtures use no label smoothing, which
-leaves PAD a small probability (its scores still differ, by up to about 0.01 a token), and the
-beam test checks each engine's score against its own normaliser.
+leaves PAD a small probability (its scores still differ, by up to about 0.01 a token), which
+can still reorder two candidates at a step's cut-off: the beam tests compare CTranslate2 with
+t2t_jax's search run over CTranslate2's normaliser (`beam_search_over_ct2_softmax`), and check
+each engine's score against its own normaliser.
 """
 
 import dataclasses
@@ -20,6 +22,7 @@ import math
 import os
 import subprocess
 import sys
+from unittest import mock
 
 import ctranslate2
 import flax.linen as nn
@@ -91,6 +94,27 @@ def _inputs(vocab, sources) -> np.ndarray:
   for row, seq in enumerate(ids):
     batch[row, :len(seq)] = seq
   return batch
+
+
+def beam_search_over_ct2_softmax(params, inputs_BS, config, max_len: int, beam_size: int,
+                                 alpha: float, max_lengths_B=None, penalty: str = 'gnmt'):
+  """decode.beam_search with each step's log-softmax leaving PAD out of its normaliser, as
+  CTranslate2's exported output layer does: t2t_jax's search over the distribution CTranslate2
+  searches. (t2t_jax's own scores count PAD's share, which can reorder two close candidates at
+  a step's cut-off and so part the two engines' paths.) Compiled anew each call, under the
+  change, from a function of its own."""
+  top_log_probs = decode._top_log_probs  # pylint: disable=protected-access
+
+  def normalised_without_pad(logits_BWV, count):
+    return top_log_probs(decode.without_pad(logits_BWV), count)
+
+  def search(*args):
+    return decode.beam_search(*args, penalty=penalty)
+
+  with mock.patch.object(decode, '_top_log_probs', normalised_without_pad):
+    tokens, scores = runtime.jit_search(search, static_argnums=(2, 3, 4, 5))(
+        params, jnp.asarray(inputs_BS), config, max_len, beam_size, alpha, max_lengths_B)
+  return np.asarray(tokens), np.asarray(scores)
 
 
 def _until_eos(ids) -> list[int]:
@@ -165,23 +189,31 @@ def test_beam_output_and_scores_are_t2t_jax_beam_search(trained):
   tokens, scores = jax.jit(decode.beam_search, static_argnums=(2, 3, 4, 5))(
       run.params, jnp.asarray(trained.inputs), run.model_config, MAX_OUTPUT, BEAM, 0.0)
   tokens, scores = np.asarray(tokens), np.asarray(scores)
+  ct2_tokens, ct2_norm_scores = beam_search_over_ct2_softmax(
+      run.params, trained.inputs, run.model_config, MAX_OUTPUT, BEAM, 0.0)
   results = _translator(trained.model_dir).translate_batch(
       trained.sources, beam_size=BEAM, length_penalty=0.0, max_decoding_length=MAX_OUTPUT,
       min_decoding_length=0, return_scores=True)
-  # Rows whose best two hypotheses are within 1e-3 may swap on rounding; the rest must agree.
-  untied = [row for row in range(len(results)) if scores[row, 0] - scores[row, 1] > 1e-3]
+  # The search over CTranslate2's normaliser finds CTranslate2's hypotheses; rows whose best
+  # two are within 1e-3 may swap on rounding, the rest must agree.
+  untied = [row for row in range(len(results))
+            if ct2_norm_scores[row, 0] - ct2_norm_scores[row, 1] > 1e-3]
   assert untied  # Something is compared.
-  best = [[int(i) for i in tokens[row, 0] if i != PAD_ID] for row in range(len(results))]
+  best_of = lambda t: [[int(i) for i in t[row, 0] if i != PAD_ID] for row in range(len(t))]
+  best, ct2_best = best_of(tokens), best_of(ct2_tokens)
   for row in untied:
-    assert results[row].hypotheses[0] == [run.vocab.piece(i) for i in _until_eos(best[row])], row
+    expected = [run.vocab.piece(i) for i in _until_eos(ct2_best[row])]
+    assert results[row].hypotheses[0] == expected, row
   # Scores: t2t_jax's is log p over the whole vocabulary; CTranslate2's output layer keeps PAD
   # out of the softmax (PAD_LOGIT_BIAS), so it is log p over the rest. Both from one
-  # teacher-forced pass of t2t_jax's model on t2t_jax's best hypotheses.
+  # teacher-forced pass of t2t_jax's model on each search's best hypotheses.
   full, without_pad = _teacher_forced(run, trained.inputs, best)
   np.testing.assert_allclose(scores[:, 0], full, atol=1e-4)
-  ct2_scores = np.array([r.scores[0] for r in results])
-  np.testing.assert_allclose(ct2_scores[untied], without_pad[untied], atol=1e-4)
   assert np.all(without_pad > full)  # PAD's probability is small, but not 0.
+  _, ct2_without_pad = _teacher_forced(run, trained.inputs, ct2_best)
+  np.testing.assert_allclose(ct2_norm_scores[:, 0], ct2_without_pad, atol=1e-4)
+  ct2_scores = np.array([r.scores[0] for r in results])
+  np.testing.assert_allclose(ct2_scores[untied], ct2_without_pad[untied], atol=1e-4)
 
 
 # Conversion of untrained models, every table and layout: CTranslate2's per-token scores of

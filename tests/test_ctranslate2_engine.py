@@ -22,7 +22,8 @@ import pytest
 
 from conftest import ROOT, write_lines
 from test_ctranslate2 import (BEAM, MAX_OUTPUT, NUM_SYMBOLS, VARIANTS, _config, _inputs,
-                              _sources, _teacher_forced, _translator, _until_eos)
+                              _sources, _teacher_forced, _translator, _until_eos,
+                              beam_search_over_ct2_softmax)
 from t2t_jax import ConfigError
 from t2t_jax import EOS_ID, PAD_ID
 from t2t_jax.checkpoints import saved_params
@@ -123,9 +124,10 @@ CONSTANT_ID = 5  # The symbol _constant_output_run's model ranks first at every 
 @pytest.mark.parametrize('alpha', ['recipe', 0.6])
 def test_length_penalty_beam_search_is_ctranslate2s(trained_workdir, alpha):
   """eval.length_penalty='length' at configs/multi30k.py's alpha (1.4) and at 0.6 on a
-  trained model: t2t_jax's beam search and CTranslate2's (through the engine's arguments) find
-  the same hypotheses wherever t2t_jax's best two are apart, each scored log p / length^alpha
-  with its own softmax (t2t_jax's counts PAD, CTranslate2's does not)."""
+  trained model: CTranslate2's beam search (through the engine's arguments) finds the
+  hypotheses of t2t_jax's over CTranslate2's normaliser wherever its best two are apart, each
+  engine's scored log p / length^alpha with its own softmax (t2t_jax's counts PAD,
+  CTranslate2's does not)."""
   from configs import multi30k  # pylint: disable=g-import-not-at-top
   if alpha == 'recipe':
     alpha = multi30k.get_config().eval.alpha
@@ -136,21 +138,30 @@ def test_length_penalty_beam_search_is_ctranslate2s(trained_workdir, alpha):
   inputs = jnp.asarray(_inputs(run.vocab, sources))
   tokens, scores = (np.asarray(x) for x in _beam_search(
       run.params, inputs, run.model_config, MAX_OUTPUT, BEAM, alpha, penalty='length'))
+  ct2_tokens, ct2_norm_scores = beam_search_over_ct2_softmax(
+      run.params, inputs, run.model_config, MAX_OUTPUT, BEAM, alpha, penalty='length')
   options = ctranslate2_engine.Decoding(BEAM, alpha, 'length').options(MAX_OUTPUT)
   results = _translator(model_dir).translate_batch(sources, **options, return_scores=True)
-  best = [[int(i) for i in tokens[row, 0] if i != PAD_ID] for row in range(len(sources))]
-  # Rows whose best two hypotheses are within 1e-3 may swap on rounding; the rest must agree.
-  untied = [row for row in range(len(sources)) if scores[row, 0] - scores[row, 1] > 1e-3]
+  best_of = lambda t: [[int(i) for i in t[row, 0] if i != PAD_ID] for row in range(len(t))]
+  best, ct2_best = best_of(tokens), best_of(ct2_tokens)
+  # The search over CTranslate2's normaliser (PAD left out) finds CTranslate2's hypotheses;
+  # rows whose best two are within 1e-3 may swap on rounding, the rest must agree.
+  untied = [row for row in range(len(sources))
+            if ct2_norm_scores[row, 0] - ct2_norm_scores[row, 1] > 1e-3]
   assert untied  # Something is compared. Both ways of ending, and the penalty deciding, are
   # the next test's, on a model built for them.
   for row in untied:
-    assert results[row].hypotheses[0] == [run.vocab.piece(i) for i in _until_eos(best[row])], row
-  full, without_pad = _teacher_forced(run, np.asarray(inputs), best)
-  lengths = np.array([len(b) for b in best], np.float64)  # EOS counted, as both engines count.
-  np.testing.assert_allclose(scores[:, 0], full / lengths**alpha, atol=1e-4)
+    expected = [run.vocab.piece(i) for i in _until_eos(ct2_best[row])]
+    assert results[row].hypotheses[0] == expected, row
+  lengths_of = lambda b: np.array([len(x) for x in b], np.float64)  # EOS counted, as both
+  # engines count.
+  full, _ = _teacher_forced(run, np.asarray(inputs), best)
+  np.testing.assert_allclose(scores[:, 0], full / lengths_of(best)**alpha, atol=1e-4)
+  _, without_pad = _teacher_forced(run, np.asarray(inputs), ct2_best)
+  expected_ct2 = without_pad / lengths_of(ct2_best)**alpha
+  np.testing.assert_allclose(ct2_norm_scores[:, 0], expected_ct2, atol=1e-4)
   ct2_scores = np.array([r.scores[0] for r in results])
-  np.testing.assert_allclose(ct2_scores[untied], (without_pad / lengths**alpha)[untied],
-                             atol=1e-4)
+  np.testing.assert_allclose(ct2_scores[untied], expected_ct2[untied], atol=1e-4)
 
 
 def _best_of_constant_output(symbol_logit: float, eos_logit: float, vocab_size: int,
@@ -261,8 +272,8 @@ def test_a_decoder_only_model_translates_through_the_generator(tmp_path):
   export writes as CTranslate2's decoder-only model) runs in ctranslate2.Generator, prompted
   with source, EOS and the start token: the same greedy file as t2t_jax's, including outputs
   cut at their limit (which counts the source's positions first), and at beam 4, alpha 0
-  (where the two penalties agree) the same best hypotheses wherever t2t_jax's two best scores
-  are apart."""
+  (where the two penalties agree) the hypotheses of t2t_jax's search over CTranslate2's
+  normaliser (PAD left out) wherever its two best scores are apart."""
   from t2t_jax.training import train  # pylint: disable=g-import-not-at-top
   workdir = str(tmp_path / 'decoder_only')
   config = _trained_config(dict(kind='decoder_only', prefix_attention='causal'))
@@ -284,14 +295,18 @@ def test_a_decoder_only_model_translates_through_the_generator(tmp_path):
   assert isinstance(ct2.translator._model, ctranslate2_engine._ctranslate2().Generator)
   inputs = _inputs(run.vocab, _sources())
   rows = [row[:list(row).index(EOS_ID) + 1] for row in inputs]
-  ours, theirs = run.translator.translate(run.params, rows), ct2.translator.translate(None, rows)
-  limit = decode.max_decode_length(inputs.shape[1], run.config.eval.max_extra_len, 24, True)
-  _, scores = _beam_search(run.params, jnp.asarray(inputs), run.model_config, limit, BEAM, 0.0)
-  scores = np.asarray(scores)
+  theirs = ct2.translator.translate(None, rows)
+  # One padded batch with each row's own limit, as the translator searches it.
+  extra = run.config.eval.max_extra_len
+  limits = np.array([decode.max_decode_length(len(row), extra, 24, True) for row in rows])
+  tokens, scores = beam_search_over_ct2_softmax(
+      run.params, inputs, run.model_config, decode.max_decode_length(inputs.shape[1], extra, 24),
+      BEAM, 0.0, jnp.asarray(limits, jnp.int32))
   untied = [row for row in range(len(rows)) if scores[row, 0] - scores[row, 1] > 1e-3]
   assert untied  # Something is compared.
   for row in untied:
-    np.testing.assert_array_equal(theirs[row], ours[row], err_msg=str(row))
+    np.testing.assert_array_equal(theirs[row], [i for i in tokens[row, 0] if i != PAD_ID],
+                                  err_msg=str(row))
 
 
 @pytest.mark.slow
