@@ -117,6 +117,18 @@ def beam_search_over_ct2_softmax(params, inputs_BS, config, max_len: int, beam_s
   return np.asarray(tokens), np.asarray(scores)
 
 
+def _best(tokens_BWL) -> list[list[int]]:
+  """Each row's best hypothesis of a beam search's tokens, PAD dropped."""
+  return [[int(i) for i in row[0] if i != PAD_ID] for row in np.asarray(tokens_BWL)]
+
+
+def _untied(scores_BW) -> list[int]:
+  """The rows whose best two scores are more than 1e-3 apart: within that, rounding may swap
+  them; the others' best hypothesis is the search's answer."""
+  scores_BW = np.asarray(scores_BW)
+  return [row for row in range(len(scores_BW)) if scores_BW[row, 0] - scores_BW[row, 1] > 1e-3]
+
+
 def _until_eos(ids) -> list[int]:
   ids = [int(i) for i in ids]
   return ids[:ids.index(EOS_ID)] if EOS_ID in ids else [i for i in ids if i != PAD_ID]
@@ -194,13 +206,10 @@ def test_beam_output_and_scores_are_t2t_jax_beam_search(trained):
   results = _translator(trained.model_dir).translate_batch(
       trained.sources, beam_size=BEAM, length_penalty=0.0, max_decoding_length=MAX_OUTPUT,
       min_decoding_length=0, return_scores=True)
-  # The search over CTranslate2's normaliser finds CTranslate2's hypotheses; rows whose best
-  # two are within 1e-3 may swap on rounding, the rest must agree.
-  untied = [row for row in range(len(results))
-            if ct2_norm_scores[row, 0] - ct2_norm_scores[row, 1] > 1e-3]
+  # The search over CTranslate2's normaliser finds CTranslate2's hypotheses.
+  untied = _untied(ct2_norm_scores)
   assert untied  # Something is compared.
-  best_of = lambda t: [[int(i) for i in t[row, 0] if i != PAD_ID] for row in range(len(t))]
-  best, ct2_best = best_of(tokens), best_of(ct2_tokens)
+  best, ct2_best = _best(tokens), _best(ct2_tokens)
   for row in untied:
     expected = [run.vocab.piece(i) for i in _until_eos(ct2_best[row])]
     assert results[row].hypotheses[0] == expected, row

@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, write_lines
-from test_ctranslate2 import (BEAM, MAX_OUTPUT, NUM_SYMBOLS, VARIANTS, _config, _inputs,
-                              _sources, _teacher_forced, _translator, _until_eos,
-                              beam_search_over_ct2_softmax)
+from test_ctranslate2 import (BEAM, MAX_OUTPUT, NUM_SYMBOLS, VARIANTS, _best, _config,
+                              _inputs, _sources, _teacher_forced, _translator, _untied,
+                              _until_eos, beam_search_over_ct2_softmax)
 from t2t_jax import ConfigError
 from t2t_jax import EOS_ID, PAD_ID
 from t2t_jax.checkpoints import saved_params
@@ -142,12 +142,9 @@ def test_length_penalty_beam_search_is_ctranslate2s(trained_workdir, alpha):
       run.params, inputs, run.model_config, MAX_OUTPUT, BEAM, alpha, penalty='length')
   options = ctranslate2_engine.Decoding(BEAM, alpha, 'length').options(MAX_OUTPUT)
   results = _translator(model_dir).translate_batch(sources, **options, return_scores=True)
-  best_of = lambda t: [[int(i) for i in t[row, 0] if i != PAD_ID] for row in range(len(t))]
-  best, ct2_best = best_of(tokens), best_of(ct2_tokens)
-  # The search over CTranslate2's normaliser (PAD left out) finds CTranslate2's hypotheses;
-  # rows whose best two are within 1e-3 may swap on rounding, the rest must agree.
-  untied = [row for row in range(len(sources))
-            if ct2_norm_scores[row, 0] - ct2_norm_scores[row, 1] > 1e-3]
+  best, ct2_best = _best(tokens), _best(ct2_tokens)
+  # The search over CTranslate2's normaliser (PAD left out) finds CTranslate2's hypotheses.
+  untied = _untied(ct2_norm_scores)
   assert untied  # Something is compared. Both ways of ending, and the penalty deciding, are
   # the next test's, on a model built for them.
   for row in untied:
@@ -290,7 +287,7 @@ def test_a_decoder_only_model_translates_through_the_generator(tmp_path):
   # The longest source (14 symbols + EOS) leaves 24 - 15 = 9 positions: an output that has
   # not ended is cut there in both engines.
   assert len(outputs['t2t_jax'][-2].split()) <= 9
-  run = trained_run.load(workdir, beam_size=BEAM, alpha=0.0)
+  run = trained_run.load(workdir)  # Its parameters and vocabulary; the search is below.
   ct2 = trained_run.load_ctranslate2(workdir, beam_size=BEAM, alpha=0.0)
   assert isinstance(ct2.translator._model, ctranslate2_engine._ctranslate2().Generator)
   inputs = _inputs(run.vocab, _sources())
@@ -302,11 +299,10 @@ def test_a_decoder_only_model_translates_through_the_generator(tmp_path):
   tokens, scores = beam_search_over_ct2_softmax(
       run.params, inputs, run.model_config, decode.max_decode_length(inputs.shape[1], extra, 24),
       BEAM, 0.0, jnp.asarray(limits, jnp.int32))
-  untied = [row for row in range(len(rows)) if scores[row, 0] - scores[row, 1] > 1e-3]
+  untied, best = _untied(scores), _best(tokens)
   assert untied  # Something is compared.
   for row in untied:
-    np.testing.assert_array_equal(theirs[row], [i for i in tokens[row, 0] if i != PAD_ID],
-                                  err_msg=str(row))
+    np.testing.assert_array_equal(theirs[row], best[row], err_msg=str(row))
 
 
 @pytest.mark.slow
