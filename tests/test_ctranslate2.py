@@ -126,7 +126,7 @@ def _untied(scores_BW) -> list[int]:
   """The rows whose best two scores are more than 1e-3 apart: within that, rounding may swap
   them; the others' best hypothesis is the search's answer."""
   scores_BW = np.asarray(scores_BW)
-  return [row for row in range(len(scores_BW)) if scores_BW[row, 0] - scores_BW[row, 1] > 1e-3]
+  return np.flatnonzero(scores_BW[:, 0] - scores_BW[:, 1] > 1e-3).tolist()
 
 
 def _until_eos(ids) -> list[int]:
