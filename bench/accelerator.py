@@ -85,6 +85,10 @@ _DATA_DIR = flags.DEFINE_string('data_dir', '../shared/data/multi30k',
                                 'speedrun: the Multi30k folder, relative to the cwd.')
 _ANCHOR_DIR = flags.DEFINE_string('anchor_dir', '../shared/anchor/flax_wmt',
                                   "compare: Flax's examples/wmt, relative to the cwd.")
+_MODELS = flags.DEFINE_list('models', [], 'train_step: shapes to measure (bench/common.py '
+                            "SHAPES); default the size's own (full: big, base).")
+_TOKEN_SLOTS = flags.DEFINE_list('token_slots', [], 'train_step: target token slots per step '
+                                 "(rows of --size's length); default the size's own.")
 _CHILD = flags.DEFINE_string('child_flag_set', '', 'Internal (xla_ab): measure the A/B step '
                              'under the XLA_FLAGS the parent set, print one line, write nothing.')
 
@@ -122,8 +126,11 @@ TINY = Plan('tiny', 'bfloat16', ('tiny',), (64, 128), 16, 3, 'tiny', 64, 'tiny',
 _DROPOUT = {'big': 0.3, 'base': 0.1, 'tiny': 0.1}
 
 
-def plan_for(size: str, platform: str) -> Plan:
-  return TINY if size == 'tiny' or (size == 'auto' and platform == 'cpu') else FULL
+def plan_for(size: str, platform: str, models=(), token_slots=()) -> Plan:
+  """The size's plan; `models` and `token_slots`, where given, replace the train step's own."""
+  plan = TINY if size == 'tiny' or (size == 'auto' and platform == 'cpu') else FULL
+  return dataclasses.replace(plan, models=tuple(models) or plan.models,
+                             token_slots=tuple(int(n) for n in token_slots) or plan.token_slots)
 
 
 def padded_batch(rng: np.random.Generator, vocab: int, rows: int, length: int) -> dict:
@@ -465,7 +472,11 @@ def main(argv):
     plan = plan_for(_SIZE.value, jax.devices()[0].platform)
     print(cli.json_line(_ab_step(plan)), flush=True)
     return
-  plan = plan_for(_SIZE.value, jax.devices()[0].platform)
+  unknown = set(_MODELS.value) - set(common.SHAPES)
+  if unknown:
+    raise app.UsageError(f'--models: unknown {sorted(unknown)}; '
+                         f'choose from {sorted(common.SHAPES)}')
+  plan = plan_for(_SIZE.value, jax.devices()[0].platform, _MODELS.value, _TOKEN_SLOTS.value)
   run(plan, _PARTS.value, _OUT.value or default_out())
 
 

@@ -1,15 +1,22 @@
 #!/usr/bin/env bash
-# What one GPU session runs end to end (not run yet: no GPU was lent to this work).
+# What one GPU session runs end to end.
 #
+#   bench/gpu_session.sh all        # ONE device call (10 minutes at most): each part below
+#                                   # in turn, the most wanted first, each cut to the time
+#                                   # left before SESSION_SECONDS (default 540) runs out
 #   bench/gpu_session.sh tests      # one device call (under 10 minutes): the suite's GPU part
 #   bench/gpu_session.sh bench      # a second call: bench/accelerator.py, about 8 minutes
 #   bench/gpu_session.sh profile    # a third (about 2 minutes): a profile of 3 speedrun steps
 # on the GPU machine, from the repository root, $OUT set (the device tool's limit is 10
-# minutes a call, so the two halves are two calls).
+# minutes a call; a session lent 15 minutes of device time all told has room for one `all`).
 #
 # Prepare beside it, on a machine with PyPI (the image has jax, flax, optax, orbax and
 # sentencepiece but not these; /work/.library/device/KINDS.md):
-#   launch/wheelhouse.sh .whl --only 'ml_collections grain tensorboardX sacremoses array-record portpicker importlib_resources'
+#   launch/wheelhouse.sh .whl --only 'ml_collections grain tensorboardX sacremoses \
+#     array-record portpicker importlib_resources'
+# and the versions the suite runs with, installed there only where the image's fall outside
+# pyproject.toml's ranges (python3 -m pip download --no-deps --only-binary=:all:
+#   --python-version 3.12 -d .carry/pins flax==V optax==V orbax-checkpoint==V),
 # and, since ../shared does not travel to the GPU machine, copy the data and the reference in:
 #   mkdir -p .carry && cp -r ../shared/data/multi30k ../shared/anchor/flax_wmt .carry/
 # then run it with carry=['.whl', '.carry'] (both listed in .git/info/exclude).
@@ -25,9 +32,64 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu
 # The packages the image lacks, from the carried wheelhouse, without an index.
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
   --find-links .whl .whl/*.whl > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+# flax, optax and orbax from the image where they are inside pyproject.toml's ranges; else
+# the carried pins (.carry/pins: the versions the suite runs with), named in the log.
+for spec in flax:0.13 optax:0.3 orbax.checkpoint:0.13; do
+  module=${spec%%:*} ceiling=${spec#*:}
+  if ! python3 - "$module" "$ceiling" <<'PY' >> "$OUT/install.log" 2>&1; then
+import importlib.metadata as m, sys
+name = sys.argv[1].replace('.', '-')
+have = m.version(name)
+print(name, have, 'from the image')
+floor = tuple(int(p) for p in sys.argv[2].split('.'))
+sys.exit(tuple(int(p) for p in have.split('.')[:2]) >= floor)
+PY
+    wheel=$(ls .carry/pins/"${module//./_}"-*.whl 2>/dev/null | head -1)
+    [[ -n $wheel ]] && python3 -m pip install -q --no-index --no-deps --no-compile \
+      --target /tmp/site "$wheel" >> "$OUT/install.log" 2>&1 &&
+      echo "  -> $wheel" >> "$OUT/install.log"
+  fi
+done
 export PYTHONPATH=/tmp/site:$PWD
-python3 -c 'import jax, flax, grain, ml_collections; print(jax.__version__, jax.devices())' \
-  >> "$OUT/gpu.txt" 2>&1
+python3 -c 'import jax, flax, optax, grain, ml_collections; print(jax.__version__, flax.__version__,
+optax.__version__, jax.devices())' >> "$OUT/gpu.txt" 2>&1
+
+if [[ $part == all ]]; then
+  # Each step gets at most its cap and never more than what is left; a step with under 20 s
+  # left is skipped and says so. Every measurement is a line of accelerator.jsonl as it lands.
+  deadline=$((SECONDS + ${SESSION_SECONDS:-540}))
+  step() {
+    local cap=$1 log=$2; shift 2
+    local left=$((deadline - SECONDS))
+    (( left < cap )) && cap=$left
+    if (( cap < 20 )); then
+      echo "skipped, ${left} s left: $*" | tee -a "$OUT/session.log"; return
+    fi
+    echo "[$SECONDS s] up to ${cap} s: $*" | tee -a "$OUT/session.log"
+    timeout "$cap" "$@" >> "$log" 2>&1
+    echo "[$SECONDS s] exit $?" | tee -a "$OUT/session.log"
+  }
+  acc=(python3 bench/accelerator.py --out="$OUT/accelerator.jsonl" --data_dir=.carry/multi30k
+       --anchor_dir=.carry/flax_wmt)
+  # Item 7 of issue 53: each measured train step beside its roofline prediction.
+  step 210 "$OUT/accelerator.log" "${acc[@]}" --parts=train_step --models=base,big \
+    --token_slots=24576,49152
+  step 150 "$OUT/accelerator.log" "${acc[@]}" --parts=compare,speedrun
+  rm -rf /tmp/t2t_profile_run
+  step 100 "$OUT/profile_run.log" python3 -m t2t_jax.main --config=configs/multi30k.py:speedrun \
+    --workdir=/tmp/t2t_profile_run --config.data.data_dir=.carry/multi30k \
+    --config.mesh.shape='(1, 1, 1)' --config.train.num_steps=30 --config.train.eval_every=30 \
+    --config.train.log_every=10 --config.opt.cooldown_steps=0 --config.eval.bleu_sentences=0 \
+    --config.ckpt.every=0 --config.train.profile_steps='(21, 23)'
+  [[ -d /tmp/t2t_profile_run/profile ]] &&
+    tar -czf "$OUT/profile.tgz" -C /tmp/t2t_profile_run profile
+  # The files that hold gpu tests (the image lacks optuna, which other test files import).
+  step 120 "$OUT/pytest_gpu.log" env T2T_TEST_GPU=1 python3 -m pytest -q -rs -m gpu \
+    tests/test_gpu.py tests/test_attention.py
+  step 400 "$OUT/accelerator.log" "${acc[@]}" --parts=attention,loss,decode,xla_ab
+  echo "accelerator.jsonl: $(wc -l < "$OUT/accelerator.jsonl" 2>/dev/null || echo 0) lines"
+  exit 0
+fi
 
 if [[ $part == tests ]]; then
 # The suite's GPU tests on the GPU, then the GPU-relevant files on the 8 simulated CPU devices.
