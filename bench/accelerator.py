@@ -28,8 +28,9 @@ Parts (--parts), each printing one JSON line per measurement and appending it to
   speedrun    configs/multi30k.py:speedrun: updates/s over 300 steps after 20 warm-up steps,
               the real input pipeline included.
 
-Full shapes take about 8 minutes on one H100 (estimated from the compile and step times in
-docs/performance.md, not yet run end to end). --size=tiny shrinks every part to seconds
+Full shapes take longer than one 10-minute device call: on one H200 a train-step line took
+about 70 s (28 s compiling) and compare 130 s (docs/results/accelerators.md, 2026-11-30);
+--parts, --models and --token_slots choose a share. --size=tiny shrinks every part to seconds
 (tests/test_bench.py runs it so); MFU is null with a reason where no peak is known.
 Compute in bfloat16; parameters stay float32; attention dropout 0 (fused attention has none).
 """

@@ -142,9 +142,11 @@ def test_no_bench_module_shadows_the_references_modules():
 @pytest.fixture(scope='module')
 def accelerator(tmp_path_factory) -> list[dict]:
   """The lines of one run of every part, the A/B test of two flag sets."""
+  # --token_slots reversed from tiny's own (64, 128): the train steps follow the flag.
   return _run_accelerator(tmp_path_factory.mktemp('accelerator'),
                           '--parts=train_step,attention,loss,xla_ab,decode,compare,speedrun',
-                          '--ab_sets=xla_defaults,no_triton_gemm')
+                          '--ab_sets=xla_defaults,no_triton_gemm', '--models=tiny',
+                          '--token_slots=128,64')
 
 
 def _run_accelerator(tmp_path, *args) -> list[dict]:
@@ -191,7 +193,7 @@ def _check_step(line, rows, length):
 def test_accelerator_command_measures_train_steps_and_attention_on_cpu(accelerator):
   lines = [line for line in accelerator if line['part'] in ('train_step', 'attention')]
   steps = [line for line in lines if line['part'] == 'train_step']
-  assert [(line['model'], line['rows']) for line in steps] == [('tiny', 4), ('tiny', 8)]
+  assert [(line['model'], line['rows']) for line in steps] == [('tiny', 8), ('tiny', 4)]
   for line in steps:
     _check_step(line, line['rows'], 16)
   attention = {line['impl']: line for line in lines if line['part'] == 'attention'}
@@ -211,6 +213,24 @@ def test_accelerator_command_measures_train_steps_and_attention_on_cpu(accelerat
   assert list(losses) == ['xla', 'fused']
   for line in losses.values():
     _check_step(line, 4, 16)
+
+
+@pytest.mark.slow
+def test_accelerator_command_and_gpu_session_refuse_unknown_names(tmp_path):
+  env = dict(os.environ, PYTHONPATH=ROOT, OUT=str(tmp_path))
+  process = subprocess.run([sys.executable, os.path.join(ROOT, 'bench', 'accelerator.py'),
+                            '--models=tiny,huge', f'--out={tmp_path / "a.jsonl"}'], cwd=ROOT,
+                           env=env, capture_output=True, text=True, timeout=300, check=False)
+  assert process.returncode != 0
+  assert "--models: unknown ['huge']" in process.stderr
+  assert not (tmp_path / 'a.jsonl').exists()
+  process = subprocess.run(['bash', os.path.join(ROOT, 'bench', 'gpu_session.sh'), 'everything'],
+                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
+                           check=False)
+  assert process.returncode == 2
+  assert process.stderr.splitlines() == [
+      "error: bench/gpu_session.sh: unknown part 'everything' (all, tests, bench or profile)"]
+  assert list(tmp_path.iterdir()) == []  # Nothing ran: not even nvidia-smi's line.
 
 
 @pytest.mark.slow
