@@ -6,7 +6,7 @@
 #                                   # left before SESSION_SECONDS (default 540) runs out
 #   bench/gpu_session.sh tests      # one device call (under 10 minutes): the suite's GPU part
 #   bench/gpu_session.sh bench      # bench/accelerator.py, all parts: more than one call holds
-#   bench/gpu_session.sh profile    # a third (about 2 minutes): a profile of 3 speedrun steps
+#   bench/gpu_session.sh profile    # about 2 minutes: a profile of 3 speedrun steps
 # on the GPU machine, from the repository root, $OUT set (the device tool's limit is 10
 # minutes a call; a session lent 15 minutes of device time all told has room for one `all`).
 #
@@ -21,8 +21,8 @@
 #   mkdir -p .carry && cp -r ../shared/data/multi30k ../shared/anchor/flax_wmt .carry/
 # then run it with carry=['.whl', '.carry'] (both listed in .git/info/exclude).
 # Writes under $OUT: the suite's GPU tests (pytest log), bench/accelerator.py's lines, the
-# profile (its run's log and its trace folder as one .tgz), and the environment; at most 8
-# files come back.
+# profile (its run's log and its trace folder as one .tgz), the environment and what was
+# installed, and (all) each part's start, cap and exit; at most 8 files come back.
 set -uo pipefail
 : "${OUT:?set OUT to the folder whose files come back}"
 part=${1:?say all, tests, bench or profile}
@@ -46,8 +46,8 @@ import importlib.metadata as m, sys
 name = sys.argv[1].replace('.', '-')
 have = m.version(name)
 print(name, have, 'from the image')
-floor = tuple(int(p) for p in sys.argv[2].split('.'))
-sys.exit(tuple(int(p) for p in have.split('.')[:2]) >= floor)
+ceiling = tuple(int(p) for p in sys.argv[2].split('.'))
+sys.exit(tuple(int(p) for p in have.split('.')[:2]) >= ceiling)
 PY
     wheel=$(ls .carry/pins/"${module//./_}"-*.whl 2>/dev/null | head -1)
     [[ -n $wheel ]] && python3 -m pip install -q --no-index --no-deps --no-compile \
