@@ -477,6 +477,9 @@ def main(argv):
   if unknown:
     raise app.UsageError(f'--models: unknown {sorted(unknown)}; '
                          f'choose from {sorted(common.SHAPES)}')
+  if not all(n.isdigit() and int(n) > 0 for n in _TOKEN_SLOTS.value):
+    raise app.UsageError(f'--token_slots: {",".join(_TOKEN_SLOTS.value)} is not a list of '
+                         'whole numbers above 0')
   plan = plan_for(_SIZE.value, jax.devices()[0].platform, _MODELS.value, _TOKEN_SLOTS.value)
   run(plan, _PARTS.value, _OUT.value or default_out())
 

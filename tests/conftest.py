@@ -5,6 +5,7 @@ marked `gpu` instead, on the GPU with t2t_jax's XLA flags; either way the others
 with the reason (docs/development.md).
 """
 
+import importlib.util
 import os
 import sys
 
@@ -44,6 +45,15 @@ import pytest  # pylint: disable=g-import-not-at-top
 
 jax.config.update('jax_compilation_cache_dir', CACHE_DIR)
 jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.5)
+
+
+def load_script(relative_path: str):
+  """The module of a script that is not in a package (bench/, .ci/), by its path under ROOT."""
+  name = os.path.splitext(os.path.basename(relative_path))[0]
+  spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, relative_path))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
 
 
 def pytest_collection_modifyitems(items):
@@ -310,7 +320,6 @@ def learns_to_copy(config, steps=60):
 def _compiler_or_skip(module: str, what: str, extra: str, required_in_ci: bool):
   """Skips a test whose compiler package is missing, with the reason; in CI, where .ci/run
   installs the test extra, a missing package is a failure, not a skip."""
-  import importlib.util  # pylint: disable=g-import-not-at-top
   if importlib.util.find_spec(module) is None:
     reason = f'{what} is not installed here: pip install -e \'.[{extra}]\''
     if required_in_ci and os.environ.get('CI'):

@@ -3,7 +3,6 @@ helpers it shares, its flags, no bench module named as one of the reference's, a
 in its CPU mode and its table, accelerator_compare.py at its tiny size. The import graph,
 bench/ included: tests/test_architecture.py."""
 
-import importlib.util
 import json
 import math
 import os
@@ -15,16 +14,14 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from conftest import load_script
 from conftest import ROOT
 
 REFERENCE_DIR = os.path.join(ROOT, '..', 'shared', 'anchor', 'flax_wmt')
 
 
 def _load(name: str):
-  spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, 'bench', f'{name}.py'))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return load_script(f'bench/{name}.py')
 
 
 @pytest.mark.slow
@@ -223,6 +220,12 @@ def test_accelerator_command_and_gpu_session_refuse_unknown_names(tmp_path):
                            env=env, capture_output=True, text=True, timeout=300, check=False)
   assert process.returncode != 0
   assert "--models: unknown ['huge']" in process.stderr
+  process = subprocess.run([sys.executable, os.path.join(ROOT, 'bench', 'accelerator.py'),
+                            '--token_slots=64,12x', f'--out={tmp_path / "a.jsonl"}'], cwd=ROOT,
+                           env=env, capture_output=True, text=True, timeout=300, check=False)
+  assert process.returncode != 0
+  assert '--token_slots: 64,12x is not a list of whole numbers above 0' in process.stderr
+  assert 'Traceback' not in process.stderr
   assert not (tmp_path / 'a.jsonl').exists()
   process = subprocess.run(['bash', os.path.join(ROOT, 'bench', 'gpu_session.sh'), 'everything'],
                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,

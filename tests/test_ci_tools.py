@@ -1,17 +1,10 @@
 """The CI helpers in .ci/: where the suite's time goes, read from a JUnit report."""
 
-import importlib.util
-import os
-
-from conftest import ROOT
+from conftest import load_script
 
 
 def _durations():
-  spec = importlib.util.spec_from_file_location('durations',
-                                                os.path.join(ROOT, '.ci', 'durations.py'))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return load_script('.ci/durations.py')
 
 
 REPORT = """<?xml version="1.0" encoding="utf-8"?>
