@@ -426,7 +426,8 @@ def test_averaged_params_equal_the_numpy_mean(trained, averaged):
 
 
 @pytest.mark.slow
-def test_averaged_checkpoint_loads_translates_and_starts_training(trained, averaged, tmp_path):
+def test_averaged_checkpoint_loads_translates_and_starts_training(trained, averaged, tmp_path,
+                                                                caplog):
   workdir, config, setup, _ = trained
   params = saved_params.restore_params(workdir, setup.abstract_state.params, averaged)
   assert leaves_equal(params, saved_params.load_params(averaged))
@@ -442,9 +443,13 @@ def test_averaged_checkpoint_loads_translates_and_starts_training(trained, avera
   fresh = _config()
   fresh.ckpt.init_from, fresh.opt.schedule, fresh.opt.lr_scale = averaged, 'constant', 0.0
   fresh.train.num_steps, fresh.ckpt.every, fresh.eval.bleu_sentences = 1, 1, 0
-  train.train_and_evaluate(fresh, str(tmp_path / 'fresh'))
+  with caplog.at_level(std_logging.INFO):
+    train.train_and_evaluate(fresh, str(tmp_path / 'fresh'))
   assert leaves_equal(saved_state_field(f'{tmp_path}/fresh/checkpoints/1'),
                        saved_params.load_params(averaged))
+  arrays = len(jax.tree.leaves(params))
+  assert (f'Initialised from {averaged}: loaded the whole model ({arrays} arrays); the '
+          'optimiser state, step and schedule start fresh') in _absl_messages(caplog)
 
 
 @pytest.mark.slow

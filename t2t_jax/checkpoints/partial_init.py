@@ -98,7 +98,10 @@ def init_params(path: str, config, fresh_params, abstract_params, vocab_file: st
   saved = saved_config(path)
   _check_compatible(path, saved, config, vocab_file)
   if config.model.kind != 'encoder_only' or saved['model'].get('head') == config.model.head:
-    return saved_params.load_params(path, abstract_params)
+    params = saved_params.load_params(path, abstract_params)
+    logging.info('Initialised from %s: loaded the whole model (%d arrays); the optimiser '
+                 'state, step and schedule start fresh', path, len(jax.tree.leaves(params)))
+    return params
   numpy_saved = saved_params.load_params(path)
   merged, taken, kept = merge(jax.device_get(fresh_params), numpy_saved)
   if not taken:
