@@ -147,6 +147,9 @@ def get_config():
   # Layer-wise learning-rate decay (fine-tuning): encoder layer i of n learns at decay^(n - i),
   # the embeddings at decay^(n + 1), the head at 1; 1.0: off.
   opt.layer_lr_decay = 1.0
+  # Top-level parameters that keep their starting values (fine-tuning), comma-separated, such
+  # as 'embedding,embedder,type_embedding' for an encoder's embeddings; '': none.
+  opt.frozen = ''
   opt.label_smoothing = 0.1  # Mass spread uniformly over the other vocabulary entries.
   opt.grad_accum_steps = 1  # Micro-batches per update; data.batch_tokens stays the whole batch.
   opt.loss_chunk_tokens = 512  # Output softmax + loss over chunks of this many tokens; 0: whole.

@@ -25,7 +25,7 @@ ADDED_KEYS = {'eval.length_penalty': 'gnmt', 'train.profile_steps': [],
               'eval.best_metric': 'accuracy', 'data.holdout': 0.0, 'data.train_limit': 0,
               'model.next_sentence': False, 'data.extra_src': '', 'data.extra_tgt': '',
               'data.mix_weights': '', 'data.extra_tag': '', 'opt.loss_impl': 'xla',
-              'mesh.collective_combine_bytes': 0}
+              'mesh.collective_combine_bytes': 0, 'opt.frozen': ''}
 
 
 # The errors most modules raise, defined in errors.py, importable from the package too.

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import leaves_equal, scalar_events, write_lines
+from conftest import leaves_equal, saved_state_field, scalar_events, write_lines
 from configs import base as base_config
 from configs import bert
 from t2t_jax import CheckpointError
@@ -461,6 +461,34 @@ def test_layer_lr_decay_scales_each_update():
     optim.make_optimizer(_opt(layer_lr_decay=1.5), d_model=16, num_steps=10)
 
 
+def test_frozen_parameters_keep_their_values_and_leave_the_rest_as_without_them():
+  """opt.frozen: the named parameters get no update (nor weight decay); the others move as
+  the same optimiser moves them on a model without the frozen ones, whose huge gradient
+  therefore plays no part in the clipped norm."""
+  params = {'embedding': {'embedding': jnp.full((4, 2), 2.0)},
+            'encoder_0': {'kernel': jnp.full((2, 2), 2.0), 'bias': jnp.full((2,), 2.0)},
+            'classifier': {'kernel': jnp.full((2, 3), 2.0)}}
+  grads = {'embedding': {'embedding': jnp.full((4, 2), 100.0)},
+           'encoder_0': {'kernel': jnp.full((2, 2), 0.5), 'bias': jnp.full((2,), -0.5)},
+           'classifier': {'kernel': jnp.linspace(-1.0, 1.0, 6).reshape(2, 3)}}
+  settings = dict(weight_decay=0.1, grad_clip=0.5)
+  frozen = optim.make_optimizer(_opt(frozen=' embedding ', **settings), d_model=16, num_steps=10)
+  state = frozen.init(params)
+  updates, _ = frozen.update(grads, state, params)
+  new = jax.tree.map(lambda p, u: np.asarray(p + u), params, updates)
+  np.testing.assert_array_equal(new['embedding']['embedding'], params['embedding']['embedding'])
+  rest = lambda tree: {k: v for k, v in tree.items() if k != 'embedding'}
+  expected = _step(optim.make_optimizer(_opt(**settings), d_model=16, num_steps=10),
+                   rest(params), rest(grads))
+  for a, b in zip(jax.tree.leaves(rest(new)), jax.tree.leaves(expected), strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-6)
+  assert not np.allclose(expected['encoder_0']['kernel'], 2.0)  # The rest did move.
+  with pytest.raises(ConfigError, match=r"config.opt.frozen='embedding,pooler': this model has "
+                     r'no parameters named pooler; its top-level names are classifier, '
+                     r'embedding, encoder_0'):
+    optim.make_optimizer(_opt(frozen='embedding,pooler'), d_model=16, num_steps=10).init(params)
+
+
 def test_merge_takes_the_arrays_both_models_have():
   rng = np.random.default_rng(7)
   normal = lambda *shape: rng.normal(size=shape).astype(np.float32)
@@ -678,6 +706,26 @@ def test_finetuning_a_pretrained_encoder_classifies(pretrained, tmp_path, monkey
                'encoder_norm'):
     assert leaves_equal(start[name], pretrained_params[name]), name
   assert 'mlm_bias' not in start and 'classifier' in start
+
+
+@pytest.mark.slow
+def test_finetuning_with_frozen_embeddings_keeps_the_pretrained_ones(pretrained, tmp_path):
+  """opt.frozen in a run: the pre-trained embeddings are saved unchanged, the encoder moved."""
+  data_dir, pre = pretrained
+  config = bert.get_config('tiny,finetune')
+  config.data.data_dir = str(data_dir)
+  config.data.train_tsv, config.data.eval_tsv = 'train.tsv', 'eval.tsv'
+  config.data.vocab_size, config.data.vocab_path = VOCAB, str(pre / 'vocab.model')
+  config.ckpt.init_from = str(pre / 'checkpoints' / '20')
+  config.train.num_steps, config.opt.warmup_steps = 4, 1
+  config.train.eval_every = config.ckpt.every = 4
+  config.opt.frozen = 'embedding,embedder,type_embedding'
+  train.train_and_evaluate(config, str(tmp_path / 'frozen'))
+  pretrained_params = saved_params.load_params(str(pre / 'checkpoints' / '20'))
+  tuned = saved_state_field(f'{tmp_path}/frozen/checkpoints/4')
+  for name in ('embedding', 'embedder', 'type_embedding'):
+    assert leaves_equal(tuned[name], pretrained_params[name]), name
+  assert not leaves_equal(tuned['encoder_0'], pretrained_params['encoder_0'])
 
 
 # The pipeline's masked-LM rows and next-sentence pairs (data/pipeline.py).

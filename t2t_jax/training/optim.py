@@ -250,7 +250,10 @@ def make_optimizer(opt_config, d_model: int,
 
   opt.decay_vectors=False keeps weight decay off every parameter of fewer than two axes per
   layer (biases, layer-norm scales; BERT's recipe). opt.layer_lr_decay < 1 scales each update
-  by its layer's factor (`layer_rate_factors`).
+  by its layer's factor (`layer_rate_factors`). opt.frozen names top-level parameters
+  (comma-separated, such as 'embedding,embedder,type_embedding') that stay as they start:
+  their gradients are zeroed before the clipped norm and Adam (whose moments for them stay 0)
+  and their updates, weight decay included, after it.
   """
   schedule = learning_rate_schedule(opt_config, d_model, num_steps)
   decay_vectors = opt_config.get('decay_vectors', True)  # Configs saved before the key.
@@ -263,8 +266,35 @@ def make_optimizer(opt_config, d_model: int,
   if layer_decay < 1.0:
     adam = optax.chain(adam, _scale_by_layer(layer_decay))
   if opt_config.grad_clip > 0:
-    return optax.chain(optax.clip_by_global_norm(opt_config.grad_clip), adam)
+    adam = optax.chain(optax.clip_by_global_norm(opt_config.grad_clip), adam)
+  frozen = frozen_names(opt_config)
+  if frozen:  # Zero gradients in (out of the clipped norm), and no weight decay out.
+    adam = optax.chain(_zero_frozen(frozen), adam, _zero_frozen(frozen))
   return adam
+
+
+def frozen_names(opt_config) -> tuple[str, ...]:
+  """The top-level parameter names opt.frozen lists."""
+  return tuple(name for name in (part.strip() for part in
+                                 opt_config.get('frozen', '').split(',')) if name)
+
+
+def _zero_frozen(frozen: tuple[str, ...]) -> optax.GradientTransformation:
+  """Sets the updates (or gradients) under the top-level names in `frozen` to 0; keeps no
+  state. Its init refuses a name the model does not have."""
+  def init(params):
+    unknown = [name for name in frozen if name not in params]
+    if unknown:
+      raise ConfigError(f'config.opt.frozen={",".join(frozen)!r}: this model has no parameters '
+                        f'named {", ".join(unknown)}; its top-level names are '
+                        f'{", ".join(sorted(params))}')
+    return optax.EmptyState()
+
+  def update(updates, state, params=None):
+    del params
+    return {name: jax.tree.map(jnp.zeros_like, subtree) if name in frozen else subtree
+            for name, subtree in updates.items()}, state
+  return optax.GradientTransformation(init, update)
 
 
 def _decays_matrices_only(params):
