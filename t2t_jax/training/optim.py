@@ -267,13 +267,13 @@ def make_optimizer(opt_config, d_model: int,
     adam = optax.chain(adam, _scale_by_layer(layer_decay))
   if opt_config.grad_clip > 0:
     adam = optax.chain(optax.clip_by_global_norm(opt_config.grad_clip), adam)
-  frozen = frozen_names(opt_config)
+  frozen = _frozen_names(opt_config)
   if frozen:  # Zero gradients in (out of the clipped norm), and no weight decay out.
     adam = optax.chain(_zero_frozen(frozen), adam, _zero_frozen(frozen))
   return adam
 
 
-def frozen_names(opt_config) -> tuple[str, ...]:
+def _frozen_names(opt_config) -> tuple[str, ...]:
   """The top-level parameter names opt.frozen lists."""
   return tuple(name for name in (part.strip() for part in
                                  opt_config.get('frozen', '').split(',')) if name)
