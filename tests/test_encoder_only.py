@@ -658,14 +658,21 @@ def test_a_resumed_pretraining_draws_the_masks_of_an_uninterrupted_one(pretraine
   assert not leaves_equal(at_10, straight)  # The second half trained.
 
 
-@pytest.mark.slow
-def test_finetuning_a_pretrained_encoder_classifies(pretrained, tmp_path, monkeypatch):
+def _finetune_from(pretrained):
+  """configs/bert.py:tiny,finetune on the fixture's labelled files, starting from its step 20;
+  (config, pre-training workdir)."""
   data_dir, pre = pretrained
   config = bert.get_config('tiny,finetune')
   config.data.data_dir = str(data_dir)
   config.data.train_tsv, config.data.eval_tsv = 'train.tsv', 'eval.tsv'
   config.data.vocab_size, config.data.vocab_path = VOCAB, str(pre / 'vocab.model')
   config.ckpt.init_from = str(pre / 'checkpoints' / '20')
+  return config, pre
+
+
+@pytest.mark.slow
+def test_finetuning_a_pretrained_encoder_classifies(pretrained, tmp_path, monkeypatch):
+  config, pre = _finetune_from(pretrained)
   config.train.num_steps, config.opt.warmup_steps = 30, 3
   started = []  # The params the run starts from, as partial_init gives them.
   real_init = partial_init.init_params
@@ -711,12 +718,7 @@ def test_finetuning_a_pretrained_encoder_classifies(pretrained, tmp_path, monkey
 @pytest.mark.slow
 def test_finetuning_with_frozen_embeddings_keeps_the_pretrained_ones(pretrained, tmp_path):
   """opt.frozen in a run: the pre-trained embeddings are saved unchanged, the encoder moved."""
-  data_dir, pre = pretrained
-  config = bert.get_config('tiny,finetune')
-  config.data.data_dir = str(data_dir)
-  config.data.train_tsv, config.data.eval_tsv = 'train.tsv', 'eval.tsv'
-  config.data.vocab_size, config.data.vocab_path = VOCAB, str(pre / 'vocab.model')
-  config.ckpt.init_from = str(pre / 'checkpoints' / '20')
+  config, pre = _finetune_from(pretrained)
   config.train.num_steps, config.opt.warmup_steps = 4, 1
   config.train.eval_every = config.ckpt.every = 4
   config.opt.frozen = 'embedding,embedder,type_embedding'
