@@ -100,7 +100,8 @@ def get_config():
   # of num_decoder_layers over source + target; num_encoder_layers is ignored).
   # 'encoder_only' (BERT: one bidirectional stack of num_encoder_layers and one head).
   model.kind = 'encoder_decoder'
-  # Encoder-only head: 'mlm' (masked-LM pre-training), 'classification' or 'regression'.
+  # Encoder-only head: 'mlm' (masked-LM pre-training), 'electra' (ELECTRA's replaced-token
+  # detection, Clark et al. 2020), 'classification' or 'regression'.
   model.head = 'mlm'
   model.num_labels = 0  # Encoder-only classification: labels (set from data.labels when 0).
   model.type_vocab_size = 0  # Encoder-only: token-type (segment) embeddings (BERT: 2); 0: none.
@@ -108,6 +109,9 @@ def get_config():
   # Encoder-only pre-training: also next-sentence prediction (BERT; RoBERTa dropped it): each
   # example is two lines, [CLS] A [SEP] B, B the line after A half the time, else a random one.
   model.next_sentence = False
+  # ELECTRA pre-training (head 'electra'): the generator's own layers, over the shared
+  # embeddings (the paper narrows its generator instead; this one is shallower).
+  model.generator_layers = 1
   # Decoder-only: 'causal' (every position sees only earlier ones) or 'full' (the source part
   # also sees later source positions: a prefix LM). Target positions are causal either way.
   model.prefix_attention = 'causal'
@@ -150,6 +154,9 @@ def get_config():
   # Top-level parameters that keep their starting values (fine-tuning), comma-separated, such
   # as 'embedding,embedder,type_embedding' for an encoder's embeddings; '': none.
   opt.frozen = ''
+  # ELECTRA pre-training: the replaced-token loss's weight against the generator's masked-LM
+  # loss (the paper's lambda, 50).
+  opt.replaced_weight = 50.0
   opt.label_smoothing = 0.1  # Mass spread uniformly over the other vocabulary entries.
   opt.grad_accum_steps = 1  # Micro-batches per update; data.batch_tokens stays the whole batch.
   opt.loss_chunk_tokens = 512  # Output softmax + loss over chunks of this many tokens; 0: whole.

@@ -8,7 +8,9 @@ fine-tuning for labels (docs/pretraining.md has the whole workflow).
 
 Variants, chosen after the file name (a comma then 'finetune' turns any into a fine-tuning run:
 a classification head on labelled TSV files, SST-2's by default, AdamW without decay on
-biases and norms, linear warmup and decay):
+biases and norms, linear warmup and decay; a comma then 'electra' pre-trains it as ELECTRA's
+discriminator, Clark et al. 2020, beside a generator a quarter as deep, and is fine-tuned the
+same way):
   base   L=12, d_model 768, 12 heads, FFN 3072, 30,522 pieces: BERT-Base (about 110M parameters)
   large  L=24, d_model 1024, 16 heads, FFN 4096: BERT-Large (about 340M)
   small  L=4, d_model 256, 4 heads, FFN 1024, 8,000 pieces: pre-trains on this machine's CPU
@@ -39,12 +41,12 @@ def peak_rate_scale(peak: float, d_model: int, warmup: int) -> float:
 
 def get_config(variant: str = 'small'):
   size, _, mode = variant.partition(',')
-  if size not in SIZES or mode not in ('', 'finetune'):
+  if size not in SIZES or mode not in ('', 'finetune', 'electra'):
     raise ValueError(f'configs/bert.py:{variant}: the variant must be one of {tuple(SIZES)}, '
-                     "optionally followed by ',finetune'")
+                     "optionally followed by ',finetune' or ',electra'")
   layers, d_model, heads, d_ff, vocab, max_len = SIZES[size]
   config = base.get_config()
-  config.name = f'bert_{size}' + ('_finetune' if mode else '')
+  config.name = f'bert_{size}' + (f'_{mode}' if mode else '')
 
   model = config.model
   model.kind = 'encoder_only'
@@ -98,6 +100,9 @@ def get_config(variant: str = 'small'):
 
   if mode == 'finetune':
     _finetune(config, size)
+  if mode == 'electra':
+    model.head = 'electra'
+    model.generator_layers = max(1, layers // 4)
   return config
 
 

@@ -25,7 +25,8 @@ ADDED_KEYS = {'eval.length_penalty': 'gnmt', 'train.profile_steps': [],
               'eval.best_metric': 'accuracy', 'data.holdout': 0.0, 'data.train_limit': 0,
               'model.next_sentence': False, 'data.extra_src': '', 'data.extra_tgt': '',
               'data.mix_weights': '', 'data.extra_tag': '', 'opt.loss_impl': 'xla',
-              'mesh.collective_combine_bytes': 0, 'opt.frozen': ''}
+              'mesh.collective_combine_bytes': 0, 'opt.frozen': '', 'model.generator_layers': 1,
+              'opt.replaced_weight': 50.0}
 
 
 # The errors most modules raise, defined in errors.py, importable from the package too.

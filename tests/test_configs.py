@@ -28,7 +28,8 @@ VARIANTS = {
     'tiny': ['', 'moe'],
     'wmt14_ende': ['', 'base', 'big'],
     'lm': ['', 'base', 'tiny'],
-    'bert': ['', 'base', 'large', 'small', 'tiny', 'small,finetune', 'tiny,finetune'],
+    'bert': ['', 'base', 'large', 'small', 'tiny', 'small,finetune', 'tiny,finetune',
+             'small,electra', 'base,electra'],
     'backtranslation': ['', 'reverse', 'parallel', 'mix', 'mix_tagged', 'all'],
     # Each file set and each member once (with either file set); the test below checks all.
     'multi30k': ['', 'raw', 'decoder_only', 'raw_decoder_only', 'raw_relative', 'rotary',
@@ -120,7 +121,10 @@ def test_each_shipped_config_and_variant_is_valid_and_builds(name, variant):
     assert model.kind == 'encoder_only'
     assert (model.num_encoder_layers, model.d_model) == {
         'base': (12, 768), 'large': (24, 1024), 'small': (4, 256), 'tiny': (2, 32)}[size]
-    assert model.head == ('classification' if variant.endswith('finetune') else 'mlm')
+    mode = variant.partition(',')[2]
+    assert model.head == {'finetune': 'classification', 'electra': 'electra'}.get(mode, 'mlm')
+    if mode == 'electra':  # A quarter of the discriminator's depth.
+      assert model.generator_layers == {'base': 3, 'small': 1}[size]
   if name == 'backtranslation':
     data = config.data
     reverse, mixed = variant == 'reverse', variant.startswith('mix')

@@ -569,6 +569,8 @@ def test_init_params_refuses_another_kind_vocabulary_or_size(tmp_path):
      "'encoder_decoder')"),
     ('tiny,finetune', 'data.batching', 'packed', "config.data.batching='buckets' (got "
      "'packed')"),
+    ('tiny,finetune', 'model.head', 'electra', "config.model.head 'classification' or "
+     "'regression' (got 'electra')"),
     ('tiny,finetune', 'eval.best_metric', 'pearson', "config.eval.best_metric='pearson' must "
      'be one of'),
 ])

@@ -21,7 +21,7 @@ from t2t_jax.checkpoints import saved_params
 from t2t_jax.checkpoints.run_files import load_config, load_vocabulary
 from t2t_jax.data import classification
 from t2t_jax.model.decoder_only import make_model
-from t2t_jax.model.model_config import TransformerConfig
+from t2t_jax.model.model_config import PRETRAINING_HEADS, TransformerConfig
 from t2t_jax.training import build
 
 ROW_MULTIPLE = 16  # Rows are padded to a multiple of this many tokens: few shapes to compile.
@@ -45,7 +45,7 @@ def load(workdir: str, checkpoint: str | None = None) -> Classifier:
   """The run in `workdir` and its parameters: `checkpoint` (a step or a directory), else the
   best step's, else the latest step's."""
   config = load_config(workdir)
-  if config.model.kind != 'encoder_only' or config.model.head == 'mlm':
+  if config.model.kind != 'encoder_only' or config.model.head in PRETRAINING_HEADS:
     raise ConfigError(f'{workdir} holds a {config.model.kind} model with head '
                       f"{config.model.head!r}, not a classifier or regressor: classify reads "
                       'a fine-tuning run (docs/pretraining.md)')

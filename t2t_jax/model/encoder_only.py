@@ -3,8 +3,11 @@ embeddings, optional token-type (segment) embeddings, a pooler and one head.
 
 `config.head` names the head: 'mlm' (masked-language-model pre-training: a transform and the
 tied output softmax, scored at the chosen positions only; with `next_sentence` also BERT's
-next-sentence prediction from the pooled [CLS] state), 'classification' (`num_labels`
-logits from the pooled state) or 'regression' (one number). A fine-tuning run has the same
+next-sentence prediction from the pooled [CLS] state), 'electra' (ELECTRA's replaced-token
+detection, Clark et al. 2020: a small generator, `generator_layers` layers over the shared
+embeddings under the same masked-LM head, proposes tokens for the chosen positions, and the
+encoder, the discriminator, says of every token whether it was replaced), 'classification'
+(`num_labels` logits from the pooled state) or 'regression' (one number). A fine-tuning run has the same
 encoder, embeddings and pooler as the pre-training run it starts from, and a fresh head
 (checkpoints/partial_init.py copies what both have).
 
@@ -15,6 +18,8 @@ packed row (pre-training) each segment counts its own [SEP]s.
 Shapes in names follow the package legend (t2t_jax/__init__.py); C is the number of labels.
 """
 
+from typing import Any
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -22,7 +27,7 @@ import jax.numpy as jnp
 from t2t_jax import PAD_ID
 from t2t_jax.model import moe
 from t2t_jax.model.attention import attention_kinds, self_attention_mask
-from t2t_jax.model.model_config import TransformerConfig
+from t2t_jax.model.model_config import PRETRAINING_HEADS, TransformerConfig
 from t2t_jax.model.positions import Embedder
 from t2t_jax.model.transformer import EncoderLayer, LayerNorm, dense_init, make_embeddings
 from t2t_jax.model.transformer import output_logits, remat_layer, run_encoder, scanned_stack
@@ -67,7 +72,15 @@ class EncoderOnly(nn.Module):
           name=f'encoder_{i}') for i in range(layers)]
     if cfg.norm == 'pre':
       self.encoder_norm = LayerNorm(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
-    if cfg.head == 'mlm':
+    if cfg.head == 'electra':  # The generator: its own layers; embeddings and MLM head below.
+      self.generator_layers = [remat_layer(EncoderLayer, cfg)(
+          cfg, use_moe=False, attention_kind=kinds[i % len(kinds)], name=f'generator_{i}')
+          for i in range(cfg.generator_layers)]
+      if cfg.norm == 'pre':
+        self.generator_norm = LayerNorm(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
+      self.replaced_transform = self._dense(cfg.d_model, 'replaced_transform')
+      self.replaced_output = self._dense(1, 'replaced_output', out_axis=None)
+    if cfg.head in PRETRAINING_HEADS:
       self.mlm_transform = self._dense(cfg.d_model, 'mlm_transform')
       self.mlm_norm = LayerNorm(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
       self.mlm_bias = self.param('mlm_bias', nn.with_logical_partitioning(
@@ -94,10 +107,10 @@ class EncoderOnly(nn.Module):
                     bias_init=nn.with_logical_partitioning(nn.initializers.zeros, (out_axis,)),
                     name=name)
 
-  def encode(self, tokens_BL: Array, positions_BL: Array | None = None,
-             segments_BL: Array | None = None) -> Array:
-    """Final states [B, L, E] of every token; padding (id 0) is masked out of attention and
-    packed segments see only themselves."""
+  def _embed(self, tokens_BL: Array, positions_BL: Array | None,
+             segments_BL: Array | None) -> tuple[Array, Any, Array]:
+    """(embedded tokens [B, L, E], the self-attention mask, real tokens [B, L]): padding
+    (id 0) is masked out of attention and packed segments see only themselves."""
     cfg = self.config
     valid_BL = tokens_BL != PAD_ID
     mask = self_attention_mask(valid_BL, segments_BL, positions_BL, causal=False,
@@ -105,7 +118,27 @@ class EncoderOnly(nn.Module):
     x_BLE = self.embedder(tokens_BL, positions_BL)
     if cfg.type_vocab_size:
       x_BLE = x_BLE + self.type_embedding(token_types(tokens_BL, segments_BL))
-    return run_encoder(self, x_BLE, mask, valid_BL)
+    return x_BLE, mask, valid_BL
+
+  def encode(self, tokens_BL: Array, positions_BL: Array | None = None,
+             segments_BL: Array | None = None) -> Array:
+    """Final states [B, L, E] of every token of the encoder (ELECTRA's discriminator)."""
+    return run_encoder(self, *self._embed(tokens_BL, positions_BL, segments_BL))
+
+  def generate(self, tokens_BL: Array, positions_BL: Array | None = None,
+               segments_BL: Array | None = None) -> Array:
+    """ELECTRA's generator: final states [B, L, E] of its own layers over the shared
+    embeddings; `mlm_logits` reads them."""
+    x_BLE, mask, valid_BL = self._embed(tokens_BL, positions_BL, segments_BL)
+    for layer in self.generator_layers:
+      x_BLE = layer(x_BLE, mask, valid_BL)
+    return self.generator_norm(x_BLE) if self.config.norm == 'pre' else x_BLE
+
+  def replaced_logits(self, states_BLE: Array) -> Array:
+    """ELECTRA's discriminator head: a logit [B, L] (float32) per token that it was
+    replaced, from a GELU transform of the token's final state."""
+    hidden_BLE = nn.gelu(self.replaced_transform(states_BLE))
+    return self.replaced_output(hidden_BLE)[..., 0].astype(jnp.float32)
 
   def mlm_logits(self, states_BKE: Array, float32: bool = True) -> Array:
     """Masked-LM logits [B, K, V] of the states at chosen positions: a GELU transform and a
@@ -145,8 +178,13 @@ class EncoderOnly(nn.Module):
                targets_segments_BL: Array | None = None) -> Array:
     """The head on a batch as the pipeline gives it (for `init` and direct use): masked-LM
     logits [B, L, V] of every target token (the text; the objective scores chosen positions
-    only, training/encoder_tasks.py), or the classifier's outputs of the inputs."""
+    only, training/encoder_tasks.py; ELECTRA's generator's), or the classifier's outputs of
+    the inputs."""
     del inputs_positions_BK, inputs_segments_BK
+    if self.config.head == 'electra':  # Built with the rest at init.
+      self.replaced_logits(self.encode(targets_BL, targets_positions_BL, targets_segments_BL))
+      return self.mlm_logits(self.generate(targets_BL, targets_positions_BL,
+                                           targets_segments_BL))
     if self.config.head == 'mlm':
       states_BLE = self.encode(targets_BL, targets_positions_BL, targets_segments_BL)
       if self.config.next_sentence:  # Built with the rest at init.

@@ -5,6 +5,7 @@ model FLOPs counted analytically from the shapes (as in PaLM's appendix B), not 
 happens to execute: recomputation, the optimiser and elementwise work do not count.
 """
 
+import dataclasses
 import math
 import re
 
@@ -157,13 +158,20 @@ MLM_RATE = 0.15  # The default data.mlm_rate: the chosen positions' share of a m
 def encoder_only_flops(cfg, rows: int, source_length: int, target_length: int) -> float:
   """An encoder-only update: the stack over its text (the targets in masked-LM pre-training,
   the inputs under a task head), then the head: the masked-LM transform and output layer at
-  ceil(MLM_RATE x L) positions a row (another data.mlm_rate changes this small term only), or
+  ceil(MLM_RATE x L) positions a row (another data.mlm_rate changes this small term only; with
+  ELECTRA's generator stack before it and the replaced-token head at every token after), or
   the pooler and classifier once a row."""
   d = cfg.d_model
   if cfg.head == 'mlm':
     chosen = rows * math.ceil(MLM_RATE * target_length)
     return float(3 * (_stack_flops(cfg, cfg.num_encoder_layers, rows, target_length)
                       + 2 * chosen * (d * d + d * cfg.vocab_size)))
+  if cfg.head == 'electra':  # Both stacks over the text; each token's replaced logit.
+    chosen, tokens = rows * math.ceil(MLM_RATE * target_length), rows * target_length
+    return float(3 * (_stack_flops(cfg, cfg.num_encoder_layers, rows, target_length)
+                      + _stack_flops(dataclasses.replace(cfg, moe_experts=0),  # Dense layers.
+                                     cfg.generator_layers, rows, target_length)
+                      + 2 * chosen * (d * d + d * cfg.vocab_size) + 2 * tokens * (d * d + d)))
   return float(3 * (_stack_flops(cfg, cfg.num_encoder_layers, rows, source_length)
                     + 2 * rows * (d * d + d * max(cfg.num_labels, 1))))
 

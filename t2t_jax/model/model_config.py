@@ -58,11 +58,13 @@ class TransformerConfig:
   compression_stride: int = 3
   kind: str = 'encoder_decoder'  # Or 'decoder_only', 'encoder_only'; `make_model` picks.
   prefix_attention: str = 'causal'  # Decoder-only: how the source attends ('causal', 'full').
-  head: str = 'mlm'  # Encoder-only: 'mlm', 'classification' or 'regression' (encoder_only.py).
+  # Encoder-only: 'mlm', 'electra', 'classification' or 'regression' (encoder_only.py).
+  head: str = 'mlm'
   num_labels: int = 0  # Encoder-only classification: the label set's size (config.data.labels).
   type_vocab_size: int = 0  # Encoder-only: token-type (segment) embeddings; 0: none.
   pooling: str = 'cls'  # Encoder-only heads: the first token's state ('cls') or the 'mean'.
   next_sentence: bool = False  # Encoder-only 'mlm' head: also next-sentence prediction (BERT).
+  generator_layers: int = 1  # Encoder-only 'electra' head: the generator's layers.
   moe_experts: int = 0  # Mixture of experts (moe.py); 0: dense feed-forward layers.
   moe_top_k: int = 2
   moe_capacity_factor: float = 1.25
@@ -178,7 +180,8 @@ def _log_once(message: str) -> None:
 
 
 MODEL_KINDS = ('encoder_decoder', 'decoder_only', 'encoder_only')  # config.model.kind
-HEADS = ('mlm', 'classification', 'regression')  # config.model.head (encoder-only)
+HEADS = ('mlm', 'electra', 'classification', 'regression')  # config.model.head (encoder-only)
+PRETRAINING_HEADS = ('mlm', 'electra')  # The heads trained on text alone.
 POOLING = ('cls', 'mean')  # config.model.pooling (encoder-only heads)
 PREFIX_ATTENTION = ('causal', 'full')  # config.model.prefix_attention
 
@@ -263,6 +266,9 @@ def check_encoder_only(config) -> None:
   if config.next_sentence and config.head != 'mlm':
     raise ConfigError(f"config.model.next_sentence=True is a pre-training objective, and "
                       f"config.model.head={config.head!r}: set it with head='mlm' only")
+  if config.head == 'electra' and config.generator_layers < 1:
+    raise ConfigError(f'config.model.generator_layers={config.generator_layers} must be at '
+                      "least 1 with config.model.head='electra': its generator needs a layer")
   if config.type_vocab_size < 0:
     raise ConfigError(f'config.model.type_vocab_size={config.type_vocab_size} must be 0 (no '
                       'token types) or more')

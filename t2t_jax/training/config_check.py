@@ -19,7 +19,8 @@ from t2t_jax.data import tokenizer
 from t2t_jax.decoding import translator
 from t2t_jax.model import positions
 from t2t_jax.model import prng
-from t2t_jax.model.model_config import MODEL_KINDS, PREFIX_ATTENTION, TransformerConfig
+from t2t_jax.model.model_config import MODEL_KINDS, PREFIX_ATTENTION, PRETRAINING_HEADS
+from t2t_jax.model.model_config import TransformerConfig
 from t2t_jax.training import fused_loss
 from t2t_jax.training import optim
 from t2t_jax.training import step
@@ -247,10 +248,11 @@ def _kind_and_source_problems(config) -> list[str]:
       problems.append(f"config.data.source='lm' needs config.model.kind='decoder_only' (a "
                       "language model) or 'encoder_only' (masked-LM pre-training), got "
                       f'{kind!r}: text alone has no source to encode')
-    elif kind == 'encoder_only' and head != 'mlm':
-      problems.append(f"config.data.source='lm' (text without labels) trains an encoder-only "
-                      f"model's masked-LM head, and config.model.head={head!r}: set head='mlm', "
-                      "or data.source='labelled' with labelled TSV files")
+    elif kind == 'encoder_only' and head not in PRETRAINING_HEADS:
+      problems.append(f"config.data.source='lm' (text without labels) pre-trains an "
+                      f"encoder-only model's head 'mlm' or 'electra', and config.model.head="
+                      f"{head!r}: set one of those, or data.source='labelled' with labelled TSV "
+                      "files")
     if config.eval.bleu_sentences:
       problems.append(f'config.eval.bleu_sentences={config.eval.bleu_sentences} must be 0 '
                       "with config.data.source='lm': there are no translations to score (the "
@@ -260,7 +262,7 @@ def _kind_and_source_problems(config) -> list[str]:
     problems.append(f'config.data.vocab_path={config.data.vocab_path} does not exist, and a run '
                     f'starting from config.ckpt.init_from={config.ckpt.init_from} must read '
                     "that run's vocabulary, not train a new one: point vocab_path at it")
-  if source == 'labelled' and (kind != 'encoder_only' or head == 'mlm'):
+  if source == 'labelled' and (kind != 'encoder_only' or head in PRETRAINING_HEADS):
     problems.append(f"config.data.source='labelled' trains a classifier or regressor: it needs "
                     f"config.model.kind='encoder_only' (got {kind!r}) and config.model.head "
                     f"'classification' or 'regression' (got {head!r})")

@@ -1,5 +1,5 @@
-"""The encoder-only model's objectives (training/task.py): masked-LM pre-training and
-classification or regression fine-tuning.
+"""The encoder-only model's objectives (training/task.py): masked-LM or ELECTRA pre-training
+and classification or regression fine-tuning.
 
 Masked LM (BERT): in each row a fraction config.data.mlm_rate (15%) of its maskable tokens
 (not padding, [CLS], [SEP] or EOS) is chosen, exactly round(rate x maskable) of them (at least
@@ -9,6 +9,13 @@ objective gathers their final states, K = ceil(rate x L) per row (a few more wit
 masking, whose last word may overrun the count). The choice is drawn from the step's key, the
 one its dropout folds from the step number, so a resumed run draws exactly the masks an
 uninterrupted one would; evaluation draws one fixed set, the same at every evaluation.
+
+ELECTRA (Clark et al. 2020) chooses positions the same way, replaces every chosen token by
+[MASK] for its generator, whose masked-LM loss is the same as above, and gives the encoder (the
+discriminator) the text with each chosen token replaced by one drawn from the generator's
+softmax (ordinary tokens only, no gradient through the draw); the encoder says of every real
+token whether it differs from the original (a draw of the original token is not a
+replacement).
 
 Whole-word masking (config.data.whole_word_masking) chooses words: a word is a piece starting
 with SentencePiece's word marker and the pieces after it; the pipeline gives each token's
@@ -78,6 +85,13 @@ def corrupt(key: jax.Array, tokens_BL: jax.Array, positions_BK: jax.Array,
   random_BK = jax.random.randint(token_key, positions_BK.shape, FIRST_ORDINARY_ID, vocab_size)
   original_BK = jnp.take_along_axis(tokens_BL, positions_BK, axis=1)
   new_BK = jnp.where(draw_BK < 0.8, MASK_ID, jnp.where(draw_BK < 0.9, random_BK, original_BK))
+  return replace_chosen(tokens_BL, positions_BK, chosen_BK, new_BK)
+
+
+def replace_chosen(tokens_BL: jax.Array, positions_BK: jax.Array, chosen_BK: jax.Array,
+                   new_BK: jax.Array) -> jax.Array:
+  """`tokens_BL` with the chosen slots' tokens set to `new_BK` (the other slots unchanged)."""
+  original_BK = jnp.take_along_axis(tokens_BL, positions_BK, axis=1)
   new_BK = jnp.where(chosen_BK, new_BK, original_BK)
   return jax.vmap(lambda row, at, values: row.at[at].set(values))(tokens_BL, positions_BK,
                                                                   new_BK)
@@ -124,6 +138,50 @@ def mlm_metrics(model, params, batch: dict, label_smoothing: float, loss_chunk_t
       metrics['loss'] = (metrics['loss'] + metrics['next_sentence_loss']
                          * jax.lax.stop_gradient(metrics['weight'] / pairs))
     return metrics
+
+
+def electra_metrics(model, params, batch: dict, label_smoothing: float,
+                    loss_chunk_tokens: int = 0, *, rate: float = 0.15, whole_word: bool = False,
+                    replaced_weight: float = 50.0, **kwargs) -> dict[str, jax.Array]:
+  """Metric sums of ELECTRA's two losses: 'loss', 'nll', 'correct' and 'weight' are the
+  generator's masked-LM figures as in `mlm_metrics`, and 'replaced_loss', '_correct' and
+  '_weight' the discriminator's sums over the real tokens (sigmoid cross-entropy, logit > 0
+  read as 'replaced'). 'loss' also holds the discriminator's, weighted as the paper's
+  generator mean + replaced_weight x discriminator mean once the loop divides by 'weight'."""
+  del loss_chunk_tokens
+  tokens_BL = batch['targets']
+  choose_key, sample_key = jax.random.split(mask_key(kwargs.get('rngs')))
+  positions_BK, chosen_BK = choose(choose_key, tokens_BL, batch['inputs'] >= WORD_START, rate,
+                                   whole_word)
+  masked_BL = replace_chosen(tokens_BL, positions_BK, chosen_BK,
+                             jnp.full_like(positions_BK, MASK_ID))
+  where = (batch.get('targets_positions'), batch.get('targets_segments'))
+  generated_BLE = model.apply({'params': params}, masked_BL, *where, method='generate',
+                              **kwargs)
+  picked_BKE = jnp.take_along_axis(generated_BLE, positions_BK[..., None], axis=1)
+  original_BK = jnp.take_along_axis(tokens_BL, positions_BK, axis=1)
+  with jax.named_scope('loss'):
+    logits_BKV = model.apply({'params': params}, picked_BKE, method='mlm_logits')
+    metrics = optim.compute_metrics(logits_BKV, jnp.where(chosen_BK, original_BK, PAD_ID),
+                                    label_smoothing)
+  ordinary_V = jnp.arange(logits_BKV.shape[-1]) >= FIRST_ORDINARY_ID
+  proposal_BKV = jnp.where(ordinary_V, jax.lax.stop_gradient(logits_BKV), -jnp.inf)
+  sampled_BK = jax.random.categorical(sample_key, proposal_BKV)
+  replaced_input_BL = replace_chosen(tokens_BL, positions_BK, chosen_BK, sampled_BK)
+  states_BLE = model.apply({'params': params}, replaced_input_BL, *where, method='encode',
+                           **kwargs)
+  with jax.named_scope('loss'):
+    logits_BL = model.apply({'params': params}, states_BLE, method='replaced_logits')
+    replaced_BL = (replaced_input_BL != tokens_BL).astype(jnp.float32)
+    real_BL = (tokens_BL != PAD_ID).astype(jnp.float32)
+    loss_BL = optax.sigmoid_binary_cross_entropy(logits_BL, replaced_BL)
+    metrics['replaced_loss'] = (loss_BL * real_BL).sum()
+    metrics['replaced_correct'] = (((logits_BL > 0) == (replaced_BL > 0)) * real_BL).sum()
+    metrics['replaced_weight'] = real_BL.sum()
+    tokens = jnp.maximum(metrics['replaced_weight'], 1.0)
+    metrics['loss'] = (metrics['loss'] + replaced_weight * metrics['replaced_loss']
+                       * jax.lax.stop_gradient(metrics['weight'] / tokens))
+  return metrics
 
 
 def _next_sentence_sums(model, params, states_BLE: jax.Array, flags_BL: jax.Array) -> dict:

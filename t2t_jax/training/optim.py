@@ -174,10 +174,13 @@ def summarize(metric_sums: dict[str, float]) -> dict[str, float]:
   figures = {'loss': float(metric_sums['loss']) / weight,
              'accuracy': float(metric_sums['correct']) / weight,
              'perplexity': float(np.exp(min(nll, 50.0)))}
-  if 'next_sentence_weight' in metric_sums:  # Masked LM with next-sentence prediction.
-    pairs = max(float(metric_sums['next_sentence_weight']), 1.0)
-    figures['next_sentence_loss'] = float(metric_sums['next_sentence_loss']) / pairs
-    figures['next_sentence_accuracy'] = float(metric_sums['next_sentence_correct']) / pairs
+  # Second objectives of pre-training, per their own count: BERT's next-sentence pairs,
+  # ELECTRA's replaced-token detection over every real token (training/encoder_tasks.py).
+  for second in ('next_sentence', 'replaced'):
+    if f'{second}_weight' in metric_sums:
+      count = max(float(metric_sums[f'{second}_weight']), 1.0)
+      figures[f'{second}_loss'] = float(metric_sums[f'{second}_loss']) / count
+      figures[f'{second}_accuracy'] = float(metric_sums[f'{second}_correct']) / count
   if 'moe_aux_loss' in metric_sums:  # Mixture of experts: balance and overflow (moe.py).
     figures['moe_aux_loss'] = float(metric_sums['moe_aux_loss']) / weight
     figures['moe_dropped_fraction'] = (float(metric_sums['moe_dropped'])

@@ -1,8 +1,9 @@
 """The tasks t2t_jax trains (task.py says what a task is), chosen by the config: translation,
 judged by validation BLEU and exact match; language modelling, judged by its loss and
-perplexity alone; masked-LM pre-training of an encoder, judged by the masked tokens' loss and
-accuracy; and classification or regression, judged by scikit-learn's and SciPy's figures. A new
-kind of run adds its task here; the loop does not change."""
+perplexity alone; masked-LM or ELECTRA pre-training of an encoder, judged by the masked tokens'
+loss and accuracy (ELECTRA's also by its replaced-token detection's); and classification or
+regression, judged by scikit-learn's and SciPy's figures. A new kind of run adds its task
+here; the loop does not change."""
 
 import dataclasses
 import functools
@@ -27,10 +28,12 @@ def for_config(config) -> Task:
   """The task of a config: the encoder-only model's head's, a language model for
   config.data.source='lm', else translation."""
   if config.model.kind == 'encoder_only':
+    masking = {'rate': config.data.mlm_rate, 'whole_word': config.data.whole_word_masking}
     if config.model.head == 'mlm':
-      return Task('masked_lm', objective=functools.partial(
-          encoder_tasks.mlm_metrics, rate=config.data.mlm_rate,
-          whole_word=config.data.whole_word_masking))
+      return Task('masked_lm', objective=functools.partial(encoder_tasks.mlm_metrics, **masking))
+    if config.model.head == 'electra':
+      return Task('electra', objective=functools.partial(
+          encoder_tasks.electra_metrics, replaced_weight=config.opt.replaced_weight, **masking))
     return CLASSIFIER
   task = LANGUAGE_MODEL if config.data.source == 'lm' else TRANSLATION
   if config.opt.loss_impl != 'xla':
