@@ -7,9 +7,9 @@ next-sentence prediction from the pooled [CLS] state), 'electra' (ELECTRA's repl
 detection, Clark et al. 2020: a small generator, `generator_layers` layers over the shared
 embeddings under the same masked-LM head, proposes tokens for the chosen positions, and the
 encoder, the discriminator, says of every token whether it was replaced), 'classification'
-(`num_labels` logits from the pooled state) or 'regression' (one number). A fine-tuning run has the same
-encoder, embeddings and pooler as the pre-training run it starts from, and a fresh head
-(checkpoints/partial_init.py copies what both have).
+(`num_labels` logits from the pooled state) or 'regression' (one number). A fine-tuning run
+has the same encoder, embeddings and pooler as the pre-training run it starts from, and a
+fresh head (checkpoints/partial_init.py copies what both have).
 
 Token types are not a batch field: a row reads `[CLS] text [SEP] text2 EOS`, so a token's type
 is 1 after the row's first [SEP] and 0 before (data/classification.py writes the rows). In a
