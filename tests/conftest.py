@@ -5,6 +5,7 @@ marked `gpu` instead, on the GPU with t2t_jax's XLA flags; either way the others
 with the reason (docs/development.md).
 """
 
+import functools
 import importlib.util
 import os
 import sys
@@ -124,6 +125,34 @@ def assert_close_to_scale(actual, expected, tolerance, where=None):
       a, e = a[where], e[where]
     error, scale = np.abs(a - e).max(), np.abs(e).max()
     assert error <= tolerance * scale, (error, scale, error / scale)
+
+
+def dot_flops(jaxpr) -> int:
+  """2 x output elements x contracted size, summed over every dot_general of a jaxpr, nested
+  ones too: the matmul FLOPs an analytic count is held to."""
+  from jax.extend import core as jax_core  # pylint: disable=g-import-not-at-top
+  total = 0
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == 'dot_general':
+      (contracting, _), _ = eqn.params['dimension_numbers']
+      lhs_shape = eqn.invars[0].aval.shape
+      total += 2 * int(np.prod(eqn.outvars[0].aval.shape)) * int(
+          np.prod([lhs_shape[i] for i in contracting]))
+    for sub in jax_core.jaxprs_in_params(eqn.params):
+      total += dot_flops(sub)
+  return total
+
+
+@functools.cache
+def encoder_only_params(config):
+  """Fresh parameters of an encoder-only model config (a TransformerConfig), drawn with the
+  'rbg' generator (quick to compile)."""
+  from t2t_jax.model import encoder_only  # pylint: disable=g-import-not-at-top
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  dummy = jnp.ones((1, 4), jnp.int32)
+  return nn.meta.unbox(encoder_only.EncoderOnly(config).init(
+      jax.random.key(0, impl='rbg'), dummy, dummy)['params'])
 
 
 def leaves_equal(a, b) -> bool:

@@ -3,15 +3,13 @@ objective against an independent computation, what the generator may propose, wh
 gradient reaches, its FLOPs, the config checks, and a run pre-trained then fine-tuned."""
 
 import dataclasses
-import functools
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import leaves_equal, write_lines
+from conftest import dot_flops, encoder_only_params, leaves_equal, write_lines
 from configs import bert
 from t2t_jax import ConfigError
 from t2t_jax import sharding
@@ -34,11 +32,8 @@ CONFIG = TransformerConfig(
 LENGTHS = (25, 17, 9, 28)  # Ordinary tokens per row of the test batch.
 
 
-@functools.cache
 def _params(config=CONFIG):
-  dummy = jnp.ones((1, 4), jnp.int32)
-  return nn.meta.unbox(encoder_only.EncoderOnly(config).init(
-      jax.random.key(0, impl='rbg'), dummy, dummy)['params'])
+  return encoder_only_params(config)
 
 
 def _batch():
@@ -197,21 +192,6 @@ def test_the_detection_loss_trains_the_encoder_and_embeddings_but_not_the_genera
   assert not leaves_equal(with_detection['embedding'], without['embedding'])
 
 
-def _dot_flops(jaxpr) -> int:
-  """2 x output elements x contracted size, summed over every dot_general, nested ones too."""
-  from jax.extend import core as jax_core  # pylint: disable=g-import-not-at-top
-  total = 0
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name == 'dot_general':
-      (contracting, _), _ = eqn.params['dimension_numbers']
-      lhs = eqn.invars[0].aval.shape
-      total += 2 * int(np.prod(eqn.outvars[0].aval.shape)) * int(
-          np.prod([lhs[i] for i in contracting]))
-    for sub in jax_core.jaxprs_in_params(eqn.params):
-      total += _dot_flops(sub)
-  return total
-
-
 @pytest.mark.parametrize('variant', ['tiny', 'tiny,electra'])
 def test_analytic_flops_equal_the_matmuls_of_the_pretraining_step(variant):
   config = bert.get_config(variant)
@@ -226,7 +206,7 @@ def test_analytic_flops_equal_the_matmuls_of_the_pretraining_step(variant):
     jaxpr = jax.make_jaxpr(step)(setup.abstract_state, batch,
                                  jax.ShapeDtypeStruct((2,), jnp.uint32))
   expected = flops.train_step_flops(setup.model_config, rows, length, length)
-  assert _dot_flops(jaxpr.jaxpr) == expected
+  assert dot_flops(jaxpr.jaxpr) == expected
 
 
 @pytest.mark.parametrize('model_overrides, message', [

@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import leaves_equal, saved_state_field, scalar_events, write_lines
+from conftest import encoder_only_params, leaves_equal, saved_state_field, scalar_events
+from conftest import write_lines
 from configs import base as base_config
 from configs import bert
 from t2t_jax import CheckpointError
@@ -213,12 +214,8 @@ def test_corrupt_masks_80_replaces_10_keeps_10_percent():
   assert set(np.unique(replaced)) == set(range(6, VOCAB))  # Every ordinary id drawn.
 
 
-@functools.cache
 def _params(config=CONFIG):
-  """Fresh parameters, drawn with the 'rbg' generator (quick to compile)."""
-  dummy = jnp.ones((1, 4), jnp.int32)
-  return nn.meta.unbox(encoder_only.EncoderOnly(config).init(
-      jax.random.key(0, impl='rbg'), dummy, dummy)['params'])
+  return encoder_only_params(config)
 
 
 def _mlm_batch():

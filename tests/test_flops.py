@@ -2,12 +2,12 @@
 
 import dataclasses
 import functools
-import math
 
 import jax
-from jax.extend import core as jax_core
 import jax.numpy as jnp
 import pytest
+
+from conftest import dot_flops
 
 from t2t_jax import sharding
 from t2t_jax.model import flops
@@ -32,27 +32,13 @@ def _batch(rows=ROWS):
           'targets': jax.ShapeDtypeStruct((rows, TARGET_LENGTH), jnp.int32)}
 
 
-def _dot_flops(jaxpr) -> int:
-  """2 x output elements x contracted size, summed over every dot_general, nested ones too."""
-  total = 0
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name == 'dot_general':
-      (contracting, _), _ = eqn.params['dimension_numbers']
-      lhs_shape = eqn.invars[0].aval.shape
-      total += 2 * math.prod(eqn.outvars[0].aval.shape) * math.prod(
-          lhs_shape[i] for i in contracting)
-    for sub in jax_core.jaxprs_in_params(eqn.params):
-      total += _dot_flops(sub)
-  return total
-
-
 def test_analytic_flops_equal_the_matmuls_of_the_train_step(setup):
   step = functools.partial(step_lib.train_step, model=Transformer(setup.model_config),
                            optimizer=setup.optimizer, label_smoothing=0.1)
   with sharding.mesh_context(setup.mesh, setup.axis_rules):
     jaxpr = jax.make_jaxpr(step)(setup.abstract_state, _batch(), jax.random.PRNGKey(0))
   expected = flops.train_step_flops(setup.model_config, ROWS, SOURCE_LENGTH, TARGET_LENGTH)
-  assert _dot_flops(jaxpr.jaxpr) == expected
+  assert dot_flops(jaxpr.jaxpr) == expected
 
 
 def test_analytic_flops_against_xla_cost_analysis(setup):

@@ -83,18 +83,17 @@ def corrupt(key: jax.Array, tokens_BL: jax.Array, positions_BK: jax.Array,
   choice_key, token_key = jax.random.split(key)
   draw_BK = jax.random.uniform(choice_key, positions_BK.shape)
   random_BK = jax.random.randint(token_key, positions_BK.shape, FIRST_ORDINARY_ID, vocab_size)
-  original_BK = jnp.take_along_axis(tokens_BL, positions_BK, axis=1)
-  new_BK = jnp.where(draw_BK < 0.8, MASK_ID, jnp.where(draw_BK < 0.9, random_BK, original_BK))
-  return replace_chosen(tokens_BL, positions_BK, chosen_BK, new_BK)
+  new_BK = jnp.where(draw_BK < 0.8, MASK_ID, random_BK)
+  return replace_chosen(tokens_BL, positions_BK, chosen_BK & (draw_BK < 0.9), new_BK)
 
 
 def replace_chosen(tokens_BL: jax.Array, positions_BK: jax.Array, chosen_BK: jax.Array,
                    new_BK: jax.Array) -> jax.Array:
-  """`tokens_BL` with the chosen slots' tokens set to `new_BK` (the other slots unchanged)."""
-  original_BK = jnp.take_along_axis(tokens_BL, positions_BK, axis=1)
-  new_BK = jnp.where(chosen_BK, new_BK, original_BK)
-  return jax.vmap(lambda row, at, values: row.at[at].set(values))(tokens_BL, positions_BK,
-                                                                  new_BK)
+  """`tokens_BL` with the chosen slots' tokens set to `new_BK`; the other slots (distinct
+  positions, argsort's) are pointed past the row and dropped, so they stay as they were."""
+  at_BK = jnp.where(chosen_BK, positions_BK, tokens_BL.shape[1])
+  return jax.vmap(lambda row, at, values: row.at[at].set(values, mode='drop'))(
+      tokens_BL, at_BK, new_BK)
 
 
 def mask_key(rngs: dict | None) -> jax.Array:
