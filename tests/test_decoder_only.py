@@ -414,7 +414,7 @@ def test_multi30k_decoder_only_variant_runs_end_to_end(tmp_path):
 
 
 def test_analytic_flops_equal_the_matmuls_of_the_train_step(tiny_config):
-  from test_flops import _dot_flops  # pylint: disable=g-import-not-at-top
+  from conftest import dot_flops  # pylint: disable=g-import-not-at-top
   config = _tiny_decoder_only(tiny_config)
   config.model.d_model, config.model.d_ff = 64, 256
   setup = train.build(config, 256)
@@ -424,7 +424,7 @@ def test_analytic_flops_equal_the_matmuls_of_the_train_step(tiny_config):
            'targets': jax.ShapeDtypeStruct((8, 12), jnp.int32)}
   with sharding.mesh_context(setup.mesh, setup.axis_rules):
     jaxpr = jax.make_jaxpr(step)(setup.abstract_state, batch, jax.random.PRNGKey(0))
-  assert _dot_flops(jaxpr.jaxpr) == flops.train_step_flops(setup.model_config, 8, 16, 12)
+  assert dot_flops(jaxpr.jaxpr) == flops.train_step_flops(setup.model_config, 8, 16, 12)
 
 
 # The attention family in the one stack: a window of 2 and blocks of 3 are far shorter than the
