@@ -2,6 +2,7 @@
 
 import dataclasses
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -176,3 +177,31 @@ def test_an_implementation_that_cannot_run_is_a_config_error(impl, dtype, dropou
                                                              message):
   with pytest.raises(ValueError, match=f'config.model.attention_impl.*{message}'):
     model_config.resolve_attention_impl(impl, dtype, 64, dropout, platform)
+
+
+@pytest.mark.parametrize('d_model,heads,dtype', [
+    (64, 4, jnp.float32), (64, 4, jnp.bfloat16), (32, 4, jnp.float32), (32, 4, jnp.bfloat16)])
+def test_queries_are_scaled_through_the_kernel_as_the_product_would_be(d_model, heads, dtype):
+  """attention._queries scales the [E, H, D] kernel by 1/sqrt(D) instead of the product where
+  that is a power of two (D = 16 here, 64 in the paper's models): bit for bit the scaled
+  product. Elsewhere (D = 8) it scales the product, also bit for bit."""
+  from t2t_jax.model import attention  # pylint: disable=g-import-not-at-top
+  config = dataclasses.replace(CONFIG, d_model=d_model, num_heads=heads, dtype=dtype)
+  module = attention.CrossAttention(config)
+  x = jax.random.normal(jax.random.PRNGKey(0), (2, 5, d_model))
+  params = nn.unbox(module.init(jax.random.PRNGKey(1), x, x, None)['params'])
+  captured = []
+
+  def capture(method, args, kwargs, context):
+    out = method(*args, **kwargs)
+    if context.method_name == '_queries':
+      captured.append(out)
+    return out
+
+  with nn.intercept_methods(capture):
+    module.apply({'params': params}, x, x, None)
+  scale = (d_model // heads)**-0.5
+  product = jnp.einsum('BKE,EHD->BKHD', x.astype(dtype), params['query'].astype(dtype))
+  expected = np.asarray((product * scale).astype(np.float32))
+  got = np.asarray(captured[0].astype(np.float32))
+  np.testing.assert_array_equal(got, expected)

@@ -1,5 +1,7 @@
 """Meshes give the same training, weights are split as the rules say, accumulation and bf16."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -199,3 +201,40 @@ def test_bfloat16_computes_in_bf16_with_float32_state_and_close_loss(config, ref
           setup.mesh)), batches[0]), jax.ShapeDtypeStruct((2,), jnp.uint32)).as_text()
   matmuls = [line for line in hlo.splitlines() if 'dot_general' in line]
   assert matmuls and sum('bf16' in line for line in matmuls) > 0.8 * len(matmuls)
+
+
+@pytest.mark.parametrize('mesh_shape', [(1, 8, 1), (2, 4, 1), (4, 2, 1), (1, 4, 2)])
+def test_embedding_lookup_by_columns_equals_the_whole_table_lookup(config, mesh_shape):
+  """model.Embed under a mesh: where 'embed' splits the table over axes that also split the
+  batch (and 'vocab' is whole), each device looks up its columns for its column sharers' tokens
+  and an all-to-all hands the rows over (no gather of the [vocab, width] table); elsewhere the
+  table is read whole. Rows and the table's gradient equal the meshless lookup's."""
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  from t2t_jax.model import transformer  # pylint: disable=g-import-not-at-top
+  vocab, width, rows, length = 54, 32, 16, 6
+  embed = transformer.Embed(vocab, width, dtype=jnp.float32, embedding_init=(
+      nn.with_logical_partitioning(nn.initializers.normal(1.0), ('vocab', 'embed'))))
+  ids = jax.random.randint(jax.random.PRNGKey(1), (rows, length), 0, vocab)
+  params = nn.unbox(embed.init(jax.random.PRNGKey(0), ids))
+  cotangent = jax.random.normal(jax.random.PRNGKey(2), (rows, length, width))
+  loss = lambda p, i: jnp.sum(embed.apply(p, i) * cotangent)
+  expected_rows, expected_grad = embed.apply(params, ids), jax.grad(loss)(params, ids)
+  config.mesh.shape = mesh_shape
+  mesh = sharding.make_mesh(config.mesh)
+  with sharding.mesh_context(mesh, sharding.rules(config.mesh)):
+    table_split = nn.logical_to_mesh_axes(('vocab', 'embed'))
+    params = jax.device_put(params, NamedSharding(mesh, P(*table_split)))
+    ids = jax.device_put(ids, NamedSharding(mesh, P(nn.logical_to_mesh_axes(('batch',))[0])))
+    got_rows = jax.jit(embed.apply)(params, ids)
+    got_grad = jax.jit(jax.grad(loss))(params, ids)
+    hlo = jax.jit(embed.apply).lower(params, ids).compile().as_text()
+  np.testing.assert_array_equal(got_rows, expected_rows)  # A lookup moves values exactly.
+  # Rows met by several tokens add up in another order: float32 rounding only.
+  np.testing.assert_allclose(got_grad['params']['embedding'],
+                             expected_grad['params']['embedding'], rtol=1e-6, atol=1e-5)
+  by_columns = mesh_shape[2] == 1  # 'vocab' maps to 'tensor': split at (1, 4, 2).
+  assert ('all-to-all' in hlo) == by_columns
+  # The table (or its 'vocab' shards) gathered across its 'embed' split: [rows, width] results.
+  table_gathered = re.search(rf'\[\d+,{width}\][^\n]*all-gather', hlo) is not None
+  assert table_gathered != by_columns, mesh_shape

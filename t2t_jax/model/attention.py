@@ -5,6 +5,7 @@ decode cache's bookkeeping in attention_cache.py.
 Shapes in names follow the package legend (t2t_jax/__init__.py).
 """
 
+import math
 from typing import Any, NamedTuple, Sequence
 
 import flax.linen as nn
@@ -108,15 +109,25 @@ class _Attention(nn.Module):
     return self.param(name, nn.with_logical_partitioning(init, names), shape,
                       cfg.param_dtype).astype(cfg.dtype)
 
-  def _project(self, name: str, y_BKE: Array, layout: str = 'BKHD') -> Array:
+  def _project(self, name: str, y_BKE: Array, layout: str = 'BKHD', scale: float = 1.0) -> Array:
     cfg = self.config
     shape = (cfg.d_model, cfg.num_heads, cfg.d_model // cfg.num_heads)
-    return jnp.einsum(f'BKE,EHD->{layout}', y_BKE.astype(cfg.dtype),
-                      self._kernel(name, shape, ('embed', 'heads', 'kv'), 0, (1, 2)))
+    kernel_EHD = self._kernel(name, shape, ('embed', 'heads', 'kv'), 0, (1, 2))
+    if scale != 1.0:
+      kernel_EHD = kernel_EHD * jnp.asarray(scale, kernel_EHD.dtype)
+    return jnp.einsum(f'BKE,EHD->{layout}', y_BKE.astype(cfg.dtype), kernel_EHD)
 
   def _queries(self, x_BQE: Array) -> Array:
-    """The scaled queries [B, Q, H, D]."""
-    q_BQHD = self._project('query', x_BQE) * (self.config.d_model // self.config.num_heads)**-0.5
+    """The queries [B, Q, H, D] scaled by 1/sqrt(D). Where that is a power of two (D = 64 in
+    the paper's models, 4, 16, 256) the [E, H, D] kernel is scaled instead of the product:
+    bit for bit the same, and XLA does not fuse a scaling of a matmul's output into the
+    matmul, so it spares a pass over every query in both directions. Other head sizes scale
+    the product, which the kernel's rounding would change."""
+    scale = (self.config.d_model // self.config.num_heads)**-0.5
+    if math.frexp(scale)[0] == 0.5:  # A power of two.
+      q_BQHD = self._project('query', x_BQE, scale=scale)
+    else:
+      q_BQHD = self._project('query', x_BQE) * scale
     return nn.with_logical_constraint(q_BQHD, ('batch', 'length', 'heads', 'kv'))
 
   def _output(self, out_BQHD: Array) -> Array:

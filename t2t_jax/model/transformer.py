@@ -12,6 +12,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from t2t_jax import PAD_ID
 from t2t_jax.model import moe
@@ -186,23 +187,73 @@ def unstack_layer_params(params: dict, config: TransformerConfig) -> dict:
 
 
 class Embed(nn.Embed):
-  """flax's Embed, whose lookup reads the table whole along 'embed' (split over 'vocab' only).
+  """flax's Embed, with a lookup that suits a table split along 'embed' (FSDP).
 
-  Under FSDP the table is split along 'embed' while the looked-up rows are split by batch:
-  without this, the lookup's gradient (a scatter into the table) needs them resharded from
-  batch to 'embed', which XLA's partitioner can only do by gathering every row to every device
-  ("Involuntary full rematerialization", found compiling for 8 H100s). Read whole, the table is
-  gathered once, as the tied output softmax gathers it anyway, and its gradient is reduced and
-  scattered like every other FSDP weight's. It is cast to the compute dtype before it is
-  gathered (left to itself, XLA gathers the float32 table and casts inside the lookup: twice
-  the bytes over the links). Values are unchanged.
+  Under FSDP the table is split along 'embed' while the looked-up rows are split by batch.
+  Where the mesh axes of 'embed' also split the batch and 'vocab' is not split, each device
+  looks up, in its own columns of the table, the tokens of every device it shares columns
+  with (their ids gathered: a few KB), and an all-to-all hands each device its own rows
+  whole (`_lookup_by_columns`): a [tokens, d_model] exchange instead of gathering the whole
+  [vocab, d_model] table before the first layer, and in the backward pass the rows' gradients
+  come back the same way and are added into the device's own columns, so the lookups leave no
+  dense [vocab, d_model] gradient to reduce after the last layer. The tied output softmax
+  still gathers the table, where its product needs it.
+
+  Elsewhere (no mesh, a batch the axes do not divide, 'vocab' split) the lookup reads the
+  table whole along 'embed' and XLA gathers it (left to split it, XLA's partitioner gathers
+  every row to every device for the gradient's scatter: "Involuntary full rematerialization",
+  found compiling for 8 H100s). Either way the table is cast to the compute dtype first
+  (half the bytes over the links) and the values are the same.
   """
 
   def __call__(self, inputs: Array) -> Array:
     table_VE = nn.with_logical_constraint(jnp.asarray(self.embedding, self.dtype),
                                           ('vocab', 'embed'))
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty:
+      vocab_axes, embed_axes = nn.logical_to_mesh_axes(('vocab', 'embed'))
+      batch_axes = nn.logical_to_mesh_axes(('batch',))[0]
+      split = _mesh_axes(embed_axes, mesh)
+      batch = _mesh_axes(batch_axes, mesh)
+      rows = inputs.shape[0] if inputs.ndim else 1
+      if (split and not _mesh_axes(vocab_axes, mesh) and set(split) <= set(batch)
+          and rows % _size(batch, mesh) == 0 and self.features % _size(split, mesh) == 0):
+        return _lookup_by_columns(table_VE, inputs, split, batch)
     table_VE = nn.with_logical_constraint(table_VE, ('vocab', None))
     return jnp.take(table_VE, inputs, axis=0)
+
+
+def _mesh_axes(axes, mesh) -> tuple[str, ...]:
+  """The mesh axes of a logical axis (None, a name or several) that are larger than 1."""
+  names = (axes,) if isinstance(axes, str) else tuple(axes or ())
+  return tuple(name for name in names if mesh.shape[name] > 1)
+
+
+def _size(axes: tuple[str, ...], mesh) -> int:
+  size = 1
+  for name in axes:
+    size *= mesh.shape[name]
+  return size
+
+
+def _lookup_by_columns(table_VE: Array, ids_B: Array, split: tuple[str, ...],
+                       batch: tuple[str, ...]) -> Array:
+  """Rows of `table_VE` (its columns split over mesh axes `split`) for `ids_B` (its first axis
+  split over `batch`, which includes `split`), as described in Embed."""
+  rest = (None,) * (ids_B.ndim - 1)
+
+  def on_device(table_Ve, ids_b):
+    ids_n = jax.lax.all_gather(ids_b, split, axis=0, tiled=True)  # The column sharers' ids.
+    rows_nLe = jnp.take(table_Ve, ids_n, axis=0)
+    sharers = rows_nLe.shape[0] // ids_b.shape[0]
+    # Exchanged along the major axis, so XLA keeps the rows' usual layout: [sharer, b, L, e]
+    # in, [the sharer whose columns, b, L, e] out, then the columns side by side.
+    rows_SbLe = jax.lax.all_to_all(rows_nLe.reshape((sharers,) + ids_b.shape + (-1,)), split,
+                                   0, 0, tiled=True)
+    return jnp.moveaxis(rows_SbLe, 0, -2).reshape(ids_b.shape + (-1,))
+
+  return jax.shard_map(on_device, in_specs=(P(None, split), P(batch, *rest)),
+                       out_specs=P(batch, *rest, None))(table_VE, ids_B)
 
 
 def _embedding(cfg: TransformerConfig, name: str) -> nn.Embed:
