@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from t2t_jax.model import attention
 from t2t_jax.model import model_config
 from t2t_jax.model import transformer as model_lib
 
@@ -185,7 +186,6 @@ def test_queries_are_scaled_through_the_kernel_as_the_product_would_be(d_model, 
   """attention._queries scales the [E, H, D] kernel by 1/sqrt(D) instead of the product where
   that is a power of two (D = 16 here, 64 in the paper's models): bit for bit the scaled
   product. Elsewhere (D = 8) it scales the product, also bit for bit."""
-  from t2t_jax.model import attention  # pylint: disable=g-import-not-at-top
   config = dataclasses.replace(CONFIG, d_model=d_model, num_heads=heads, dtype=dtype)
   module = attention.CrossAttention(config)
   x = jax.random.normal(jax.random.PRNGKey(0), (2, 5, d_model))

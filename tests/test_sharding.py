@@ -2,14 +2,17 @@
 
 import re
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
 import numpy as np
 import pytest
 
 from conftest import GRADIENT_NOISE, assert_adam_runs_agree
 from t2t_jax import sharding
 from t2t_jax.data import pipeline as data
+from t2t_jax.model import transformer
 from t2t_jax.training import train
 
 STEPS = 4
@@ -209,9 +212,6 @@ def test_embedding_lookup_by_columns_equals_the_whole_table_lookup(config, mesh_
   batch (and 'vocab' is whole), each device looks up its columns for its column sharers' tokens
   and an all-to-all hands the rows over (no gather of the [vocab, width] table); elsewhere the
   table is read whole. Rows and the table's gradient equal the meshless lookup's."""
-  import flax.linen as nn  # pylint: disable=g-import-not-at-top
-  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
-  from t2t_jax.model import transformer  # pylint: disable=g-import-not-at-top
   vocab, width, rows, length = 54, 32, 16, 6
   embed = transformer.Embed(vocab, width, dtype=jnp.float32, embedding_init=(
       nn.with_logical_partitioning(nn.initializers.normal(1.0), ('vocab', 'embed'))))

@@ -114,7 +114,7 @@ class _Attention(nn.Module):
     shape = (cfg.d_model, cfg.num_heads, cfg.d_model // cfg.num_heads)
     kernel_EHD = self._kernel(name, shape, ('embed', 'heads', 'kv'), 0, (1, 2))
     if scale != 1.0:
-      kernel_EHD = kernel_EHD * jnp.asarray(scale, kernel_EHD.dtype)
+      kernel_EHD = kernel_EHD * scale  # A Python float: the kernel keeps its dtype.
     return jnp.einsum(f'BKE,EHD->{layout}', y_BKE.astype(cfg.dtype), kernel_EHD)
 
   def _queries(self, x_BQE: Array) -> Array:

@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from t2t_jax import PAD_ID
 from t2t_jax.model import moe
+from t2t_jax.model import pallas_attention
 from t2t_jax.model.attention import attention_mask, self_attention_mask
 from t2t_jax.model.attention import CrossAttention, SelfAttention, SelfMask, attention_kinds
 from t2t_jax.model.model_config import REMAT_POLICIES, TransformerConfig
@@ -215,9 +216,9 @@ class Embed(nn.Embed):
       batch_axes = nn.logical_to_mesh_axes(('batch',))[0]
       split = _mesh_axes(embed_axes, mesh)
       batch = _mesh_axes(batch_axes, mesh)
-      rows = inputs.shape[0] if inputs.ndim else 1
       if (split and not _mesh_axes(vocab_axes, mesh) and set(split) <= set(batch)
-          and rows % _size(batch, mesh) == 0 and self.features % _size(split, mesh) == 0):
+          and inputs.ndim and pallas_attention.dividing(batch, inputs.shape[0], mesh)
+          and pallas_attention.dividing(split, self.features, mesh)):
         return _lookup_by_columns(table_VE, inputs, split, batch)
     table_VE = nn.with_logical_constraint(table_VE, ('vocab', None))
     return jnp.take(table_VE, inputs, axis=0)
@@ -227,13 +228,6 @@ def _mesh_axes(axes, mesh) -> tuple[str, ...]:
   """The mesh axes of a logical axis (None, a name or several) that are larger than 1."""
   names = (axes,) if isinstance(axes, str) else tuple(axes or ())
   return tuple(name for name in names if mesh.shape[name] > 1)
-
-
-def _size(axes: tuple[str, ...], mesh) -> int:
-  size = 1
-  for name in axes:
-    size *= mesh.shape[name]
-  return size
 
 
 def _lookup_by_columns(table_VE: Array, ids_B: Array, split: tuple[str, ...],
