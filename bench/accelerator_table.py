@@ -17,10 +17,10 @@ Parts (--parts), each printing one JSON line per result and appending it to --ou
   pallas      big on tpu:v5e-8 at the table's best mesh, with einsum and with Pallas splash
               attention (attention dropout 0 in both): what the kernel changes in the
               prediction and in memory.
-  recheck     each table row of --out (of --configs and --targets) compiled again at its
-              winning mesh with this code (its eval step and search too), as a new row naming
-              the search's commit: after a change to the cost model or a chip's figures, the
-              table without a new search.
+  recheck     each table row of --rows (default --out; of --configs and --targets) compiled
+              again at its winning mesh with this code (its eval step and search too), as a
+              new row of --out naming the search's commit: after a change to the cost model,
+              a chip's figures or the code, the table without a new search.
 
 Every line carries the matmul rate of this CPU, measured at the start, beside the compile
 seconds: they are this machine's, on its day.
@@ -78,8 +78,8 @@ def table_part(configs, target_names, base_record, out) -> None:
       _emit(record, out)
 
 
-def recheck_part(configs, target_names, base_record, out) -> None:
-  rows = [json.loads(line) for line in open(out) if '"part": "table"' in line]
+def recheck_part(configs, target_names, base_record, out, rows_from) -> None:
+  rows = [json.loads(line) for line in open(rows_from or out) if '"part": "table"' in line]
   latest = {(row['config'], row['target']): row for row in rows if 'mesh' in row
             and row['config'] in configs and row['target'] in target_names}
   for (name, target), row in latest.items():
@@ -177,6 +177,8 @@ def main():
   parser.add_argument('--configs', default='base,big')
   parser.add_argument('--out', default=f'bench/results/accelerator_table_cpu_'
                       f'{datetime.date.today().isoformat()}.jsonl')
+  parser.add_argument('--rows', default='', help='recheck: the searched rows to compile again '
+                      '(a results file; default --out). The new rows go to --out.')
   parser.add_argument('--markdown', default='', help='Print the table of this results file.')
   args = parser.parse_args()
   if args.markdown:
@@ -194,7 +196,8 @@ def main():
   if 'h100_point' in parts:
     h100_point_part(base_record, args.out)
   if 'recheck' in parts:
-    recheck_part(args.configs.split(','), args.targets.split(','), base_record, args.out)
+    recheck_part(args.configs.split(','), args.targets.split(','), base_record, args.out,
+                 args.rows)
   if 'pallas' in parts:
     best = [json.loads(line) for line in open(args.out) if '"part": "table"' in line
             and '"config": "big"' in line and '"target": "tpu:v5e-8"' in line]
