@@ -298,15 +298,24 @@ def search_compiler_options(platform: str | None = None) -> dict:
   return {'xla_cpu_copy_insertion_use_region_analysis': True}
 
 
-def train_compiler_options(mesh_config, platform: str) -> dict:
+def train_compiler_options(mesh_config, platform: str, scatter_devices: int = 1) -> dict:
   """The XLA options the train step compiles with on `platform` ('gpu', 'tpu', 'cpu'): on
-  GPUs, the combine thresholds of config.mesh.collective_combine_bytes (when above 0) for
-  reduce-scatters, all-gathers and all-reduces; elsewhere none."""
+  GPUs, the combine thresholds of config.mesh.collective_combine_bytes (when above 0);
+  elsewhere none.
+
+  The setting caps the bytes of whole arrays one combined collective carries: the gradients
+  going into a reduce-scatter, the weights coming out of an all-gather, the arrays of an
+  all-reduce. XLA measures each kind by its result, which for a reduce-scatter is the
+  scattered share, so its threshold is the cap over `scatter_devices` (the devices a gradient
+  is scattered across: the mesh's 'fsdp' axis); passed as it is, it let one reduce-scatter
+  take that many times more gradients than an all-gather takes weights.
+  """
   size = int(mesh_config.get('collective_combine_bytes', 0))
   if platform != 'gpu' or size <= 0:
     return {}
-  return {f'xla_gpu_{kind}_combine_threshold_bytes': size
-          for kind in ('reduce_scatter', 'all_gather', 'all_reduce')}
+  return {'xla_gpu_reduce_scatter_combine_threshold_bytes': max(1, size // scatter_devices),
+          'xla_gpu_all_gather_combine_threshold_bytes': size,
+          'xla_gpu_all_reduce_combine_threshold_bytes': size}
 
 
 _IN_JIT_SEARCH = contextvars.ContextVar('t2t_jax_in_jit_search', default=False)

@@ -229,13 +229,33 @@ def _collective_shapes(hlo: str, kind: str) -> list[str]:
   return found
 
 
+_BYTES = {'bf16': 2, 'f16': 2, 'f32': 4, 's32': 4, 'u32': 4, 'pred': 1}
+
+
+def _array_bytes(shape: str) -> list[int]:
+  """The bytes of each array in a printed HLO shape, in order."""
+  return [_BYTES[dtype] * math.prod(int(d) for d in dims.split(',') if d)
+          for dtype, dims in re.findall(r'\b(bf16|f16|f32|s32|u32|pred)\[([\d,]*)\]', shape)]
+
+
+def _combined_bytes(shape: str, kind: str) -> tuple[int, int]:
+  """(arrays, bytes of the whole arrays) of one started or sync collective's printed shape:
+  a reduce-scatter's operands (the gradients before scattering), an all-gather's results."""
+  sizes = _array_bytes(shape)
+  half = len(sizes) // 2  # Operands, then results, in a start's shape.
+  whole = sizes[:half] if kind == 'reduce-scatter' else sizes[half:]
+  return len(whole), sum(whole)
+
+
 @pytest.mark.slow
 def test_fsdp_on_gpus_gathers_the_embedding_in_bfloat16_and_combines_as_asked(
     cuda_compiler, tiny_config, no_persistent_cache):
   """FSDP over 8 H100s: the [vocab, d_model] table crosses the links in bfloat16 (XLA gathered
   it in float32 and cast it inside the lookup until model.Embed cast it where it is split),
-  and mesh.collective_combine_bytes caps XLA's combined reduce-scatters, so there are more,
-  smaller ones that the roofline can run beside the backward's kernels."""
+  and mesh.collective_combine_bytes caps the whole arrays each combined collective carries:
+  the gradients into a reduce-scatter (XLA counts its scattered result, 1/8 of them) and the
+  weights out of an all-gather, so there are more, smaller ones that the roofline can run
+  beside the backward's kernels."""
   del cuda_compiler, no_persistent_cache
   config = tiny_config
   config.model.dtype, config.mesh.shape = 'bfloat16', (1, 8, 1)
@@ -246,11 +266,17 @@ def test_fsdp_on_gpus_gathers_the_embedding_in_bfloat16_and_combines_as_asked(
   dtypes = {found.group(1) for shape in _collective_shapes(hlo_default, 'all-gather')
             for found in table.finditer(shape)}
   assert dtypes == {'bf16'}, dtypes
-  config.mesh.collective_combine_bytes = 4096
+  cap = 3 * 128 * 256 * 2  # Three of the feed-forward's [128, 256] bfloat16 gradients.
+  config.mesh.collective_combine_bytes = cap
   hlo_small, _, _ = _train_step_hlo(config, 'einsum', 'gpu:h100x8')
   combined = len(_collective_shapes(hlo_default, 'reduce-scatter'))
   capped = len(_collective_shapes(hlo_small, 'reduce-scatter'))
   assert capped > combined >= 1, (capped, combined)
+  for kind in ('reduce-scatter', 'all-gather'):
+    carried = [_combined_bytes(shape, kind) for shape in _collective_shapes(hlo_small, kind)]
+    # An array over the cap goes alone; combined ones stay within it, and some do combine.
+    assert all(size <= cap for arrays, size in carried if arrays > 1), (kind, carried)
+    assert any(arrays > 1 for arrays, _ in carried), (kind, carried)
   target = targets.parse('gpu:h100x8')
   for hlo in (hlo_default, hlo_small):
     prediction = roofline.predict(hlo_cost.analyse(hlo, 8), target, [0] * 8)

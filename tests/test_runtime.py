@@ -274,13 +274,17 @@ def test_a_search_traced_without_jit_search_warns_once_on_cpu(caplog):
 
 def test_collective_combine_bytes_become_gpu_compiler_options_xla_knows():
   """mesh.collective_combine_bytes gives the train step three XLA options on GPUs only, none
-  at 0; XLA (whose CPU build parses GPU options too) accepts them: an unknown one raises."""
+  at 0, the reduce-scatters' over the devices a gradient is scattered across (XLA counts a
+  reduce-scatter by its scattered result); XLA (whose CPU build parses GPU options too)
+  accepts them: an unknown one raises."""
   import ml_collections  # pylint: disable=g-import-not-at-top
   mesh = ml_collections.ConfigDict({'collective_combine_bytes': 8 << 20})
-  options = runtime.train_compiler_options(mesh, 'gpu')
-  assert options == {'xla_gpu_reduce_scatter_combine_threshold_bytes': 8 << 20,
+  options = runtime.train_compiler_options(mesh, 'gpu', scatter_devices=8)
+  assert options == {'xla_gpu_reduce_scatter_combine_threshold_bytes': 1 << 20,
                      'xla_gpu_all_gather_combine_threshold_bytes': 8 << 20,
                      'xla_gpu_all_reduce_combine_threshold_bytes': 8 << 20}
+  assert runtime.train_compiler_options(mesh, 'gpu')[
+      'xla_gpu_reduce_scatter_combine_threshold_bytes'] == 8 << 20  # No FSDP: nothing split.
   assert runtime.train_compiler_options(mesh, 'tpu') == {}
   assert runtime.train_compiler_options(mesh, 'cpu') == {}
   assert runtime.train_compiler_options(ml_collections.ConfigDict(

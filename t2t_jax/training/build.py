@@ -92,7 +92,8 @@ def build(config, vocab_size: int, mesh=None, objective: Callable | None = None)
                       in_shardings=(shardings, batch_sharding, replicated),
                       out_shardings=(shardings, replicated), donate_argnums=0,
                       compiler_options=runtime.train_compiler_options(
-                          config.mesh, mesh.devices.flat[0].platform) or None)
+                          config.mesh, mesh.devices.flat[0].platform,
+                          scatter_devices=mesh.shape['fsdp']) or None)
   jit_eval = jax.jit(
       functools.partial(step.eval_step, model=make_model(dataclasses.replace(
           model_config, deterministic=True)), label_smoothing=config.opt.label_smoothing,
