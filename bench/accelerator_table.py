@@ -20,7 +20,9 @@ Parts (--parts), each printing one JSON line per result and appending it to --ou
   recheck     each table row of --rows (default --out; of --configs and --targets) compiled
               again at its winning mesh with this code (its eval step and search too), as a
               new row of --out naming the search's commit: after a change to the cost model,
-              a chip's figures or the code, the table without a new search.
+              a chip's figures or the code, the table without a new search. With
+              --override KEY=VALUE (repeatable) each row's config changes so, and the row
+              names it (the GPU rows with flash attention and the fused loss, say).
 
 Every line carries the matmul rate of this CPU, measured at the start, beside the compile
 seconds: they are this machine's, on its day.
@@ -78,16 +80,19 @@ def table_part(configs, target_names, base_record, out) -> None:
       _emit(record, out)
 
 
-def recheck_part(configs, target_names, base_record, out, rows_from) -> None:
+def recheck_part(configs, target_names, base_record, out, rows_from, overrides=()) -> None:
   rows = [json.loads(line) for line in open(rows_from or out) if '"part": "table"' in line]
   latest = {(row['config'], row['target']): row for row in rows if 'mesh' in row
-            and row['config'] in configs and row['target'] in target_names}
+            and not row.get('overrides') and row['config'] in configs
+            and row['target'] in target_names}
   for (name, target), row in latest.items():
     config = _config(name, **{'mesh.shape': tuple(row['mesh']) + (1,),
                               'model.scan_layers': row['scan_layers'],
                               'model.remat': row['remat']})
+    for override in overrides:
+      common.apply_override(config, override)
     result = dry_run.dry_run(config, target)
-    _emit({**row, **base_record, **_winner_fields(name, result),
+    _emit({**row, **base_record, **_winner_fields(name, result), 'overrides': list(overrides),
            'search_commit': row.get('search_commit', row['commit'])}, out)
 
 
@@ -141,12 +146,14 @@ def _order(target: str) -> int:
 
 def markdown(path: str) -> str:
   """The table of docs/results/accelerators.md from a results file."""
-  latest = {}  # The last row of each model and target (a recheck replaces its search's row).
+  latest = {}  # The last row of each model, target and overrides (a recheck replaces its
+  # search's row).
   for line in open(path):
     if '"part": "table"' in line:
       row = json.loads(line)
-      latest[(row['config'], row['target'])] = row
-  rows = sorted(latest.values(), key=lambda row: (row['config'], _order(row['target'])))
+      latest[(row['config'], row['target'], tuple(row.get('overrides', ())))] = row
+  rows = sorted(latest.values(), key=lambda row: (row['config'], _order(row['target']),
+                                                  len(row.get('overrides', ()))))
   lines = ['| model | target | best mesh (data, fsdp, tensor) | scan, remat | memory per device '
            '(of usable) | predicted step | target tokens/s | MFU | bound | paper schedule '
            '(predicted) | compiled at (searched at) |', '|' + '---|' * 11]
@@ -157,8 +164,9 @@ def markdown(path: str) -> str:
       continue
     searched = row.get('search_commit', row['commit'])
     gib = lambda n: f'{n / 2**30:.1f}'
+    settings = ''.join(f'<br>`{o}`' for o in row.get('overrides', ()))
     lines.append(
-        f'| {row["config"]} | {row["target"]} | {tuple(row["mesh"])} | '
+        f'| {row["config"]}{settings} | {row["target"]} | {tuple(row["mesh"])} | '
         f'{"scan" if row["scan_layers"] else "unrolled"}, {row["remat"]} | '
         f'{gib(row["needs_bytes"])} of {gib(row["usable_memory_bytes"])} GiB | '
         f'{1e3 * row["step_seconds"]:.0f} ms | {row["target_tokens_per_second"]:,} | '
@@ -179,6 +187,9 @@ def main():
                       f'{datetime.date.today().isoformat()}.jsonl')
   parser.add_argument('--rows', default='', help='recheck: the searched rows to compile again '
                       '(a results file; default --out). The new rows go to --out.')
+  parser.add_argument('--override', action='append', default=[],
+                      help='recheck: KEY=VALUE set on each row\'s config (repeatable); the '
+                      'rows name them and the table shows them beside the model.')
   parser.add_argument('--markdown', default='', help='Print the table of this results file.')
   args = parser.parse_args()
   if args.markdown:
@@ -197,7 +208,7 @@ def main():
     h100_point_part(base_record, args.out)
   if 'recheck' in parts:
     recheck_part(args.configs.split(','), args.targets.split(','), base_record, args.out,
-                 args.rows)
+                 args.rows, args.override)
   if 'pallas' in parts:
     best = [json.loads(line) for line in open(args.out) if '"part": "table"' in line
             and '"config": "big"' in line and '"target": "tpu:v5e-8"' in line]
