@@ -169,7 +169,7 @@ def markdown(path: str) -> str:
         f'| {row["config"]}{settings} | {row["target"]} | {tuple(row["mesh"])} | '
         f'{"scan" if row["scan_layers"] else "unrolled"}, {row["remat"]} | '
         f'{gib(row["needs_bytes"])} of {gib(row["usable_memory_bytes"])} GiB | '
-        f'{1e3 * row["step_seconds"]:.0f} ms | {row["target_tokens_per_second"]:,} | '
+        f'{1e3 * row["step_seconds"]:.3g} ms | {row["target_tokens_per_second"]:,} | '
         f'{100 * row["mfu"]:.0f}% | {row["bound"]} | {row["paper_steps"] // 1000}k steps: '
         f'{row["predicted_schedule_hours"]:.1f} h (paper: {row["paper_schedule_hours"]:.0f} h '
         f'on 8 P100) | {row["commit"]}' + (f' ({searched})' if searched != row['commit'] else '')
