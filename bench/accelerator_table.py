@@ -146,8 +146,8 @@ def _order(target: str) -> int:
 
 def markdown(path: str) -> str:
   """The table of docs/results/accelerators.md from a results file."""
-  latest = {}  # The last row of each model, target and overrides (a recheck replaces its
-  # search's row).
+  # The last row of each model, target and overrides: a recheck replaces its search's row.
+  latest = {}
   for line in open(path):
     if '"part": "table"' in line:
       row = json.loads(line)

@@ -307,8 +307,7 @@ def train_compiler_options(mesh_config, platform: str, scatter_devices: int = 1)
   going into a reduce-scatter, the weights coming out of an all-gather, the arrays of an
   all-reduce. XLA measures each kind by its result, which for a reduce-scatter is the
   scattered share, so its threshold is the cap over `scatter_devices` (the devices a gradient
-  is scattered across: the mesh's 'fsdp' axis); passed as it is, it let one reduce-scatter
-  take that many times more gradients than an all-gather takes weights.
+  is scattered across: the mesh's 'fsdp' axis).
   """
   size = int(mesh_config.get('collective_combine_bytes', 0))
   if platform != 'gpu' or size <= 0:

@@ -24,6 +24,7 @@ from t2t_jax import ConfigError
 from t2t_jax import sharding
 from t2t_jax.compile import dry_run as dry_run_lib
 from t2t_jax.compile import hlo_cost
+from t2t_jax.compile import hlo_text
 from t2t_jax.compile import mesh_choice
 from t2t_jax.compile import roofline
 from t2t_jax.compile import targets
@@ -229,22 +230,13 @@ def _collective_shapes(hlo: str, kind: str) -> list[str]:
   return found
 
 
-_BYTES = {'bf16': 2, 'f16': 2, 'f32': 4, 's32': 4, 'u32': 4, 'pred': 1}
-
-
-def _array_bytes(shape: str) -> list[int]:
-  """The bytes of each array in a printed HLO shape, in order."""
-  return [_BYTES[dtype] * math.prod(int(d) for d in dims.split(',') if d)
-          for dtype, dims in re.findall(r'\b(bf16|f16|f32|s32|u32|pred)\[([\d,]*)\]', shape)]
-
-
 def _combined_bytes(shape: str, kind: str) -> tuple[int, int]:
-  """(arrays, bytes of the whole arrays) of one started or sync collective's printed shape:
-  a reduce-scatter's operands (the gradients before scattering), an all-gather's results."""
-  sizes = _array_bytes(shape)
-  half = len(sizes) // 2  # Operands, then results, in a start's shape.
-  whole = sizes[:half] if kind == 'reduce-scatter' else sizes[half:]
-  return len(whole), sum(whole)
+  """(arrays, bytes of the whole arrays) of one started collective's printed shape, which is
+  (operands, results): a reduce-scatter's operands (the gradients before scattering), an
+  all-gather's results (the gathered weights)."""
+  operands, results = hlo_text.tuple_elements(shape)[:2]
+  whole = operands if kind == 'reduce-scatter' else results
+  return len(hlo_text.tuple_elements(whole)), hlo_text.total_bytes(whole)
 
 
 @pytest.mark.slow
