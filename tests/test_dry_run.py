@@ -482,6 +482,30 @@ def test_splash_attention_compiles_for_a_tpu_inside_the_train_step(libtpu, tiny_
   assert splash == 3 * 18 * (rows // 8) * heads * padded * padded * head_dim
 
 
+@pytest.mark.slow
+def test_flash_attention_compiles_for_a_tpu_inside_the_train_step(libtpu, tiny_config,
+                                                                   no_persistent_cache):
+  """t2t_jax's flash kernels with attention dropout, compiled by Mosaic for a v5e slice (not
+  interpreted; flash_attention_tpu.py): forward, dq and dkv for each of the three attention
+  layers, counted as 2 + 3 + 4 matmuls of B Q K H D on each device's rows, the lengths padded
+  to the kernels' 128-wide blocks; no [B, H, Q, K] array left in the program."""
+  del libtpu, no_persistent_cache
+  config = tiny_config
+  config.model.dtype, config.model.attention_dropout = 'bfloat16', 0.1
+  hlo, rows, length = _train_step_hlo(config, 'flash', 'tpu:v5e-8')
+  for kernel in ('t2t_flash_fwd', 't2t_flash_dq', 't2t_flash_dkv'):
+    assert len([line for line in hlo.splitlines()
+                if kernel in line.split(' = ')[0] and 'tpu_custom_call' in line]) == 3, kernel
+  cost = hlo_cost.analyse(hlo, 8)
+  flash = sum(k.flops * k.count for k in cost.kernels if 't2t_flash' in k.name)
+  padded = 128
+  assert flash == 3 * 2 * (2 + 3 + 4) * (rows // 8) * padded * padded * config.model.d_model
+  heads = config.model.num_heads
+  scores = re.compile(rf'\[{rows // 8},{heads},{length},{length}\]|'
+                      rf'\[{rows // 8},{heads},{padded},{padded}\]')
+  assert not [line for line in hlo.splitlines() if scores.search(line.split(' = ')[-1][:80])]
+
+
 @pytest.mark.parametrize('devices, heads, slices, expected', [
     (4, 2, 1, [(4, 1, 1), (2, 2, 1), (1, 4, 1), (2, 1, 2), (1, 2, 2)]),
     (8, 16, 2, [(8, 1, 1), (4, 2, 1), (2, 4, 1), (4, 1, 2), (2, 2, 2), (2, 1, 4)]),

@@ -1,4 +1,5 @@
-"""The flash kernels' dropout (t2t_jax/model/flash_attention.py): against the explicit
+"""The flash kernels' dropout (t2t_jax/model/flash_attention.py, its GPU kernels and
+flash_attention_tpu.py's TPU ones, both in the Pallas interpreter): against the explicit
 softmax(q k^T) v with the same masks, the masks' statistics, their independence of the mesh,
 and the model with attention_impl='flash'. Without dropout the kernels are checked against
 the einsum path beside splash attention, in test_pallas_attention.py."""
@@ -17,6 +18,8 @@ from t2t_jax import ConfigError
 from t2t_jax import sharding
 from t2t_jax.model import attention
 from t2t_jax.model import flash_attention
+from t2t_jax.model import flash_attention_tpu
+from t2t_jax.model import flash_masks
 from t2t_jax.model import model_config
 from t2t_jax.model import pallas_attention
 from t2t_jax.model.decoder_only import make_model
@@ -31,7 +34,7 @@ GRADIENT_TOLERANCE = 5e-5
 def _explicit(q_BQHD, k_BKHD, v_BKHD, mask_B1QK, keep_BHQK, rate):
   """softmax(q k^T) v in float32 with the weights dropped where keep_BHQK is False."""
   logits_BHQK = jnp.einsum('BQHD,BKHD->BHQK', q_BQHD, k_BKHD)
-  logits_BHQK = jnp.where(mask_B1QK, logits_BHQK, flash_attention.MASKED)
+  logits_BHQK = jnp.where(mask_B1QK, logits_BHQK, flash_masks.MASKED)
   weights_BHQK = jax.nn.softmax(logits_BHQK, axis=-1)
   dropped_BHQK = jnp.where(keep_BHQK, weights_BHQK / (1.0 - rate), 0.0)
   return jnp.einsum('BHQK,BKHD->BQHD', dropped_BHQK, v_BKHD)
@@ -43,12 +46,17 @@ def _outputs_and_grads(attend, q, k, v):
   return attend(q, k, v), jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
 
 
-def _kernel_keys(keys: int) -> int:
+def _kernel_keys(keys: int, kernels: str) -> int:
   """The key length the kernels pad to (their masks' counter stride): whole blocks."""
-  block = flash_attention._block(keys, 64)  # pylint: disable=protected-access
+  block = (flash_attention_tpu.block(keys) if kernels == 'mosaic'
+           else flash_attention._block(keys, 64))  # pylint: disable=protected-access
   return -(-keys // block) * block
 
 
+KERNELS = ('triton', 'mosaic')  # The GPU kernels and the TPU ones, in the interpreter here.
+
+
+@pytest.mark.parametrize('kernels', KERNELS)
 @pytest.mark.parametrize('causal, queries, keys, rate, seed', [
     (True, 40, 40, 0.1, 1234),           # The decoder's self-attention, one partial block.
     (True, 100, 100, 0.2, 3_000_000_000),  # Two blocks each way; a seed above 2^31.
@@ -56,7 +64,7 @@ def _kernel_keys(keys: int) -> int:
     (False, 70, 70, 0.5, 77),
 ])
 def test_dropout_equals_the_explicit_path_with_the_same_masks(causal, queries, keys, rate,
-                                                              seed):
+                                                              seed, kernels):
   """Outputs and gradients as softmax(q k^T) v with the weights that reference_keep drops
   dropped, over right-padded rows. (A row without real keys sees its padding keys here and
   none on the einsum path, an unused output: test_pallas_attention.py leaves it out too.)"""
@@ -70,17 +78,17 @@ def test_dropout_equals_the_explicit_path_with_the_same_masks(causal, queries, k
   else:
     mask_B1QK = attention.attention_mask(valid_BK)
     rows = pallas_attention.cross_rows(mask_B1QK, queries)
-  keep_BHQK = flash_attention.reference_keep(seed, batch, heads, queries, _kernel_keys(keys),
-                                             rate)[..., :keys]
-  kernel = lambda q, k, v: flash_attention.flash_attention(q, k, v, rows, rate,
-                                                           jnp.uint32(seed))
+  keep_BHQK = flash_masks.reference_keep(seed, batch, heads, queries,
+                                         _kernel_keys(keys, kernels), rate)[..., :keys]
+  kernel = lambda q, k, v, seed=seed: flash_attention.flash_attention(
+      q, k, v, rows, rate, jnp.uint32(seed), kernels=kernels)
   explicit = lambda q, k, v: _explicit(q, k, v, mask_B1QK, keep_BHQK, rate)
   actual = quick_jit(functools.partial(_outputs_and_grads, kernel))(q, k, v)
   expected = quick_jit(functools.partial(_outputs_and_grads, explicit))(q, k, v)
   assert_close_to_scale(actual[0], expected[0], OUTPUT_TOLERANCE)
   assert_close_to_scale(actual[1], expected[1], GRADIENT_TOLERANCE)
   # Another seed draws other masks: the outputs move by far more than the tolerance.
-  other = flash_attention.flash_attention(q, k, v, rows, rate, jnp.uint32(seed + 1))
+  other = kernel(q, k, v, seed=seed + 1)
   assert np.abs(np.asarray(other - actual[0])).max() > 100 * OUTPUT_TOLERANCE
 
 
@@ -89,11 +97,11 @@ def test_the_masks_keep_each_weight_with_probability_one_minus_rate():
   standard deviations of 1 - rate; neighbours along either axis, other heads and other seeds
   uncorrelated (their agreement that of independent draws, p^2 + (1 - p)^2, within 5 sd)."""
   for rate in (0.1, 0.3, 0.5):
-    keep = np.asarray(flash_attention.reference_keep(7, 4, 4, 128, 128, rate))
+    keep = np.asarray(flash_masks.reference_keep(7, 4, 4, 128, 128, rate))
     n, p = keep.size, 1.0 - rate
     assert abs(keep.mean() - p) < 5 * np.sqrt(p * (1 - p) / n), (rate, keep.mean())
     agree = p * p + (1 - p) * (1 - p)
-    other_seed = np.asarray(flash_attention.reference_keep(8, 4, 4, 128, 128, rate))
+    other_seed = np.asarray(flash_masks.reference_keep(8, 4, 4, 128, 128, rate))
     # The seed enters the first round as an xor on the counter: without its second use, seed
     # 8's mask would be seed 7's with the keys permuted by k ^ 15.
     permuted = other_seed[..., np.arange(128) ^ (7 ^ 8)]
@@ -104,7 +112,8 @@ def test_the_masks_keep_each_weight_with_probability_one_minus_rate():
       assert abs((a == b).mean() - agree) < 5 * np.sqrt(agree * (1 - agree) / m), rate
 
 
-def test_the_masks_do_not_depend_on_the_mesh(tiny_config):
+@pytest.mark.parametrize('kernels', KERNELS)
+def test_the_masks_do_not_depend_on_the_mesh(tiny_config, kernels):
   """Each device draws its rows' and heads' masks by their global indices: split 4 ways over
   rows and 2 over heads (2 rows and 2 heads a device), the outputs and gradients are the
   single device's."""
@@ -113,7 +122,8 @@ def test_the_masks_do_not_depend_on_the_mesh(tiny_config):
   q, k, v = attention_inputs(8, 40, 40, 4, 32)
   valid_BL = jnp.arange(40)[None] < jnp.asarray([40, 3, 20, 9, 1, 40, 17, 33])[:, None]
   rows = pallas_attention.self_rows(valid_BL, None, causal=True)
-  attend = lambda q, k, v: flash_attention.flash_attention(q, k, v, rows, 0.3, jnp.uint32(5))
+  attend = lambda q, k, v: flash_attention.flash_attention(q, k, v, rows, 0.3, jnp.uint32(5),
+                                                           kernels=kernels)
   single = _outputs_and_grads(attend, q, k, v)
   with sharding.mesh_context(mesh, sharding.rules(tiny_config.mesh)):
     assert 'shard_map' in str(jax.make_jaxpr(attend)(q, k, v))
@@ -147,13 +157,15 @@ def test_the_model_with_flash_attention_draws_dropout_from_its_key(tiny_config):
   np.testing.assert_allclose(run(evaluate, 1), run(einsum, 1), atol=1e-5)
 
 
-def test_a_query_that_sees_no_key_gets_zero_and_no_gradient():
+@pytest.mark.parametrize('kernels', KERNELS)
+def test_a_query_that_sees_no_key_gets_zero_and_no_gradient(kernels):
   """Packed rows can leave a query with no visible key (its id on no key): output 0, and
   nothing flows back from it into the keys and values."""
   q, k, v = attention_inputs(1, 16, 16, 1, 16)
   rows = pallas_attention.SplashRows(jnp.asarray([[1] * 8 + [-1] * 8], jnp.int32),
                                      jnp.ones((1, 16), jnp.int32), causal=False)
-  attend = lambda q, k, v: flash_attention.flash_attention(q, k, v, rows, 0.2, jnp.uint32(3))
+  attend = lambda q, k, v: flash_attention.flash_attention(q, k, v, rows, 0.2, jnp.uint32(3),
+                                                           kernels=kernels)
   out = attend(q, k, v)
   assert np.all(np.asarray(out[0, 8:]) == 0) and np.all(np.isfinite(np.asarray(out)))
   seen_only = jax.grad(lambda k, v: attend(q, k, v)[0, :8].sum(), argnums=(0, 1))(k, v)
@@ -167,11 +179,27 @@ def test_flash_needs_a_power_of_two_head_size():
       model_config.resolve_attention_impl('flash', jnp.bfloat16, head, 0.1, 'gpu')
 
 
-def test_flash_takes_dropout_on_gpu_and_cpu_and_is_refused_on_tpu():
-  for platform in ('gpu', 'cpu'):
+def test_flash_takes_dropout_on_every_platform():
+  for platform in ('gpu', 'tpu', 'cpu'):
     assert model_config.resolve_attention_impl('flash', jnp.bfloat16, 64, 0.1,
                                                platform) == 'flash'
-  with pytest.raises(ConfigError, match="attention_impl='flash' runs Pallas GPU kernels"):
-    model_config.resolve_attention_impl('flash', jnp.bfloat16, 64, 0.1, 'tpu')
   # 'auto' stays einsum: the default model's attention is unchanged.
-  assert model_config.resolve_attention_impl('auto', jnp.bfloat16, 64, 0.1, 'gpu') == 'einsum'
+  for platform in ('gpu', 'tpu'):
+    assert model_config.resolve_attention_impl('auto', jnp.bfloat16, 64, 0.1,
+                                               platform) == 'einsum'
+
+
+def test_the_gpu_and_tpu_kernels_draw_the_same_masks_at_the_same_padded_length():
+  """At 128 queries and keys neither kernel set pads, so their masks' counters agree: the two
+  give the same outputs and gradients (independently written layouts: [Q, K] blocks against
+  transposed [K, Q] ones)."""
+  q, k, v = attention_inputs(2, 128, 128, 2, 32)
+  valid_BL = jnp.arange(128)[None] < jnp.asarray([128, 70])[:, None]
+  rows = pallas_attention.self_rows(valid_BL, None, causal=True)
+  results = [
+      quick_jit(functools.partial(_outputs_and_grads, lambda q, k, v, kernels=kernels:
+                                  flash_attention.flash_attention(q, k, v, rows, 0.25,
+                                                                  jnp.uint32(9),
+                                                                  kernels=kernels)))(q, k, v)
+      for kernels in KERNELS]
+  assert_close_to_scale(results[1], results[0], GRADIENT_TOLERANCE)

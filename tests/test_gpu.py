@@ -30,6 +30,7 @@ from conftest import assert_cached_decoding_matches_teacher_forcing
 from t2t_jax import runtime
 from t2t_jax import sharding
 from t2t_jax.model import flash_attention
+from t2t_jax.model import flash_masks
 from t2t_jax.model import flops
 from t2t_jax.model import pallas_attention
 from t2t_jax.model import transformer as model_lib
@@ -131,7 +132,7 @@ def test_the_train_step_on_the_gpu_gives_the_cpus_first_loss(gpu_device, tiny_co
 def test_the_flash_kernels_compute_on_the_gpu_what_the_explicit_path_does_on_the_cpu(
     gpu_device):
   """attention_impl='flash' compiled by Triton, with dropout, against softmax(q k^T) v on the
-  CPU in float32 with the same masks (flash_attention.reference_keep): the kernels multiply
+  CPU in float32 with the same masks (flash_masks.reference_keep): the kernels multiply
   float32 blocks at the default precision (TF32 on this GPU), so the bounds above for
   float32 at the default precision: 1e-2 for outputs, 3e-2 for gradients."""
   rng = np.random.default_rng(0)
@@ -149,12 +150,12 @@ def test_the_flash_kernels_compute_on_the_gpu_what_the_explicit_path_does_on_the
   def explicit(q, k, v):
     block = flash_attention._block(length, 64)  # pylint: disable=protected-access
     padded = block * -(-length // block)
-    keep = flash_attention.reference_keep(seed, batch, heads, length, padded,
+    keep = flash_masks.reference_keep(seed, batch, heads, length, padded,
                                           rate)[..., :length]
     causal = np.tril(np.ones((length, length), bool))
     mask = valid[:, None, None, :] & causal
     logits = jnp.einsum('BQHD,BKHD->BHQK', q, k, precision='highest')
-    weights = jax.nn.softmax(jnp.where(mask, logits, flash_attention.MASKED), axis=-1)
+    weights = jax.nn.softmax(jnp.where(mask, logits, flash_masks.MASKED), axis=-1)
     return jnp.einsum('BHQK,BKHD->BQHD', jnp.where(keep, weights / (1 - rate), 0.0), v,
                       precision='highest')
 

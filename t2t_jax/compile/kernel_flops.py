@@ -66,9 +66,10 @@ def _convolution_flops(ins: hlo_text.Instruction, lhs, rhs, out) -> float:
 # Forward: scores and the weighted values. Backward, flash-style, recomputing the scores:
 # splash's dq kernel (scores, dP, dQ) and dkv kernel (scores, dP, dV, dK); cuDNN's backward in
 # one call (scores, dP, dV, dQ, dK); t2t_jax's flash kernels (flash_attention.py) like
-# splash's, in [B, L, H, D]. Causal kernels skip some blocks: counted as full. Each kernel is
-# known by what names it: the instruction (splash), the Triton call's config (flash) or the
-# custom call's target (cuDNN).
+# splash's, in [B, L, H, D] on GPUs and [B, H, L, D] on TPUs (flash_attention_tpu.py). Causal
+# kernels skip some blocks: counted as full. Each kernel is known by what names it: the
+# instruction (splash, flash on TPUs), the Triton call's config (flash on GPUs) or the custom
+# call's target (cuDNN).
 _ATTENTION_MATMULS = (
     ('name', re.compile(r'splash_m[hq]a_fwd'), 2, -2),
     ('name', re.compile(r'splash_m[hq]a_dq'), 3, -2),
@@ -76,6 +77,9 @@ _ATTENTION_MATMULS = (
     ('attributes', re.compile(r'name = \\?"t2t_flash_fwd'), 2, -3),
     ('attributes', re.compile(r'name = \\?"t2t_flash_dq'), 3, -3),
     ('attributes', re.compile(r'name = \\?"t2t_flash_dkv'), 4, -3),
+    ('name', re.compile(r't2t_flash_fwd'), 2, -2),  # The TPU kernels, in [B, H, L, D].
+    ('name', re.compile(r't2t_flash_dq'), 3, -2),
+    ('name', re.compile(r't2t_flash_dkv'), 4, -2),
     ('target', re.compile(r'^__cudnn\$fmha\w*Backward$'), 5, -3),
     ('target', re.compile(r'^__cudnn\$fmha'), 2, -3))
 

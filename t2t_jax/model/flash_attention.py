@@ -6,15 +6,15 @@ dot_product_attention`, splash attention) or take its seed as a compile-time con
 softmax(q k^T) v, whose [B, H, Q, K] scores, weights and masks cross memory forward and
 backward. Here the three kernels (forward; backward for dk and dv; backward for dq) keep those
 arrays in on-chip memory, a block at a time, and draw the dropout masks wherever they need
-them, backward included, instead of storing them: prng.py's hash32 generator over (seed,
-row, head, query, key), a few integer operations per weight. The arithmetic is the explicit
-path's with the masks `keep_mask` draws; they are not the ones flax's nn.Dropout would draw
-from the same key.
+them, backward included, instead of storing them (flash_masks.py: a hash over (seed, row,
+head, query, key), a few integer operations per weight). The arithmetic is the explicit
+path's with those masks; they are not the ones flax's nn.Dropout would draw from the same key.
 
 Which keys a query sees is given as in splash attention (pallas_attention.SplashRows): equal
-ids, and with `causal` no later position. On a GPU the kernels compile through Triton; on a CPU
-they run in the Pallas interpreter (slow, for tests). Shapes in names follow the package legend
-(t2t_jax/__init__.py).
+ids, and with `causal` no later position. The kernels here compile through Triton for GPUs;
+flash_attention_tpu.py has the same ones for TPUs (Mosaic), and `flash_attention` picks by the
+platform. On a CPU either runs in the Pallas interpreter (slow, for tests). Shapes in names
+follow the package legend (t2t_jax/__init__.py).
 """
 
 import functools
@@ -26,42 +26,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pallas_triton
 import jax.numpy as jnp
 
+from t2t_jax.model import flash_attention_tpu
+from t2t_jax.model import flash_masks
 from t2t_jax.model import pallas_attention
-from t2t_jax.model import prng
 
 Array = jax.Array
 
-MASKED = -1e30  # A score no query may see: finite, so the online softmax stays NaN-free.
+MASKED = flash_masks.MASKED
 SCALARS = 4  # seed, first row, first head, unused: a power of two, as Triton loads need.
-
-
-def stream(seed: Array, row: Array, head: Array, heads: int) -> tuple[Array, Array]:
-  """The two uint32 key words of one (row, head): the seed, and the seed and the pair's index
-  mixed (were the second word the pair's alone, two seeds' masks would be permutations of
-  each other: the first word only flips counter bits)."""
-  seed = seed.astype(jnp.uint32)
-  pair = row.astype(jnp.uint32) * jnp.uint32(heads) + head.astype(jnp.uint32)
-  return seed, prng.mix(prng.mix(seed ^ jnp.uint32(0x9E3779B9)) + pair)
-
-
-def keep_mask(key: tuple[Array, Array], queries_QK: Array, keys_QK: Array, stride: int,
-              rate: float) -> Array:
-  """Which weights dropout keeps, for the query and key positions given, under the key words
-  of one (row, head): each is kept with probability 1 - rate, independently of the others.
-  The bits are prng.py's hash32 generator's, in a domain of their own."""
-  counter = queries_QK.astype(jnp.uint32) * jnp.uint32(stride) + keys_QK.astype(jnp.uint32)
-  bits = prng.hash_bits(counter, key, prng.ATTENTION_DROPOUT)
-  return bits >= jnp.uint32(min(round(rate * 2.0**32), 2**32 - 1))
-
-
-def reference_keep(seed: int, rows: int, heads: int, queries: int, keys: int,
-                   rate: float) -> Array:
-  """The [B, H, Q, K] keep mask the kernels draw for `seed` (tests and the explicit check)."""
-  q_QK = lax.broadcasted_iota(jnp.int32, (queries, keys), 0)
-  k_QK = lax.broadcasted_iota(jnp.int32, (queries, keys), 1)
-  def one(row, head):
-    return keep_mask(stream(jnp.uint32(seed), row, head, heads), q_QK, k_QK, keys, rate)
-  return jax.vmap(lambda b: jax.vmap(lambda h: one(b, h))(jnp.arange(heads)))(jnp.arange(rows))
 
 
 class _Settings(NamedTuple):
@@ -94,7 +66,7 @@ def _keep(key, queries, keys, settings: _Settings):
   """The block's dropout mask, or None without dropout."""
   if not settings.rate:
     return None
-  return keep_mask(key, queries, keys, settings.stride, settings.rate)
+  return flash_masks.keep_mask(key, queries, keys, settings.stride, settings.rate)
 
 
 def _dropped(x, keep, settings: _Settings):
@@ -106,7 +78,7 @@ def _dropped(x, keep, settings: _Settings):
 
 def _stream_of(scalars_ref, settings: _Settings):
   seed, row, head = scalars_ref[0], scalars_ref[1], scalars_ref[2]
-  return stream(seed, row + pl.program_id(0), head + pl.program_id(1), settings.heads)
+  return flash_masks.stream(seed, row + pl.program_id(0), head + pl.program_id(1), settings.heads)
 
 
 def _forward_kernel(scalars_ref, q_ref, k_ref, v_ref, query_ids_ref, key_ids_ref, out_ref,
@@ -292,10 +264,12 @@ def _block(length: int, most: int) -> int:
 
 def flash_attention(q_BQHD: Array, k_BKHD: Array, v_BKHD: Array,
                     rows: 'pallas_attention.SplashRows | None', rate: float = 0.0,
-                    seed: Array | None = None) -> Array:
+                    seed: Array | None = None, kernels: str | None = None) -> Array:
   """softmax(q k^T) v [B, Q, H, D] over the keys `rows` lets each query see (None: all), with
   dropout at `rate` on the weights, its masks drawn from `seed` (a uint32 scalar; needed when
-  rate > 0). The queries come scaled.
+  rate > 0). The queries come scaled. `kernels`: 'triton' (this module's, for GPUs) or
+  'mosaic' (flash_attention_tpu.py's, for TPUs); None picks by the platform they will run on.
+  Off their platform they run in the Pallas interpreter (tests).
 
   Under a mesh the kernels run per device (pallas_attention.per_device); each device draws its
   rows' and heads' masks by their global indices, so the masks do not depend on the mesh.
@@ -305,18 +279,26 @@ def flash_attention(q_BQHD: Array, k_BKHD: Array, v_BKHD: Array,
   rows = rows or pallas_attention.every_key(batch, queries, keys)
   if rate and seed is None:
     raise ValueError('flash_attention: dropout (rate > 0) needs a seed')
-  block_q, block_k = _block(queries, 64), _block(keys, 64)
+  platform = pallas_attention.kernel_platform()
+  kernels = kernels or ('mosaic' if platform == 'tpu' else 'triton')
+  if kernels == 'mosaic':
+    block_q, block_k = flash_attention_tpu.block(queries), flash_attention_tpu.block(keys)
+  else:
+    block_q, block_k = _block(queries, 64), _block(keys, 64)
   padded_q, padded_k = -(-queries // block_q) * block_q, -(-keys // block_k) * block_k
   if padded_q * padded_k >= 2**32:  # The masks' uint32 counters would repeat.
     raise ValueError(f'flash_attention: {padded_q} x {padded_k} (padded) queries and keys is '
                      'too many for the dropout masks\' 32-bit counters')
-  settings = _Settings(rows.causal, float(rate), heads, block_q, block_k,
-                       pallas_attention.kernel_platform() == 'cpu', padded_k)
+  interpret = platform != ('tpu' if kernels == 'mosaic' else 'gpu')
+  settings = _Settings(rows.causal, float(rate), heads, block_q, block_k, interpret, padded_k)
   seed = jnp.zeros((), jnp.uint32) if seed is None else seed
   seed_i32 = lax.bitcast_convert_type(jnp.asarray(seed, jnp.uint32), jnp.int32)
 
   def attend(q, k, v, query_ids, key_ids, first_row, first_head):
     scalars = jnp.stack([seed_i32, first_row, first_head, jnp.int32(0)])
+    if kernels == 'mosaic':
+      return flash_attention_tpu.attend(flash_attention_tpu.Settings(*settings), scalars, q, k,
+                                        v, query_ids, key_ids)
     return _flash(settings, scalars, q, k, v, query_ids, key_ids)
 
   padded = pallas_attention.padded_to_blocks(q_BQHD, k_BKHD, v_BKHD, rows.query_ids_BQ,

@@ -126,9 +126,9 @@ def resolve_attention_impl(impl: str, dtype, head_dim: int, attention_dropout: f
   through `jax.nn.dot_product_attention` (cuDNN's fused flash attention on NVIDIA GPUs in
   bfloat16/float16 with head sizes up to 128 in multiples of 8); 'pallas' runs JAX's Pallas
   splash-attention kernel on TPUs (pallas_attention.py), on a CPU in the Pallas interpreter
-  (for tests); 'flash' runs t2t_jax's own Pallas kernels on GPUs (flash_attention.py, Triton),
-  the only fused one with dropout on the weights (its masks drawn by a hash, not by
-  nn.Dropout; head sizes powers of two from 16), on a CPU in the interpreter. The others need
+  (for tests); 'flash' runs t2t_jax's own Pallas kernels (flash_attention.py: Triton on GPUs,
+  Mosaic on TPUs), the only fused one with dropout on the weights (its masks drawn by a hash,
+  not by nn.Dropout; head sizes powers of two from 16), on a CPU in the interpreter. The others need
   config.model.attention_dropout=0. 'xla' runs the same arithmetic as 'einsum' (measured
   equal on CPU), so 'auto' is 'einsum' until cuDNN passes the equality test on a GPU
   (docs/performance.md); it logs why once.
@@ -161,10 +161,6 @@ def resolve_attention_impl(impl: str, dtype, head_dim: int, attention_dropout: f
     raise ConfigError(f"config.model.attention_impl='flash' cannot run: the head size "
                       f'{head_dim} (d_model / num_heads) is not a power of two of at least 16, '
                       "as Triton's blocks must be. Use 'einsum' or 'auto'.")
-  if impl == 'flash' and platform == 'tpu':
-    raise ConfigError("config.model.attention_impl='flash' runs Pallas GPU kernels (Triton), "
-                      "not TPU ones: use 'pallas' (splash attention, no dropout on the "
-                      "weights) or 'einsum' on a tpu platform.")
   if impl in SEGMENT_ID_IMPLS and platform == 'cpu' and not problem:
     _log_once(f"config.model.attention_impl={impl!r} runs its kernels in the Pallas "
               'interpreter on cpu: the same arithmetic, slowly (for tests).')
