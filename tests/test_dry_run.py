@@ -31,6 +31,7 @@ from t2t_jax.compile import targets
 from t2t_jax.data import pipeline as data
 from t2t_jax.model import flash_attention
 from t2t_jax.model import flops
+from t2t_jax.model import pallas_attention
 from t2t_jax.model import transformer as model_lib
 from t2t_jax.training import build as setup_lib
 
@@ -504,6 +505,30 @@ def test_flash_attention_compiles_for_a_tpu_inside_the_train_step(libtpu, tiny_c
   scores = re.compile(rf'\[{rows // 8},{heads},{length},{length}\]|'
                       rf'\[{rows // 8},{heads},{padded},{padded}\]')
   assert not [line for line in hlo.splitlines() if scores.search(line.split(' = ')[-1][:80])]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('length, causal', [(640, True), (1024, False), (200, False)])
+def test_the_tpu_flash_kernels_compile_over_several_blocks(libtpu, no_persistent_cache, length,
+                                                           causal):
+  """Rows of 5 blocks of 128, 2 of 512 and one padded block: the kernels' loops over key and
+  query blocks (dynamic slices along sublanes and lanes) compile through Mosaic for a v5e,
+  forward and backward."""
+  del libtpu, no_persistent_cache
+  mesh = jax.sharding.Mesh(np.array(targets.devices(targets.parse('tpu:v5e-1'))), ('x',))
+  whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+  def loss(q, k, v, valid_BL):
+    rows = pallas_attention.self_rows(valid_BL, None, causal=causal)
+    out = flash_attention.flash_attention(q, k, v, rows, 0.1, jnp.uint32(3))
+    return (out.astype(jnp.float32) ** 2).sum()
+  shapes = [jax.ShapeDtypeStruct((2, length, 4, 64), jnp.bfloat16)] * 3 + [
+      jax.ShapeDtypeStruct((2, length), jnp.bool_)]
+  with jax.set_mesh(mesh):
+    hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2)), in_shardings=(whole,) * 4).lower(
+        *shapes).compile().as_text()
+  assert sum('tpu_custom_call' in line and 't2t_flash' in line.split(' = ')[0]
+             for line in hlo.splitlines()) == 3
 
 
 @pytest.mark.parametrize('devices, heads, slices, expected', [
