@@ -18,7 +18,6 @@ follow the package legend (t2t_jax/__init__.py).
 """
 
 import functools
-from typing import NamedTuple
 
 import jax
 from jax import lax
@@ -36,17 +35,7 @@ MASKED = flash_masks.MASKED
 SCALARS = 4  # seed, first row, first head, unused: a power of two, as Triton loads need.
 
 
-class _Settings(NamedTuple):
-  """What the kernels are compiled for (static): the mask pattern, the dropout rate, the global
-  head count (for the masks' stream keys), the blocks along queries and keys, the Pallas
-  interpreter or not, and the masks' counter stride (the padded key length)."""
-  causal: bool
-  rate: float
-  heads: int
-  block_q: int
-  block_k: int
-  interpret: bool
-  stride: int
+_Settings = flash_masks.Settings  # What the kernels are compiled for.
 
 
 def _scores(q, k, query_ids, key_ids, first_query, first_key, causal):
@@ -297,8 +286,7 @@ def flash_attention(q_BQHD: Array, k_BKHD: Array, v_BKHD: Array,
   def attend(q, k, v, query_ids, key_ids, first_row, first_head):
     scalars = jnp.stack([seed_i32, first_row, first_head, jnp.int32(0)])
     if kernels == 'mosaic':
-      return flash_attention_tpu.attend(flash_attention_tpu.Settings(*settings), scalars, q, k,
-                                        v, query_ids, key_ids)
+      return flash_attention_tpu.attend(settings, scalars, q, k, v, query_ids, key_ids)
     return _flash(settings, scalars, q, k, v, query_ids, key_ids)
 
   padded = pallas_attention.padded_to_blocks(q_BQHD, k_BKHD, v_BKHD, rows.query_ids_BQ,

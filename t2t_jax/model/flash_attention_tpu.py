@@ -12,8 +12,6 @@ interpreter (tests).
 """
 
 import functools
-from typing import NamedTuple
-
 import jax
 from jax import lax
 from jax.experimental import pallas as pl
@@ -26,16 +24,7 @@ Array = jax.Array
 MASKED = flash_masks.MASKED
 
 
-class Settings(NamedTuple):
-  """As flash_attention._Settings: the mask pattern, the dropout rate, the global head count,
-  the blocks along queries and keys, the interpreter or not, the masks' counter stride."""
-  causal: bool
-  rate: float
-  heads: int
-  block_q: int
-  block_k: int
-  interpret: bool
-  stride: int
+Settings = flash_masks.Settings
 
 
 def _scores(k_KD, q_QD, key_ids_K1, query_ids_1Q, first_key, first_query, causal):

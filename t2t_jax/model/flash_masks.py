@@ -1,8 +1,10 @@
-"""The dropout masks of the flash attention kernels (flash_attention.py for GPUs,
-flash_attention_tpu.py for TPUs): prng.py's hash32 generator over (seed, row, head, query,
-key), drawn wherever a kernel needs them, backward included, and the same on every platform
-for the same padded key length.
+"""What the flash attention kernels for GPUs (flash_attention.py) and TPUs
+(flash_attention_tpu.py) share: their static settings and their dropout masks, prng.py's
+hash32 generator over (seed, row, head, query, key), drawn wherever a kernel needs them,
+backward included, and the same on every platform for the same padded key length.
 """
+
+from typing import NamedTuple
 
 import jax
 from jax import lax
@@ -13,6 +15,19 @@ from t2t_jax.model import prng
 Array = jax.Array
 
 MASKED = -1e30  # A score no query may see: finite, so the online softmax stays NaN-free.
+
+
+class Settings(NamedTuple):
+  """What the kernels are compiled for (static): the mask pattern, the dropout rate, the global
+  head count (for the masks' stream keys), the blocks along queries and keys, the Pallas
+  interpreter or not, and the masks' counter stride (the padded key length)."""
+  causal: bool
+  rate: float
+  heads: int
+  block_q: int
+  block_k: int
+  interpret: bool
+  stride: int
 
 
 def stream(seed: Array, row: Array, head: Array, heads: int) -> tuple[Array, Array]:
