@@ -59,8 +59,9 @@ KERNELS = ('triton', 'mosaic')  # The GPU kernels and the TPU ones, in the inter
 @pytest.mark.parametrize('kernels', KERNELS)
 @pytest.mark.parametrize('causal, queries, keys, rate, seed', [
     (True, 40, 40, 0.1, 1234),           # The decoder's self-attention, one partial block.
-    (True, 100, 100, 0.2, 3_000_000_000),  # Two blocks each way; a seed above 2^31.
-    (False, 24, 140, 0.3, 1234),         # Cross-attention: other lengths, several key blocks.
+    (True, 100, 100, 0.2, 3_000_000_000),  # GPU blocks: two each way; a seed above 2^31.
+    (True, 300, 300, 0.2, 99),           # Several blocks each way: 5 x 64 (GPU), 3 x 128 (TPU).
+    (False, 24, 300, 0.3, 1234),         # Cross-attention: other lengths, several key blocks.
     (False, 70, 70, 0.5, 77),
 ])
 def test_dropout_equals_the_explicit_path_with_the_same_masks(causal, queries, keys, rate,
@@ -203,3 +204,9 @@ def test_the_gpu_and_tpu_kernels_draw_the_same_masks_at_the_same_padded_length()
                                                                   kernels=kernels)))(q, k, v)
       for kernels in KERNELS]
   assert_close_to_scale(results[1], results[0], GRADIENT_TOLERANCE)
+
+
+def test_rows_too_long_for_the_tpu_kernels_are_one_clear_error():
+  q = jnp.zeros((1, 8300, 1, 16), jnp.float32)
+  with pytest.raises(ValueError, match=r'8320 \(padded\) outgrow: at most 8192'):
+    flash_attention.flash_attention(q, q, q, None, 0.1, jnp.uint32(1), kernels='mosaic')

@@ -151,7 +151,7 @@ def test_the_flash_kernels_compute_on_the_gpu_what_the_explicit_path_does_on_the
     block = flash_attention._block(length, 64)  # pylint: disable=protected-access
     padded = block * -(-length // block)
     keep = flash_masks.reference_keep(seed, batch, heads, length, padded,
-                                          rate)[..., :length]
+                                      rate)[..., :length]
     causal = np.tril(np.ones((length, length), bool))
     mask = valid[:, None, None, :] & causal
     logits = jnp.einsum('BQHD,BKHD->BHQK', q, k, precision='highest')

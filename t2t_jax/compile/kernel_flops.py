@@ -102,8 +102,9 @@ def _output_layer_flops(ins: hlo_text.Instruction, table) -> tuple[float, str] |
 
 def _attention_flops(ins: hlo_text.Instruction, table, target: str) -> tuple[float, str] | None:
   """FLOPs of a fused attention kernel, from its query and key shapes ([B, H, Q, D] and
-  [B, H, K, D] for splash, whose B goes where a device holds one row; [B, Q, H, D] and
-  [B, K, H, D] for cuDNN and t2t_jax's flash kernels); None if it is not one."""
+  [B, H, K, D] for splash, whose B goes where a device holds one row, and for t2t_jax's flash
+  kernels on TPUs; [B, Q, H, D] and [B, K, H, D] for cuDNN and t2t_jax's flash kernels on
+  GPUs); None if it is not one."""
   texts = {'name': ins.name, 'attributes': ins.attributes, 'target': target}
   for where, pattern, matmuls, key_axis in _ATTENTION_MATMULS:
     if pattern.search(texts[where]):

@@ -270,11 +270,18 @@ def flash_attention(q_BQHD: Array, k_BKHD: Array, v_BKHD: Array,
     raise ValueError('flash_attention: dropout (rate > 0) needs a seed')
   platform = pallas_attention.kernel_platform()
   kernels = kernels or ('mosaic' if platform == 'tpu' else 'triton')
+  if kernels not in ('triton', 'mosaic'):
+    raise ValueError(f"flash_attention: kernels={kernels!r} is not 'triton' or 'mosaic'")
   if kernels == 'mosaic':
     block_q, block_k = flash_attention_tpu.block(queries), flash_attention_tpu.block(keys)
   else:
     block_q, block_k = _block(queries, 64), _block(keys, 64)
   padded_q, padded_k = -(-queries // block_q) * block_q, -(-keys // block_k) * block_k
+  if kernels == 'mosaic' and max(padded_q, padded_k) > flash_attention_tpu.MOST_TOKENS:
+    raise ValueError(f'flash_attention: the TPU kernels hold a row\'s whole keys (and, for dk '
+                     f'and dv, queries) in on-chip memory, which {max(padded_q, padded_k)} '
+                     f'(padded) outgrow: at most {flash_attention_tpu.MOST_TOKENS}; use '
+                     "attention_impl='einsum' for longer rows")
   if padded_q * padded_k >= 2**32:  # The masks' uint32 counters would repeat.
     raise ValueError(f'flash_attention: {padded_q} x {padded_k} (padded) queries and keys is '
                      'too many for the dropout masks\' 32-bit counters')

@@ -12,6 +12,7 @@ interpreter (tests).
 """
 
 import functools
+
 import jax
 from jax import lax
 from jax.experimental import pallas as pl
@@ -22,9 +23,10 @@ from t2t_jax.model import flash_masks
 
 Array = jax.Array
 MASKED = flash_masks.MASKED
-
-
-Settings = flash_masks.Settings
+Settings = flash_masks.Settings  # What the kernels are compiled for, as the GPU kernels'.
+# The longest padded row the kernels take: each program holds a row's whole keys (forward, dq)
+# or queries (dk, dv) in VMEM; 8,192 at a head size of 64 compiled for a v5e, 16,384 did not.
+MOST_TOKENS = 8192
 
 
 def _scores(k_KD, q_QD, key_ids_K1, query_ids_1Q, first_key, first_query, causal):
@@ -40,17 +42,25 @@ def _scores(k_KD, q_QD, key_ids_K1, query_ids_1Q, first_key, first_query, causal
   return jnp.where(visible_KQ, s_KQ, MASKED), visible_KQ, queries_KQ, keys_KQ
 
 
-def _dropped(x_KQ, key, queries_KQ, keys_KQ, settings: Settings):
-  """x with the block's dropout mask and 1 / (1 - rate) scaling applied (x without dropout)."""
+def _keep(key, queries_KQ, keys_KQ, settings: Settings):
+  """The block's dropout mask, or None without dropout."""
   if not settings.rate:
+    return None
+  return flash_masks.keep_mask(key, queries_KQ, keys_KQ, settings.stride, settings.rate)
+
+
+def _dropped(x_KQ, keep_KQ, settings: Settings):
+  """x with the dropout mask `keep_KQ` and 1 / (1 - rate) scaling applied (x without)."""
+  if keep_KQ is None:
     return x_KQ
-  keep_KQ = flash_masks.keep_mask(key, queries_KQ, keys_KQ, settings.stride, settings.rate)
   return jnp.where(keep_KQ, x_KQ * (1.0 / (1.0 - settings.rate)), 0.0)
 
 
 def _stream_of(scalars_ref, settings: Settings):
+  """The masks' key words of this program's (row, head): the scalars' seed, first row and first
+  head, offset by the program's place on the grid."""
   return flash_masks.stream(scalars_ref[0], scalars_ref[1] + pl.program_id(0),
-                                scalars_ref[2] + pl.program_id(1), settings.heads)
+                            scalars_ref[2] + pl.program_id(1), settings.heads)
 
 
 def _forward_kernel(scalars_ref, q_ref, k_ref, v_ref, query_ids_ref, key_ids_ref, out_ref,
@@ -68,14 +78,15 @@ def _forward_kernel(scalars_ref, q_ref, k_ref, v_ref, query_ids_ref, key_ids_ref
     s_KQ, _, queries_KQ, keys_KQ = _scores(k_ref[part, :], q_QD, key_ids_ref[part, :],
                                            query_ids_1Q, first_key, first_query,
                                            settings.causal)
-    m_next = jnp.maximum(m_1Q, s_KQ.max(axis=0, keepdims=True))
-    p_KQ = jnp.exp(s_KQ - m_next)
-    scale = jnp.exp(m_1Q - m_next)
+    m_next_1Q = jnp.maximum(m_1Q, s_KQ.max(axis=0, keepdims=True))
+    p_KQ = jnp.exp(s_KQ - m_next_1Q)
+    scale_1Q = jnp.exp(m_1Q - m_next_1Q)
     v_KD = v_ref[part, :]
-    p_used = _dropped(p_KQ, key, queries_KQ, keys_KQ, settings).astype(v_KD.dtype)
-    acc_DQ = acc_DQ * scale + lax.dot_general(v_KD, p_used, (((0,), (0,)), ((), ())),
-                                              preferred_element_type=jnp.float32)
-    return m_next, l_1Q * scale + p_KQ.sum(axis=0, keepdims=True), acc_DQ
+    p_used_KQ = _dropped(p_KQ, _keep(key, queries_KQ, keys_KQ, settings),
+                         settings).astype(v_KD.dtype)
+    acc_DQ = acc_DQ * scale_1Q + lax.dot_general(v_KD, p_used_KQ, (((0,), (0,)), ((), ())),
+                                                 preferred_element_type=jnp.float32)
+    return m_next_1Q, l_1Q * scale_1Q + p_KQ.sum(axis=0, keepdims=True), acc_DQ
 
   init = (jnp.full((1, block_q), MASKED, jnp.float32), jnp.zeros((1, block_q), jnp.float32),
           jnp.zeros((depth, block_q), jnp.float32))
@@ -102,10 +113,10 @@ def _key_grads_kernel(scalars_ref, q_ref, k_ref, v_ref, query_ids_ref, key_ids_r
                                                     query_ids_ref[:, part], first_key,
                                                     first_query, settings.causal)
     p_KQ = jnp.exp(s_KQ - lse_ref[:, part])
-    keep = functools.partial(_dropped, key=key, queries_KQ=queries_KQ, keys_KQ=keys_KQ,
-                             settings=settings)
-    dp_KQ = keep(jnp.dot(v_KD, dout_DQ, preferred_element_type=jnp.float32))
-    dv_KD += lax.dot_general(keep(p_KQ).astype(dout_DQ.dtype), dout_DQ,
+    keep_KQ = _keep(key, queries_KQ, keys_KQ, settings)  # Drawn once for dP and dV.
+    dp_KQ = _dropped(jnp.dot(v_KD, dout_DQ, preferred_element_type=jnp.float32), keep_KQ,
+                     settings)
+    dv_KD += lax.dot_general(_dropped(p_KQ, keep_KQ, settings).astype(dout_DQ.dtype), dout_DQ,
                              (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     ds_KQ = jnp.where(visible_KQ, p_KQ * (dp_KQ - delta_ref[:, part]), 0.0)
     dk_KD += jnp.dot(ds_KQ.astype(q_QD.dtype), q_QD, preferred_element_type=jnp.float32)
@@ -134,8 +145,8 @@ def _query_grads_kernel(scalars_ref, q_ref, k_ref, v_ref, query_ids_ref, key_ids
                                                     query_ids_1Q, first_key, first_query,
                                                     settings.causal)
     p_KQ = jnp.exp(s_KQ - lse_1Q)
-    dp_KQ = _dropped(jnp.dot(v_KD, dout_DQ, preferred_element_type=jnp.float32), key,
-                     queries_KQ, keys_KQ, settings)
+    dp_KQ = _dropped(jnp.dot(v_KD, dout_DQ, preferred_element_type=jnp.float32),
+                     _keep(key, queries_KQ, keys_KQ, settings), settings)
     ds_KQ = jnp.where(visible_KQ, p_KQ * (dp_KQ - delta_1Q), 0.0)
     return dq_QD + lax.dot_general(ds_KQ.astype(k_KD.dtype), k_KD, (((0,), (0,)), ((), ())),
                                    preferred_element_type=jnp.float32)

@@ -160,7 +160,8 @@ def resolve_attention_impl(impl: str, dtype, head_dim: int, attention_dropout: f
   if impl == 'flash' and (head_dim < 16 or head_dim & (head_dim - 1)):
     raise ConfigError(f"config.model.attention_impl='flash' cannot run: the head size "
                       f'{head_dim} (d_model / num_heads) is not a power of two of at least 16, '
-                      "as Triton's blocks must be. Use 'einsum' or 'auto'.")
+                      "as Triton's blocks must be (the TPU kernels keep the same rule). Use "
+                      "'einsum' or 'auto'.")
   if impl in SEGMENT_ID_IMPLS and platform == 'cpu' and not problem:
     _log_once(f"config.model.attention_impl={impl!r} runs its kernels in the Pallas "
               'interpreter on cpu: the same arithmetic, slowly (for tests).')
