@@ -42,6 +42,7 @@ os.environ['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'] = '0.5'
 
 import numpy as np  # pylint: disable=g-import-not-at-top
 import jax  # pylint: disable=g-import-not-at-top
+from jax.experimental.compilation_cache import compilation_cache  # pylint: disable=g-import-not-at-top
 import pytest  # pylint: disable=g-import-not-at-top
 
 jax.config.update('jax_compilation_cache_dir', CACHE_DIR)
@@ -362,8 +363,10 @@ def no_persistent_cache():
   program back from the persistent cache (dry_run.py turns it off the same way)."""
   previous = jax.config.jax_enable_compilation_cache
   jax.config.update('jax_enable_compilation_cache', False)
+  compilation_cache.reset_cache()  # JAX decides once per process whether to use the cache.
   yield
   jax.config.update('jax_enable_compilation_cache', previous)
+  compilation_cache.reset_cache()
 
 
 @pytest.fixture

@@ -16,6 +16,7 @@ import subprocess
 import sys
 
 import jax
+from jax.experimental.compilation_cache import compilation_cache
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -529,6 +530,34 @@ def test_the_tpu_flash_kernels_compile_over_several_blocks(libtpu, no_persistent
         *shapes).compile().as_text()
   assert sum('tpu_custom_call' in line and 't2t_flash' in line.split(' = ')[0]
              for line in hlo.splitlines()) == 3
+
+
+@pytest.mark.slow
+def test_a_compile_for_a_target_stays_out_of_the_persistent_cache(libtpu, tmp_path):
+  """JAX decides once per process whether to use the persistent cache, so turning it off for a
+  compile-only target must reset that decision: otherwise the target's program is written to
+  the cache, and read back by the next run with a warning (seen in CI's second run)."""
+  del libtpu
+  saved = (jax.config.jax_compilation_cache_dir,
+           jax.config.jax_persistent_cache_min_compile_time_secs)
+  jax.config.update('jax_compilation_cache_dir', str(tmp_path))
+  jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)
+  compilation_cache.reset_cache()
+  try:
+    jax.jit(lambda x: jnp.sin(x) * 3.0).lower(jnp.ones(5)).compile()  # Here: cached.
+    on_cpu = set(os.listdir(tmp_path))
+    assert on_cpu
+    mesh = jax.sharding.Mesh(np.array(targets.devices(targets.parse('tpu:v5e-1'))), ('x',))
+    whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    lower = lambda: jax.jit(lambda x: jnp.cos(x) * 5.0, in_shardings=whole).lower(
+        jax.ShapeDtypeStruct((7,), jnp.float32))
+    program = dry_run_lib._compile(lower, mesh)  # pylint: disable=protected-access
+    assert program.cost is not None
+    assert set(os.listdir(tmp_path)) == on_cpu
+  finally:
+    jax.config.update('jax_compilation_cache_dir', saved[0])
+    jax.config.update('jax_persistent_cache_min_compile_time_secs', saved[1])
+    compilation_cache.reset_cache()
 
 
 @pytest.mark.parametrize('devices, heads, slices, expected', [

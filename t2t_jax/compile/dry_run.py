@@ -19,6 +19,7 @@ import time
 
 from absl import logging
 import jax
+from jax.experimental.compilation_cache import compilation_cache
 import jax.numpy as jnp
 import numpy as np
 
@@ -148,13 +149,16 @@ class Program:
 @contextlib.contextmanager
 def _persistent_cache(enabled: bool):
   """The persistent compilation cache on or off: JAX writes a compile-only target's programs
-  to it but cannot read them back without that backend (it warns, then compiles again)."""
+  to it but cannot read them back without that backend (it warns, then compiles again). JAX
+  decides once per process whether to use the cache, so the decision is reset both ways."""
   previous = jax.config.jax_enable_compilation_cache
   jax.config.update('jax_enable_compilation_cache', enabled and previous)
+  compilation_cache.reset_cache()
   try:
     yield
   finally:
     jax.config.update('jax_enable_compilation_cache', previous)
+    compilation_cache.reset_cache()
 
 
 def _compile(lower, mesh) -> Program:
