@@ -42,7 +42,6 @@ os.environ['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'] = '0.5'
 
 import numpy as np  # pylint: disable=g-import-not-at-top
 import jax  # pylint: disable=g-import-not-at-top
-from jax.experimental.compilation_cache import compilation_cache  # pylint: disable=g-import-not-at-top
 import pytest  # pylint: disable=g-import-not-at-top
 
 jax.config.update('jax_compilation_cache_dir', CACHE_DIR)
@@ -360,13 +359,10 @@ def _compiler_or_skip(module: str, what: str, extra: str, required_in_ci: bool):
 @pytest.fixture
 def no_persistent_cache():
   """For tests that compile for a target themselves: JAX cannot read a compile-only target's
-  program back from the persistent cache (dry_run.py turns it off the same way)."""
-  previous = jax.config.jax_enable_compilation_cache
-  jax.config.update('jax_enable_compilation_cache', False)
-  compilation_cache.reset_cache()  # JAX decides once per process whether to use the cache.
-  yield
-  jax.config.update('jax_enable_compilation_cache', previous)
-  compilation_cache.reset_cache()
+  program back from the persistent cache (the dry run turns it off the same way)."""
+  from t2t_jax.compile import dry_run  # pylint: disable=g-import-not-at-top,import-outside-toplevel
+  with dry_run.persistent_cache(False):
+    yield
 
 
 @pytest.fixture

@@ -147,7 +147,7 @@ class Program:
 
 
 @contextlib.contextmanager
-def _persistent_cache(enabled: bool):
+def persistent_cache(enabled: bool):
   """The persistent compilation cache on or off: JAX writes a compile-only target's programs
   to it but cannot read them back without that backend (it warns, then compiles again). JAX
   decides once per process whether to use the cache, so the decision is reset both ways."""
@@ -167,7 +167,7 @@ def _compile(lower, mesh) -> Program:
   lowered = lower()
   compile_only = mesh.devices.flat[0] not in jax.devices()
   try:
-    with _persistent_cache(not compile_only):
+    with persistent_cache(not compile_only):
       compiled = lowered.compile()
   except jax.errors.JaxRuntimeError as e:
     if 'RESOURCE_EXHAUSTED' not in str(e):

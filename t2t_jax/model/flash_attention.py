@@ -51,31 +51,12 @@ def _scores(q, k, query_ids, key_ids, first_query, first_key, causal):
   return jnp.where(visible, s, MASKED), visible, queries, keys
 
 
-def _keep(key, queries, keys, settings: _Settings):
-  """The block's dropout mask, or None without dropout."""
-  if not settings.rate:
-    return None
-  return flash_masks.keep_mask(key, queries, keys, settings.stride, settings.rate)
-
-
-def _dropped(x, keep, settings: _Settings):
-  """x with the dropout mask `keep` and 1 / (1 - rate) scaling applied (x itself without)."""
-  if keep is None:
-    return x
-  return jnp.where(keep, x * (1.0 / (1.0 - settings.rate)), 0.0)
-
-
-def _stream_of(scalars_ref, settings: _Settings):
-  seed, row, head = scalars_ref[0], scalars_ref[1], scalars_ref[2]
-  return flash_masks.stream(seed, row + pl.program_id(0), head + pl.program_id(1), settings.heads)
-
-
 def _forward_kernel(scalars_ref, q_ref, k_ref, v_ref, query_ids_ref, key_ids_ref, out_ref,
                     lse_ref, *, settings: _Settings):
   block_q, depth = q_ref.shape
   block_k = settings.block_k
   first_query = pl.program_id(2) * block_q
-  key = _stream_of(scalars_ref, settings)
+  key = flash_masks.program_stream(scalars_ref, settings)
   q, query_ids = q_ref[...], query_ids_ref[...]
 
   def step(j, carry):
@@ -87,7 +68,8 @@ def _forward_kernel(scalars_ref, q_ref, k_ref, v_ref, query_ids_ref, key_ids_ref
     m_next = jnp.maximum(m, s.max(axis=1))
     p = jnp.exp(s - m_next[:, None])
     scale = jnp.exp(m - m_next)
-    p_used = _dropped(p, _keep(key, queries, keys, settings), settings)
+    keep = flash_masks.block_keep(key, queries, keys, settings)
+    p_used = flash_masks.dropped(p, keep, settings)
     v = v_ref[part, :]
     acc = acc * scale[:, None] + jnp.dot(p_used.astype(v.dtype), v,
                                          preferred_element_type=jnp.float32)
@@ -108,7 +90,7 @@ def _key_grads_kernel(scalars_ref, q_ref, k_ref, v_ref, query_ids_ref, key_ids_r
   block_k, depth = k_ref.shape
   block_q = settings.block_q
   first_key = pl.program_id(2) * block_k
-  key = _stream_of(scalars_ref, settings)
+  key = flash_masks.program_stream(scalars_ref, settings)
   k, v, key_ids = k_ref[...], v_ref[...], key_ids_ref[...]
 
   def step(i, carry):
@@ -118,11 +100,11 @@ def _key_grads_kernel(scalars_ref, q_ref, k_ref, v_ref, query_ids_ref, key_ids_r
     q, dout = q_ref[part, :], dout_ref[part, :]
     s, visible, queries, keys = _scores(q, k, query_ids_ref[part], key_ids, first_query,
                                         first_key, settings.causal)
-    keep = _keep(key, queries, keys, settings)  # Drawn once for dP and dV.
+    keep = flash_masks.block_keep(key, queries, keys, settings)  # Drawn once for dP and dV.
     p = jnp.exp(s - lse_ref[part][:, None])
-    dp = _dropped(lax.dot_general(dout, v, (((1,), (1,)), ((), ())),
-                                  preferred_element_type=jnp.float32), keep, settings)
-    dv += lax.dot_general(_dropped(p, keep, settings).astype(dout.dtype), dout,
+    dp = flash_masks.dropped(lax.dot_general(dout, v, (((1,), (1,)), ((), ())),
+                                             preferred_element_type=jnp.float32), keep, settings)
+    dv += lax.dot_general(flash_masks.dropped(p, keep, settings).astype(dout.dtype), dout,
                           (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
     ds = jnp.where(visible, p * (dp - delta_ref[part][:, None]), 0.0)
     dk += lax.dot_general(ds.astype(q.dtype), q, (((0,), (0,)), ((), ())),
@@ -140,7 +122,7 @@ def _query_grads_kernel(scalars_ref, q_ref, k_ref, v_ref, query_ids_ref, key_ids
   block_q, depth = q_ref.shape
   block_k = settings.block_k
   first_query = pl.program_id(2) * block_q
-  key = _stream_of(scalars_ref, settings)
+  key = flash_masks.program_stream(scalars_ref, settings)
   q, dout, query_ids = q_ref[...], dout_ref[...], query_ids_ref[...]
   lse, delta = lse_ref[...], delta_ref[...]
 
@@ -151,9 +133,9 @@ def _query_grads_kernel(scalars_ref, q_ref, k_ref, v_ref, query_ids_ref, key_ids
     s, visible, queries, keys = _scores(q, k, query_ids, key_ids_ref[part], first_query,
                                         first_key, settings.causal)
     p = jnp.exp(s - lse[:, None])
-    dp = _dropped(lax.dot_general(dout, v, (((1,), (1,)), ((), ())),
-                                  preferred_element_type=jnp.float32),
-                  _keep(key, queries, keys, settings), settings)
+    keep = flash_masks.block_keep(key, queries, keys, settings)
+    dp = flash_masks.dropped(lax.dot_general(dout, v, (((1,), (1,)), ((), ())),
+                                             preferred_element_type=jnp.float32), keep, settings)
     ds = jnp.where(visible, p * (dp - delta[:, None]), 0.0)
     return dq + jnp.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
 

@@ -42,33 +42,12 @@ def _scores(k_KD, q_QD, key_ids_K1, query_ids_1Q, first_key, first_query, causal
   return jnp.where(visible_KQ, s_KQ, MASKED), visible_KQ, queries_KQ, keys_KQ
 
 
-def _keep(key, queries_KQ, keys_KQ, settings: Settings):
-  """The block's dropout mask, or None without dropout."""
-  if not settings.rate:
-    return None
-  return flash_masks.keep_mask(key, queries_KQ, keys_KQ, settings.stride, settings.rate)
-
-
-def _dropped(x_KQ, keep_KQ, settings: Settings):
-  """x with the dropout mask `keep_KQ` and 1 / (1 - rate) scaling applied (x without)."""
-  if keep_KQ is None:
-    return x_KQ
-  return jnp.where(keep_KQ, x_KQ * (1.0 / (1.0 - settings.rate)), 0.0)
-
-
-def _stream_of(scalars_ref, settings: Settings):
-  """The masks' key words of this program's (row, head): the scalars' seed, first row and first
-  head, offset by the program's place on the grid."""
-  return flash_masks.stream(scalars_ref[0], scalars_ref[1] + pl.program_id(0),
-                            scalars_ref[2] + pl.program_id(1), settings.heads)
-
-
 def _forward_kernel(scalars_ref, q_ref, k_ref, v_ref, query_ids_ref, key_ids_ref, out_ref,
                     lse_ref, *, settings: Settings):
   block_q, depth = q_ref.shape
   block_k = settings.block_k
   first_query = pl.program_id(2) * block_q
-  key = _stream_of(scalars_ref, settings)
+  key = flash_masks.program_stream(scalars_ref, settings)
   q_QD, query_ids_1Q = q_ref[...], query_ids_ref[...]
 
   def step(j, carry):
@@ -82,8 +61,8 @@ def _forward_kernel(scalars_ref, q_ref, k_ref, v_ref, query_ids_ref, key_ids_ref
     p_KQ = jnp.exp(s_KQ - m_next_1Q)
     scale_1Q = jnp.exp(m_1Q - m_next_1Q)
     v_KD = v_ref[part, :]
-    p_used_KQ = _dropped(p_KQ, _keep(key, queries_KQ, keys_KQ, settings),
-                         settings).astype(v_KD.dtype)
+    keep_KQ = flash_masks.block_keep(key, queries_KQ, keys_KQ, settings)
+    p_used_KQ = flash_masks.dropped(p_KQ, keep_KQ, settings).astype(v_KD.dtype)
     acc_DQ = acc_DQ * scale_1Q + lax.dot_general(v_KD, p_used_KQ, (((0,), (0,)), ((), ())),
                                                  preferred_element_type=jnp.float32)
     return m_next_1Q, l_1Q * scale_1Q + p_KQ.sum(axis=0, keepdims=True), acc_DQ
@@ -101,7 +80,7 @@ def _key_grads_kernel(scalars_ref, q_ref, k_ref, v_ref, query_ids_ref, key_ids_r
   block_k, depth = k_ref.shape
   block_q = settings.block_q
   first_key = pl.program_id(2) * block_k
-  key = _stream_of(scalars_ref, settings)
+  key = flash_masks.program_stream(scalars_ref, settings)
   k_KD, v_KD, key_ids_K1 = k_ref[...], v_ref[...], key_ids_ref[...]
 
   def step(i, carry):
@@ -113,11 +92,12 @@ def _key_grads_kernel(scalars_ref, q_ref, k_ref, v_ref, query_ids_ref, key_ids_r
                                                     query_ids_ref[:, part], first_key,
                                                     first_query, settings.causal)
     p_KQ = jnp.exp(s_KQ - lse_ref[:, part])
-    keep_KQ = _keep(key, queries_KQ, keys_KQ, settings)  # Drawn once for dP and dV.
-    dp_KQ = _dropped(jnp.dot(v_KD, dout_DQ, preferred_element_type=jnp.float32), keep_KQ,
-                     settings)
-    dv_KD += lax.dot_general(_dropped(p_KQ, keep_KQ, settings).astype(dout_DQ.dtype), dout_DQ,
-                             (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    keep_KQ = flash_masks.block_keep(key, queries_KQ, keys_KQ, settings)  # Once for dP and dV.
+    dp_KQ = flash_masks.dropped(jnp.dot(v_KD, dout_DQ, preferred_element_type=jnp.float32),
+                                keep_KQ, settings)
+    dropped_KQ = flash_masks.dropped(p_KQ, keep_KQ, settings).astype(dout_DQ.dtype)
+    dv_KD += lax.dot_general(dropped_KQ, dout_DQ, (((1,), (1,)), ((), ())),
+                             preferred_element_type=jnp.float32)
     ds_KQ = jnp.where(visible_KQ, p_KQ * (dp_KQ - delta_ref[:, part]), 0.0)
     dk_KD += jnp.dot(ds_KQ.astype(q_QD.dtype), q_QD, preferred_element_type=jnp.float32)
     return dk_KD, dv_KD
@@ -133,7 +113,7 @@ def _query_grads_kernel(scalars_ref, q_ref, k_ref, v_ref, query_ids_ref, key_ids
   block_q, depth = q_ref.shape
   block_k = settings.block_k
   first_query = pl.program_id(2) * block_q
-  key = _stream_of(scalars_ref, settings)
+  key = flash_masks.program_stream(scalars_ref, settings)
   q_QD, dout_DQ, query_ids_1Q = q_ref[...], dout_ref[...], query_ids_ref[...]
   lse_1Q, delta_1Q = lse_ref[...], delta_ref[...]
 
@@ -145,8 +125,9 @@ def _query_grads_kernel(scalars_ref, q_ref, k_ref, v_ref, query_ids_ref, key_ids
                                                     query_ids_1Q, first_key, first_query,
                                                     settings.causal)
     p_KQ = jnp.exp(s_KQ - lse_1Q)
-    dp_KQ = _dropped(jnp.dot(v_KD, dout_DQ, preferred_element_type=jnp.float32),
-                     _keep(key, queries_KQ, keys_KQ, settings), settings)
+    keep_KQ = flash_masks.block_keep(key, queries_KQ, keys_KQ, settings)
+    dp_KQ = flash_masks.dropped(jnp.dot(v_KD, dout_DQ, preferred_element_type=jnp.float32),
+                                keep_KQ, settings)
     ds_KQ = jnp.where(visible_KQ, p_KQ * (dp_KQ - delta_1Q), 0.0)
     return dq_QD + lax.dot_general(ds_KQ.astype(k_KD.dtype), k_KD, (((0,), (0,)), ((), ())),
                                    preferred_element_type=jnp.float32)

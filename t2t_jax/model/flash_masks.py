@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 import jax
 from jax import lax
+from jax.experimental import pallas as pl
 import jax.numpy as jnp
 
 from t2t_jax.model import prng
@@ -57,3 +58,25 @@ def reference_keep(seed: int, rows: int, heads: int, queries: int, keys: int,
   def one(row, head):
     return keep_mask(stream(jnp.uint32(seed), row, head, heads), q_QK, k_QK, keys, rate)
   return jax.vmap(lambda b: jax.vmap(lambda h: one(b, h))(jnp.arange(heads)))(jnp.arange(rows))
+
+
+def program_stream(scalars_ref, settings: Settings) -> tuple[Array, Array]:
+  """Inside a kernel: the key words of the program's (row, head), from the scalars' seed, first
+  row and first head offset by the program's place on the (B, H, blocks) grid."""
+  return stream(scalars_ref[0], scalars_ref[1] + pl.program_id(0),
+                scalars_ref[2] + pl.program_id(1), settings.heads)
+
+
+def block_keep(key, queries: Array, keys: Array, settings: Settings) -> Array | None:
+  """A block's dropout mask for the query and key positions given, or None without dropout."""
+  if not settings.rate:
+    return None
+  return keep_mask(key, queries, keys, settings.stride, settings.rate)
+
+
+def dropped(x: Array, keep: Array | None, settings: Settings) -> Array:
+  """x with the dropout mask `keep` and 1 / (1 - rate) scaling applied (x itself without)."""
+  if keep is None:
+    return x
+  return jnp.where(keep, x * (1.0 / (1.0 - settings.rate)), 0.0)
+
