@@ -280,7 +280,7 @@ def compare(straight: str, interrupted: str, num_steps: int, moved_from: int,
   for workdir in (straight, interrupted):
     with ocp.CheckpointManager(os.path.join(workdir, 'checkpoints'),
                                item_handlers=checkpoint._handlers()) as manager:  # pylint: disable=protected-access
-      item_args = {'rng': ocp.args.StandardRestore(), 'data': ocp.args.JsonRestore()}
+      item_args = {'rng': ocp.args.PyTreeRestore(), 'data': ocp.args.JsonRestore()}
       items[workdir] = {step: manager.restore(step, args=ocp.args.Composite(**item_args))
                         for step in steps}
   for step in steps:

@@ -54,7 +54,7 @@ class Restored:
 
 
 def _handlers() -> dict:
-  return {STATE: ocp.StandardCheckpointHandler(), RNG: ocp.StandardCheckpointHandler(),
+  return {STATE: saved_params.arrays_handler(), RNG: saved_params.arrays_handler(),
           DATA: ocp.JsonCheckpointHandler(), CONFIG: ocp.JsonCheckpointHandler()}
 
 
@@ -110,9 +110,9 @@ class Checkpointer:
     try:
       with saved_params.unretrieved_task_errors_dropped():
         self.manager.save(step, args=ocp.args.Composite(**{
-            STATE: ocp.args.StandardSave(saved_tree(state)),
+            STATE: ocp.args.PyTreeSave(saved_tree(state)),
             # A host numpy value: every process holds the same key, the primary one writes it.
-            RNG: ocp.args.StandardSave({'dropout': np.asarray(jax.device_get(_key_data(rng)))}),
+            RNG: ocp.args.PyTreeSave({'dropout': np.asarray(jax.device_get(_key_data(rng)))}),
             DATA: ocp.args.JsonSave(data_state),
             CONFIG: ocp.args.JsonSave({'config': config_json})}), force=True)
     except Exception as e:  # pylint: disable=broad-exception-caught
@@ -224,8 +224,8 @@ class Checkpointer:
     target = _without_missing_ema(path, abstract_state, arrays)
     check_compatible(path, arrays, (target, rng_abstract), saved_config, config)
     restored = self.manager.restore(step, args=ocp.args.Composite(**{
-        STATE: ocp.args.StandardRestore(saved_tree(target)),
-        RNG: ocp.args.StandardRestore(rng_abstract),
+        STATE: saved_params.arrays_restore(saved_tree(target)),
+        RNG: saved_params.arrays_restore(rng_abstract),
         DATA: ocp.args.JsonRestore()}))
     return restored, saved_config, target
 

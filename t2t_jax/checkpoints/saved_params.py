@@ -245,14 +245,43 @@ def cast(params, dtype: str):
       x.dtype, jax.numpy.floating) else x, params)
 
 
+def arrays_handler() -> ocp.PyTreeCheckpointHandler:
+  """The orbax handler of an item of arrays (a training state, its dropout key, params).
+
+  On CPU devices it writes each replicated array whole from one device. Orbax's default
+  ("replica-parallel") splits a replicated array among the devices holding it, so that each
+  writes a part: on accelerators that spreads the copies to the host over their links, but
+  CPU devices share the host's memory, so there the split buys nothing. And each part is a
+  slice compiled for its shape and device: on 8 CPU devices that made a tiny model's first
+  save in a process take about 2 s instead of 0.05 s. Accelerators keep orbax's default. The
+  arrays written are the same either way, and either kind of checkpoint reads with both.
+  """
+  if not all(device.platform == 'cpu' for device in jax.devices()):
+    return ocp.PyTreeCheckpointHandler()
+  handlers = ocp.type_handlers
+  return ocp.PyTreeCheckpointHandler(type_handler_registry=handlers.create_type_handler_registry(
+      (jax.Array, handlers.ArrayHandler(use_replica_parallel=False)),
+      (np.ndarray, handlers.NumpyHandler()),
+      *((kind, handlers.ScalarHandler()) for kind in (int, float, np.number))))
+
+
+def arrays_restore(target) -> ocp.args.PyTreeRestore:
+  """Restore arguments of an `arrays_handler` item into `target` (arrays or ShapeDtypeStructs,
+  whose shardings and dtypes the restored arrays take; numpy arrays come back as numpy)."""
+  return ocp.args.PyTreeRestore(item=target,
+                                restore_args=ocp.checkpoint_utils.construct_restore_args(target))
+
+
 def write_params(path: str, params, config_json: str, info: dict) -> str:
   """Writes a params-only checkpoint (items params, config, info) that load_params reads."""
   path = os.path.abspath(path)
   if os.path.exists(path):
     raise CheckpointError(f'{path} already exists: remove it or choose another --output')
-  with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+  handlers = {PARAMS: arrays_handler(), CONFIG: ocp.JsonCheckpointHandler(),
+              INFO: ocp.JsonCheckpointHandler()}
+  with ocp.Checkpointer(ocp.CompositeCheckpointHandler(**handlers)) as checkpointer:
     checkpointer.save(path, args=ocp.args.Composite(**{
-        PARAMS: ocp.args.StandardSave(params),
+        PARAMS: ocp.args.PyTreeSave(params),
         CONFIG: ocp.args.JsonSave({'config': config_json}),
         INFO: ocp.args.JsonSave(info)}))
   return path

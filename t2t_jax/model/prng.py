@@ -98,5 +98,6 @@ def dropout_key(key: jax.Array, name: str) -> jax.Array:
 
   PRNGs with a 2-word key take `key` as it is; rbg's 4 words are drawn from it.
   """
-  shape = jax.random.key_data(jax.random.key(0, impl=impl(name))).shape
+  # Traced only (not run): an eager key would compile each of the hash's operations apart.
+  shape = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0, impl=impl(name)))).shape
   return key if shape == key.shape else jax.random.bits(key, shape, jnp.uint32)

@@ -15,8 +15,6 @@ from absl import logging
 import jax
 from jax.experimental import multihost_utils
 import numpy as np
-from scipy import stats
-from sklearn import metrics as sk_metrics
 
 from t2t_jax import sharding
 from t2t_jax import workdir_layout
@@ -32,6 +30,10 @@ REGRESSION_METRICS = ('pearson', 'spearman')
 
 def scores(labels: np.ndarray, predictions: np.ndarray, regression: bool) -> dict[str, float]:
   """The figures of predictions against gold labels (label indices, or values)."""
+  # Imported here: SciPy and scikit-learn take about 0.7 s to import, which every command
+  # (training included, through the task seam) would pay at start for a classifier's scores.
+  from scipy import stats  # pylint: disable=g-import-not-at-top
+  from sklearn import metrics as sk_metrics  # pylint: disable=g-import-not-at-top
   if regression:
     if len(labels) < 2 or np.ptp(labels) == 0 or np.ptp(predictions) == 0:
       return {'pearson': 0.0, 'spearman': 0.0}  # Undefined for constant values.
