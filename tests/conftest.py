@@ -33,8 +33,8 @@ CACHE_DIR = os.path.expanduser(os.environ.get('T2T_JAX_TEST_CACHE', '~/.cache/t2
 # The same persistent compilation cache for every process the tests start (they inherit the
 # environment): `python -m t2t_jax.*` runs, `python -c` scripts and launch/local.py's workers
 # compile the tiny programs once per machine, not once per test (the commands honour the
-# variable over their own 1 s). Not 0, which would also keep the hundreds of eager operations
-# each process compiles (orbax's slices, PRNG splits): JAX writes an entry in place, and with
+# variable over their own 1 s). Not 0, which would also keep the small eager operations
+# each process compiles (PRNG splits, array conversions): JAX writes an entry in place, and with
 # eviction off (its default) without a lock, so many processes writing the same small entries
 # at once could read one half-written.
 os.environ['JAX_COMPILATION_CACHE_DIR'] = CACHE_DIR

@@ -43,9 +43,10 @@ AT = {lifecycle.STARTUP: None, lifecycle.STEP: 3, lifecycle.SAVE: 4,
       lifecycle.EVALUATION: 3, lifecycle.FINAL_EVALUATION: 6}
 TIMEOUT = 5.0  # config.train.step_timeout_seconds of the hang cells (seconds), which must not
 # fire on a step or a save that finishes. Those tests start after a `warm` run in this process,
-# so none of their saves is the process's first, which compiles orbax's slicing (2.4 s against
-# under 0.7 s for any later one, both measured under coverage on a loaded 2-core machine): 5 s
-# is 7 times the longest guarded phase, a wider margin than 10 s was over a first save.
+# so no step of theirs compiles; a guarded save took under 0.7 s (measured under coverage on a
+# loaded 2-core machine, when a process's first save still compiled orbax's per-device slices
+# and later ones did not; on CPU devices none does now): 5 s is 7 times the longest guarded
+# phase.
 
 
 class _ProcessEnded(BaseException):
