@@ -269,12 +269,13 @@ def _disk_full_in_background(monkeypatch):
 def test_a_save_on_cpu_devices_writes_replicated_arrays_whole_and_compiles_nothing(
     tmp_path, caplog):
   """Orbax's default splits an array replicated over 8 devices into 8 slices, each a program
-  compiled for its shape (about 2 s at a tiny model's first save); on CPU devices t2t_jax
-  writes it whole. Shapes no other test uses, so no slice program is already compiled."""
+  compiled for its offset (about 2 s at a tiny model's first save); on CPU devices t2t_jax
+  writes it whole. Shapes no other test uses (both split 8 ways by the default), so no slice
+  program is already compiled."""
   mesh = jax.sharding.Mesh(np.array(jax.devices()), ('data',))
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   state = {'w': jax.device_put(jnp.arange(8 * 13, dtype=jnp.float32).reshape(8, 13), replicated),
-           'b': jax.device_put(jnp.arange(11, dtype=jnp.float32), replicated)}
+           'b': jax.device_put(jnp.arange(24, dtype=jnp.float32), replicated)}
   assert len(state['w'].sharding.device_set) == 8
   checkpointer, rng = checkpoint.Checkpointer(str(tmp_path), _config().ckpt), jax.random.PRNGKey(0)
   with caplog.at_level(std_logging.WARNING), jax.log_compiles():
