@@ -89,6 +89,7 @@ from t2t_jax import sharding  # pylint: disable=g-import-not-at-top,wrong-import
 from t2t_jax.compile import dry_run  # pylint: disable=g-import-not-at-top,wrong-import-position
 from t2t_jax.compile import hlo_cost  # pylint: disable=g-import-not-at-top,wrong-import-position
 from t2t_jax.compile import hlo_text  # pylint: disable=g-import-not-at-top,wrong-import-position
+from t2t_jax.compile import report  # pylint: disable=g-import-not-at-top,wrong-import-position
 from t2t_jax.compile import roofline  # pylint: disable=g-import-not-at-top,wrong-import-position
 from t2t_jax.compile import targets  # pylint: disable=g-import-not-at-top,wrong-import-position
 from t2t_jax.model import flops  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -433,7 +434,7 @@ def table(lines: list[dict]) -> str:
   rows, notes = [header, '-' * len(header)], []
 
   def seconds(s: float | None) -> str:
-    return '-' if s is None else dry_run.human_seconds(s) if s > 0 else f'{s:.3g} s'
+    return '-' if s is None else report.human_seconds(s) if s > 0 else f'{s:.3g} s'
   for line in lines:
     start = f'{line["target"]:<11} {line["model"]:<5} {line["implementation"]:<9}'
     if line['implementation'] == 'ratio':

@@ -25,6 +25,7 @@ from bench import common  # pylint: disable=wrong-import-position
 from t2t_jax import runtime  # pylint: disable=wrong-import-position
 from t2t_jax.compile import dry_run  # pylint: disable=wrong-import-position
 from t2t_jax.compile import hlo_cost  # pylint: disable=wrong-import-position
+from t2t_jax.compile import report as report_lib  # pylint: disable=wrong-import-position
 from t2t_jax.compile import roofline  # pylint: disable=wrong-import-position
 from t2t_jax.compile import targets  # pylint: disable=wrong-import-position
 
@@ -73,17 +74,18 @@ def report(text: str, num_devices: int, target_name: str) -> dict:
 
 
 def table(result: dict) -> str:
+  size, seconds = report_lib.human_bytes, report_lib.human_seconds
   lines = [f'{"part":<13} {"HBM bytes":>10} {"kernel time":>11} {"kernels":>8}']
   for part, row in result['cost_by_part'].items():
-    lines.append(f'{part:<13} {dry_run.human_bytes(row["hbm_bytes"]):>10} '
-                 f'{dry_run.human_seconds(row["seconds"]):>11} {row["kernels"]:>8}')
+    lines.append(f'{part:<13} {size(row["hbm_bytes"]):>10} '
+                 f'{seconds(row["seconds"]):>11} {row["kernels"]:>8}')
   p = result['prediction']
-  lines.append(f'{"all":<13} {dry_run.human_bytes(result["hbm_bytes_per_device"]):>10}; '
-               f'predicted step {dry_run.human_seconds(p["step_seconds"])} (compute alone '
-               f'{dry_run.human_seconds(p["compute_seconds"])}, memory alone '
-               f'{dry_run.human_seconds(p["memory_seconds"])}, collectives '
-               f'{dry_run.human_seconds(p["collective_seconds"])}, of which '
-               f'{dry_run.human_seconds(p["overlapped_collective_seconds"])} beside the kernels)')
+  lines.append(f'{"all":<13} {size(result["hbm_bytes_per_device"]):>10}; '
+               f'predicted step {seconds(p["step_seconds"])} (compute alone '
+               f'{seconds(p["compute_seconds"])}, memory alone '
+               f'{seconds(p["memory_seconds"])}, collectives '
+               f'{seconds(p["collective_seconds"])}, of which '
+               f'{seconds(p["overlapped_collective_seconds"])} beside the kernels)')
   return '\n'.join(lines)
 
 

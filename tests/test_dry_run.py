@@ -27,6 +27,7 @@ from t2t_jax.compile import dry_run as dry_run_lib
 from t2t_jax.compile import hlo_cost
 from t2t_jax.compile import hlo_text
 from t2t_jax.compile import mesh_choice
+from t2t_jax.compile import report as report_lib
 from t2t_jax.compile import roofline
 from t2t_jax.compile import targets
 from t2t_jax.data import pipeline as data
@@ -152,7 +153,7 @@ def test_tiny_compiles_for_a_tpu_slice(libtpu, tiny_config):
   assert set(result['collectives']) == {'all-reduce'}
   reduced = result['collectives']['all-reduce']['bytes']
   assert 4 * result['params'] <= reduced <= 4 * result['params'] * 1.01 + 1024
-  table = dry_run_lib.table(result)
+  table = report_lib.table(result)
   assert 'tpu:v5e-8' in table and 'train_step' in table and 'predicted' in table
   _check_by_part(result, table)
 
@@ -338,14 +339,14 @@ def test_the_fused_loss_compiles_for_an_h100_inside_the_train_step(cuda_compiler
 
 
 def test_sizes_and_times_read_without_exponents():
-  assert dry_run_lib.human_bytes(1010 * 2**20) == '1010 MiB'
-  assert dry_run_lib.human_bytes(2.314 * 2**30) == '2.31 GiB'
-  assert dry_run_lib.human_bytes(100) == '100 B'
-  assert dry_run_lib.human_seconds(0.0012345) == '1.23 ms'
-  assert dry_run_lib.human_seconds(2.5) == '2500 ms'
-  assert dry_run_lib.human_seconds(0.000999) == '999 us'
-  assert dry_run_lib.human_bytes(999.7 * 2**20) == '1000 MiB'  # Rounds up to four digits.
-  assert dry_run_lib.human_seconds(0.9997) == '1000 ms'
+  assert report_lib.human_bytes(1010 * 2**20) == '1010 MiB'
+  assert report_lib.human_bytes(2.314 * 2**30) == '2.31 GiB'
+  assert report_lib.human_bytes(100) == '100 B'
+  assert report_lib.human_seconds(0.0012345) == '1.23 ms'
+  assert report_lib.human_seconds(2.5) == '2500 ms'
+  assert report_lib.human_seconds(0.000999) == '999 us'
+  assert report_lib.human_bytes(999.7 * 2**20) == '1000 MiB'  # Rounds up to four digits.
+  assert report_lib.human_seconds(0.9997) == '1000 ms'
 
 
 @pytest.mark.slow

@@ -258,7 +258,7 @@ def arrays_handler() -> ocp.PyTreeCheckpointHandler:
   the CPU handler keeps no per-array metadata file, which only typed PRNG keys would need (no
   item holds one: the dropout key is saved as its raw words).
   """
-  if not all(device.platform == 'cpu' for device in jax.devices()):
+  if jax.default_backend() != 'cpu':
     return ocp.PyTreeCheckpointHandler()
   handlers = ocp.type_handlers
   return ocp.PyTreeCheckpointHandler(type_handler_registry=handlers.create_type_handler_registry(

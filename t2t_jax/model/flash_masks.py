@@ -79,4 +79,3 @@ def dropped(x: Array, keep: Array | None, settings: Settings) -> Array:
   if keep is None:
     return x
   return jnp.where(keep, x * (1.0 / (1.0 - settings.rate)), 0.0)
-
