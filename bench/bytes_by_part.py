@@ -111,6 +111,9 @@ def main() -> None:
       with open(args.hlo_out, 'w') as f:
         f.write(text)
   result = report(text, num_devices, args.target)
+  # What was compiled, so that a kept line says which program it reads.
+  result.update({'hlo_in': args.hlo_in} if args.hlo_in else
+                {'config': args.config, 'overrides': args.override})
   print(table(result), flush=True)
   print(json.dumps(result), flush=True)
 

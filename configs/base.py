@@ -211,6 +211,10 @@ def get_config():
   # pieces of at most this many bytes, so each can start as its layer's gradients are ready
   # and overlap the rest of the step (docs/accelerators.md); 0: XLA's own combining.
   mesh.collective_combine_bytes = 0
+  # Split the optimiser's moments (and the moving average) over 'data' as well: the gradients
+  # are reduce-scattered, each data shard updates its part, the parameters are all-gathered
+  # back (weight-update sharding, ZeRO stage 1). The same update; a data-th of its traffic.
+  mesh.shard_update = False
   # Logical axis -> mesh axes. A mesh axis already used in an array goes to the next rule.
   mesh.rules = (
       ('expert', 'expert'),  # Mixture-of-experts weights and slots; before 'batch' claims it.

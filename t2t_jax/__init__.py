@@ -26,7 +26,7 @@ ADDED_KEYS = {'eval.length_penalty': 'gnmt', 'train.profile_steps': [],
               'model.next_sentence': False, 'data.extra_src': '', 'data.extra_tgt': '',
               'data.mix_weights': '', 'data.extra_tag': '', 'opt.loss_impl': 'xla',
               'mesh.collective_combine_bytes': 0, 'opt.frozen': '', 'model.generator_layers': 1,
-              'opt.replaced_weight': 50.0}
+              'opt.replaced_weight': 50.0, 'mesh.shard_update': False}
 
 
 # The errors most modules raise, defined in errors.py, importable from the package too.

@@ -103,6 +103,33 @@ def logical_shardings(abstract_boxed_tree, mesh: Mesh, axis_rules):
   return shardings
 
 
+def split_over_data(shardings, shapes, mesh: Mesh):
+  """`shardings` with each array's first dimension that still splits evenly also split over
+  'data', after the axes that split it already (arrays split over 'data' already, scalars and
+  arrays no dimension of which splits: unchanged). What mesh.shard_update gives the
+  optimiser's moments and the moving average.
+
+  The first dimension, not the largest: gathering the updated parameters back along it needs
+  no transposing copy on a TPU, whose arrays are laid out with the first dimension major.
+  """
+  ways = mesh.shape['data']
+
+  def split(named_sharding, shape):
+    spec = tuple(named_sharding.spec) + (None,) * (len(shape.shape) - len(named_sharding.spec))
+    axes = [(entry,) if isinstance(entry, str) else tuple(entry or ()) for entry in spec]
+    if ways == 1 or any('data' in dim for dim in axes):
+      return named_sharding
+    splits = [d for d, size in enumerate(shape.shape)
+              if size % (math.prod(mesh.shape[a] for a in axes[d]) * ways) == 0]
+    if not splits:
+      return named_sharding
+    dim = splits[0]
+    spec = spec[:dim] + (axes[dim] + ('data',),) + spec[dim + 1:]
+    return NamedSharding(mesh, P(*spec))
+
+  return jax.tree.map(split, shardings, shapes)
+
+
 def _check_divisible(path, leaf, logical_spec, named_sharding) -> None:
   """Refuses a weight whose size along a sharded dimension does not split evenly."""
   for dim, (size, axes) in enumerate(zip(leaf.shape, named_sharding.spec)):

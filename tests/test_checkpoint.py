@@ -181,7 +181,8 @@ def test_shape_changing_config_is_refused_and_harmless_change_logged(trained, ca
 
 # One value per key a resume may change, and one per key of what the run trains.
 MAY_CHANGE = {'name': 'moved', 'train.num_steps': 40, 'train.eval_every': 3, 'eval.beam_size': 2,
-              'ckpt.every': 2, 'mesh.shape': (2, 2, 1), 'opt.grad_accum_steps': 2,
+              'ckpt.every': 2, 'mesh.shape': (2, 2, 1), 'mesh.shard_update': True,
+              'opt.grad_accum_steps': 2,
               'opt.loss_chunk_tokens': 0, 'opt.ema_decay': 0.999, 'model.remat': 'full',
               'model.dtype': 'bfloat16', 'model.attention_impl': 'xla',
               'data.data_dir': '/elsewhere', 'data.cache_dir': '/cache', 'data.row_multiple': 8}

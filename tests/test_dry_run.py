@@ -391,7 +391,8 @@ def test_a_step_that_does_not_fit_is_one_error_line():
 @pytest.mark.slow
 def test_mesh_search_ranks_the_meshes_that_fit_by_predicted_time(libtpu, tiny_config):
   """On the 2 chips of a v4-4 with one head: two splits, each a compile, then the best
-  unrolled, then the winner's eval step and search (each candidate costs seconds; the splits
+  unrolled, the best with its update split over 'data' if it has one, then the winner's eval
+  step and search (each candidate costs seconds; the splits
   of more chips and heads are test_candidate_splits')."""
   del libtpu
   tiny_config.model.num_heads = 1
@@ -402,12 +403,36 @@ def test_mesh_search_ranks_the_meshes_that_fit_by_predicted_time(libtpu, tiny_co
   assert {m for m, scan, remat in meshes if scan} == set(mesh_choice.splits(2, 1)) == {
       (2, 1, 1), (1, 2, 1)}
   assert any(not scan for _, scan, _ in meshes)
+  # The best without mesh.shard_update, again with it where it splits the batch over 'data'.
+  best_whole = min((c for c in ranked if c.fits and not c.shard_update),
+                   key=lambda c: c.step_seconds)
+  assert [(c.mesh, c.scan_layers, c.remat) for c in ranked if c.shard_update] == (
+      [(best_whole.mesh, best_whole.scan_layers, best_whole.remat)]
+      if best_whole.mesh[0] > 1 else [])
   fitting = [c for c in ranked if c.fits]
   assert fitting and ranked[:len(fitting)] == fitting
   times = [c.step_seconds for c in fitting]
   assert times == sorted(times)
   assert set(ranked[0].result['programs']) == {'train_step', 'eval_step', 'search'}
   assert mesh_choice.table(ranked).splitlines()[1].lstrip().startswith('1 ')
+
+
+@pytest.mark.slow
+def test_mesh_search_tries_the_best_data_split_with_its_update_split_too(libtpu, tiny_config,
+                                                                          monkeypatch):
+  """Where the best candidate splits the batch over 'data', it is compiled again with
+  mesh.shard_update, whose state takes less memory (Adam's moments split two ways more)."""
+  del libtpu
+  monkeypatch.setattr(mesh_choice, 'splits', lambda *args, **kwargs: [(2, 1, 1)])
+  ranked = mesh_choice.search(tiny_config, 'tpu:v4-4')
+  found = {(c.scan_layers, c.shard_update): c for c in ranked}
+  best_scan = min((True, False), key=lambda scan: found[scan, False].step_seconds)
+  assert set(found) == {(True, False), (False, False), (best_scan, True)}
+  assert all(c.fits for c in found.values())
+  # The state a device holds between steps (the step's arguments): Adam's moments halved.
+  held = lambda c: c.result['programs']['train_step']['memory_per_device_bytes']['argument']
+  assert held(found[best_scan, True]) < held(found[best_scan, False])
+  assert 'split' in mesh_choice.table(ranked)
 
 
 @pytest.mark.slow

@@ -8,7 +8,10 @@ The candidates, compiled in this order:
   2. each split that does not fit, again with remat 'dots', then 'full' (more arithmetic for
      less memory: only worth it where memory is short);
   3. the best candidate with unrolled layers too (slower to compile; XLA may schedule the
-     unrolled program better, or worse).
+     unrolled program better, or worse);
+  4. where the best so far splits the batch over 'data', it again with mesh.shard_update (the
+     optimiser's state split over 'data' too: less memory, and fewer bytes for the update,
+     for a reduce-scatter and an all-gather in place of an all-reduce).
 The winner is then compiled with its eval step and search, as a plain target dry run.
 """
 
@@ -29,6 +32,7 @@ class Candidate:
   mesh: tuple[int, int, int]
   scan_layers: bool
   remat: str
+  shard_update: bool = False
   result: dict | None = None  # The dry run's report; None when the candidate was refused.
   refused: str = ''  # Why it could not be built (a weight that does not divide, ...).
 
@@ -44,7 +48,7 @@ class Candidate:
 
   def as_dict(self) -> dict:
     row = {'mesh': list(self.mesh), 'scan_layers': self.scan_layers, 'remat': self.remat,
-           'fits': self.fits}
+           'shard_update': self.shard_update, 'fits': self.fits}
     if self.refused:
       return {**row, 'refused': self.refused}
     train = self.result['programs']['train_step']
@@ -71,10 +75,16 @@ def splits(num_devices: int, num_heads: int, slices: int = 1) -> list[tuple[int,
   return found
 
 
-def _try(config, target: str, candidate: Candidate, log) -> Candidate:
+def _configured(config, candidate: Candidate):
   trial = config.copy_and_resolve_references()
   trial.mesh.shape = candidate.mesh + (1,)
   trial.model.scan_layers, trial.model.remat = candidate.scan_layers, candidate.remat
+  trial.mesh.shard_update = candidate.shard_update
+  return trial
+
+
+def _try(config, target: str, candidate: Candidate, log) -> Candidate:
+  trial = _configured(config, candidate)
   try:
     candidate.result = dry_run_lib.dry_run(trial, target, evaluation=False)
   except (ConfigError, jax.errors.JaxRuntimeError) as e:  # The compiler's refusal too.
@@ -89,22 +99,24 @@ def search(config, target: str, print_progress: bool = False) -> list[Candidate]
   log = _progress if print_progress else (lambda candidate: None)
   config = config.copy_and_resolve_references()
   config.mesh.dcn_data = named.slices
-  tried = [_try(config, target, Candidate(mesh, True, 'none'), log)
+  split = bool(config.mesh.get('shard_update', False))
+  tried = [_try(config, target, Candidate(mesh, True, 'none', split), log)
            for mesh in splits(named.num_devices, config.model.num_heads, named.slices)]
   for remat in ('dots', 'full'):
     short = [c.mesh for c in tried if c.remat == 'none' and not c.fits and not c.refused
              and not any(d.mesh == c.mesh and d.fits for d in tried)]
-    tried += [_try(config, target, Candidate(mesh, True, remat), log) for mesh in short]
+    tried += [_try(config, target, Candidate(mesh, True, remat, split), log) for mesh in short]
   fitting = [c for c in tried if c.fits]
   if fitting:
     best = min(fitting, key=lambda c: c.step_seconds)
-    tried.append(_try(config, target, Candidate(best.mesh, False, best.remat), log))
+    tried.append(_try(config, target, Candidate(best.mesh, False, best.remat, split), log))
+    best = min([c for c in tried if c.fits], key=lambda c: c.step_seconds)
+    if best.mesh[0] > 1 and not split:
+      tried.append(_try(config, target, dataclasses.replace(best, shard_update=True,
+                                                            result=None), log))
   ranked = sorted(tried, key=lambda c: (not c.fits, c.step_seconds, c.mesh))
   for candidate in [c for c in ranked if c.fits]:  # With what an in-loop evaluation compiles.
-    full = config.copy_and_resolve_references()
-    full.mesh.shape = candidate.mesh + (1,)
-    full.model.scan_layers, full.model.remat = candidate.scan_layers, candidate.remat
-    candidate.result = dry_run_lib.dry_run(full, target)
+    candidate.result = dry_run_lib.dry_run(_configured(config, candidate), target)
     if candidate.result['fits']:
       break  # The winner: the fastest whose eval step and search fit too.
     log(candidate)  # Its train step fits, its evaluation does not: the next one is tried.
@@ -117,18 +129,19 @@ def _progress(candidate: Candidate) -> None:
           f'needs {row["needs_bytes"] / 2**30:.2f} GiB, '
           + (f'predicted {1e3 * row["step_seconds"]:.1f} ms' if candidate.fits else 'does not fit')
           + f' (compiled in {row["compile_seconds"]:.0f} s)')
-  print(f'mesh {candidate.mesh} scan_layers={candidate.scan_layers} remat={candidate.remat}: '
-        f'{what}', file=sys.stderr, flush=True)
+  print(f'mesh {candidate.mesh} scan_layers={candidate.scan_layers} remat={candidate.remat} '
+        f'shard_update={candidate.shard_update}: {what}', file=sys.stderr, flush=True)
 
 
 def table(ranked: list[Candidate]) -> str:
   """The candidates as a table, the best first."""
-  lines = [f'{"rank":>4} {"data,fsdp,tensor":>16} {"scan":>5} {"remat":>5} {"needs GiB":>9} '
-           f'{"step ms":>8} {"tokens/s":>10} {"MFU":>6}  bound']
+  lines = [f'{"rank":>4} {"data,fsdp,tensor":>16} {"scan":>5} {"remat":>5} {"update":>6} '
+           f'{"needs GiB":>9} {"step ms":>8} {"tokens/s":>10} {"MFU":>6}  bound']
   for rank, candidate in enumerate(ranked, start=1):
     row = candidate.as_dict()
     mesh = ','.join(map(str, candidate.mesh))
-    head = f'{rank:>4} {mesh:>16} {str(candidate.scan_layers):>5} {candidate.remat:>5}'
+    head = (f'{rank:>4} {mesh:>16} {str(candidate.scan_layers):>5} {candidate.remat:>5} '
+            f'{"split" if candidate.shard_update else "whole":>6}')
     if candidate.refused:
       lines.append(f'{head}  refused: {candidate.refused}')
     elif not candidate.fits:

@@ -85,10 +85,14 @@ def build(config, vocab_size: int, mesh=None, objective: Callable | None = None)
   init = functools.partial(init_state, model_config=model_config, optimizer=optimizer,
                            ema=config.opt.ema_decay > 0)
   abstract_state, shardings = abstract_tree(init, mesh, axis_rules)
+  update_shardings = None
+  if config.mesh.get('shard_update', False) and mesh.shape['data'] > 1:
+    abstract_state, shardings, update_shardings = _split_update(abstract_state, shardings, mesh)
   batch_sharding = sharding.batch_sharding(mesh)
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   jit_init = jax.jit(lambda rng: nn.meta.unbox(init(rng)), out_shardings=shardings)
-  jit_train = jax.jit(train_step_of(config, model_config, optimizer, objective=objective),
+  jit_train = jax.jit(train_step_of(config, model_config, optimizer, objective=objective,
+                                    update_shardings=update_shardings),
                       in_shardings=(shardings, batch_sharding, replicated),
                       out_shardings=(shardings, replicated), donate_argnums=0,
                       compiler_options=runtime.train_compiler_options(
@@ -104,6 +108,20 @@ def build(config, vocab_size: int, mesh=None, objective: Callable | None = None)
   return Setup(mesh, axis_rules, model_config, optimizer, schedule, abstract_state,
                traced(jit_init, mesh, axis_rules), traced(jit_train, mesh, axis_rules),
                traced(jit_eval, mesh, axis_rules))
+
+
+def _split_update(abstract_state, shardings, mesh):
+  """mesh.shard_update: the optimiser's moments and the moving average split over 'data' as
+  well; the params' shardings and those the step updates them in (split alike)."""
+  split = lambda tree, shapes: sharding.split_over_data(tree, shapes, mesh)
+  shardings = shardings.replace(
+      opt_state=split(shardings.opt_state, abstract_state.opt_state),
+      ema=None if shardings.ema is None else split(shardings.ema, abstract_state.ema))
+  abstract_state = jax.tree.map(
+      lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), abstract_state,
+      shardings)
+  return abstract_state, shardings, (shardings.params,
+                                     split(shardings.params, abstract_state.params))
 
 
 def train_step_of(config, model_config: TransformerConfig,

@@ -85,7 +85,8 @@ def train_step(state: TrainState, batch: dict, rng: jax.Array, *, model: nn.Modu
                optimizer: optax.GradientTransformation, label_smoothing: float,
                grad_accum_steps: int = 1, loss_chunk_tokens: int = 0,
                dropout_prng: str = 'threefry2x32', moe_aux_loss_weight: float = 0.0,
-               ema_decay: float = 0.0, objective: Callable = model_metrics):
+               ema_decay: float = 0.0, objective: Callable = model_metrics,
+               update_shardings=None):
   """One update on the loss per real target token of the whole (global) batch.
 
   `objective` gives the batch's metric sums ('loss' and 'weight' among them) from the model,
@@ -100,6 +101,12 @@ def train_step(state: TrainState, batch: dict, rng: jax.Array, *, model: nn.Modu
   With `grad_accum_steps` = A the batch is split into A micro-batches whose gradients and
   metrics are summed in a scan before the single division by the batch's target tokens, so
   A micro-batches of B/A rows give the update of one batch of B rows.
+
+  `update_shardings` (mesh.shard_update, training/build.py): the params' shardings, and
+  shardings like them but split over 'data' too, as the optimiser's state is. The summed gradients are reduced and
+  scattered to them, each device updates its share of the parameters, and the new
+  parameters are gathered back to the params' own shardings (the jit's out_shardings): the
+  same arithmetic on a data-th of the optimiser's arrays.
   """
   dropout_rng = jax.random.fold_in(jax.random.wrap_key_data(rng, impl=prng.impl(dropout_prng)),
                                    state.step)
@@ -135,8 +142,16 @@ def train_step(state: TrainState, batch: dict, rng: jax.Array, *, model: nn.Modu
   # bytes by part (compile/hlo_cost.py) read it.
   with jax.named_scope('optimizer'):
     grads = jax.tree.map(lambda g: g / jnp.maximum(metrics['weight'], 1.0), grad_sums)
-    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
+    params = state.params
+    if update_shardings is not None:
+      # First in the params' own shardings, so that the backward pass is partitioned as
+      # without the split (the second constraint alone reaches back into it); XLA turns the
+      # reduction and the slice into one reduce-scatter.
+      param_shardings, split = update_shardings
+      grads = jax.lax.with_sharding_constraint(grads, param_shardings)
+      grads, params = jax.lax.with_sharding_constraint((grads, params), (split, split))
+    updates, opt_state = optimizer.update(grads, state.opt_state, params)
+    params = optax.apply_updates(params, updates)
     ema = None if state.ema is None else optim.ema_update(state.ema, params, ema_decay)
   return state.replace(step=state.step + 1, params=params, opt_state=opt_state,
                        ema=ema), metrics
