@@ -76,7 +76,7 @@ def table_part(configs, target_names, base_record, out) -> None:
                 'candidates': [c.as_dict() for c in ranked]}
       if best:
         record.update(mesh=list(best.mesh), scan_layers=best.scan_layers, remat=best.remat,
-                      **_winner_fields(name, best.result))
+                      shard_update=best.shard_update, **_winner_fields(name, best.result))
       _emit(record, out)
 
 
@@ -88,7 +88,8 @@ def recheck_part(configs, target_names, base_record, out, rows_from, overrides=(
   for (name, target), row in latest.items():
     config = _config(name, **{'mesh.shape': tuple(row['mesh']) + (1,),
                               'model.scan_layers': row['scan_layers'],
-                              'model.remat': row['remat']})
+                              'model.remat': row['remat'],
+                              'mesh.shard_update': row.get('shard_update', False)})
     for override in overrides:
       common.apply_override(config, override)
     result = dry_run.dry_run(config, target)
@@ -167,7 +168,8 @@ def markdown(path: str) -> str:
     settings = ''.join(f'<br>`{o}`' for o in row.get('overrides', ()))
     lines.append(
         f'| {row["config"]}{settings} | {row["target"]} | {tuple(row["mesh"])} | '
-        f'{"scan" if row["scan_layers"] else "unrolled"}, {row["remat"]} | '
+        f'{"scan" if row["scan_layers"] else "unrolled"}, {row["remat"]}'
+        f'{", update split" if row.get("shard_update") else ""} | '
         f'{gib(row["needs_bytes"])} of {gib(row["usable_memory_bytes"])} GiB | '
         f'{1e3 * row["step_seconds"]:.3g} ms | {row["target_tokens_per_second"]:,} | '
         f'{100 * row["mfu"]:.0f}% | {row["bound"]} | {row["paper_steps"] // 1000}k steps: '

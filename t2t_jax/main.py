@@ -82,7 +82,8 @@ def _define_flags():
                       '(docs/accelerators.md): memory and fit per device, collectives, and a '
                       'predicted step time.')
   flags.DEFINE_bool('search_mesh', False, 'With --dry_run_target: compile the candidate meshes '
-                    '(data/fsdp/tensor splits, remat, scan) and rank those that fit by '
+                    '(data/fsdp/tensor splits, remat, scan, the update split over data) '
+                    'and rank those that fit by '
                     'predicted step time.')
   flags.DEFINE_string('coordinator_address', '', 'host:port of process 0 for a multi-process run '
                       '(env T2T_COORDINATOR_ADDRESS); not needed on TPU VMs and SLURM, which are '

@@ -307,7 +307,7 @@ def train_compiler_options(mesh_config, platform: str, scatter_devices: int = 1)
   going into a reduce-scatter, the weights coming out of an all-gather, the arrays of an
   all-reduce. XLA measures each kind by its result, which for a reduce-scatter is the
   scattered share, so its threshold is the cap over `scatter_devices` (the devices a gradient
-  is scattered across: the mesh's 'fsdp' axis).
+  is scattered across: the mesh's 'fsdp' axis, times 'data' with mesh.shard_update).
   """
   size = int(mesh_config.get('collective_combine_bytes', 0))
   if platform != 'gpu' or size <= 0:

@@ -360,7 +360,8 @@ def test_the_accelerator_table_shows_each_rows_latest_result_in_target_order(tmp
             'paper_schedule_hours': 12.0}
   flash = {**row('base', 'gpu:h100x8', 3.151, 'c'), 'overrides': ['model.attention_impl=flash']}
   rows = [row('base', 'gpu:h100x8', 7, 'a'), flash, row('base', 'tpu:v5e-8', 19, 'a'),
-          {'part': 'pallas', 'config': 'big'}, row('base', 'tpu:v5e-8', 20, 'b'),
+          {'part': 'pallas', 'config': 'big'},
+          {**row('base', 'tpu:v5e-8', 20, 'b'), 'shard_update': True},
           {'part': 'table', 'config': 'big', 'target': 'tpu:v5e-8'}]  # Nothing fitted.
   path = tmp_path / 'table.jsonl'
   path.write_text(''.join(json.dumps(r) + '\n' for r in rows))
@@ -369,6 +370,9 @@ def test_the_accelerator_table_shows_each_rows_latest_result_in_target_order(tmp
                                                       'tpu:v5e-8']
   assert ' 20 ms ' in lines[0] and '0.6 h (paper: 12 h' in lines[0]  # The recheck's row.
   assert lines[0].endswith('| b |') and lines[1].endswith('| a |')
+  # The search's mesh.shard_update where it won; rows before the key read as without it.
+  assert '| unrolled, none, update split |' in lines[0]
+  assert '| unrolled, none |' in lines[1]
   # A row with overrides sits beside the plain one, named by them, its step to three digits.
   assert lines[2].startswith('| base<br>`model.attention_impl=flash` |')
   assert ' 3.15 ms ' in lines[2] and lines[2].endswith('| c |')
@@ -377,14 +381,15 @@ def test_the_accelerator_table_shows_each_rows_latest_result_in_target_order(tmp
 
 def test_the_accelerator_table_recheck_compiles_the_searched_rows_with_the_overrides(
     tmp_path, monkeypatch):
-  """--parts=recheck reads the searched rows of --rows, sets each row's mesh and the
-  overrides on its config, and appends a row naming both commits and the overrides to --out."""
+  """--parts=recheck reads the searched rows of --rows, sets each row's mesh (and its update
+  split, where the search chose it) and the overrides on its config, and appends a row naming
+  both commits and the overrides to --out."""
   table = _load('accelerator_table')
   seen = []
 
   def fake_dry_run(config, target):
     seen.append((target, tuple(config.mesh.shape), config.model.attention_impl,
-                 config.mesh.collective_combine_bytes))
+                 config.mesh.collective_combine_bytes, config.mesh.shard_update))
     prediction = {'step_seconds': 0.5, 'bound': 'memory', 'target_tokens_per_second': 7,
                   'mfu': 0.4}
     return {'prediction': prediction, 'programs': {'train_step': {'needs_bytes': 3}},
@@ -394,11 +399,11 @@ def test_the_accelerator_table_recheck_compiles_the_searched_rows_with_the_overr
   searched = tmp_path / 'old.jsonl'
   searched.write_text(json.dumps({'part': 'table', 'config': 'base', 'target': 'gpu:h100x8',
                                   'commit': 's', 'mesh': [1, 8, 1], 'scan_layers': False,
-                                  'remat': 'none'}) + '\n')
+                                  'remat': 'none', 'shard_update': True}) + '\n')
   out = tmp_path / 'new.jsonl'
   table.recheck_part(['base'], ['gpu:h100x8'], {'commit': 'n'}, str(out), str(searched),
                      ['model.attention_impl=flash', 'mesh.collective_combine_bytes=4194304'])
-  assert seen == [('gpu:h100x8', (1, 8, 1, 1), 'flash', 4194304)]
+  assert seen == [('gpu:h100x8', (1, 8, 1, 1), 'flash', 4194304, True)]
   row = json.loads(out.read_text())
   assert (row['commit'], row['search_commit'], row['step_seconds']) == ('n', 's', 0.5)
   assert row['overrides'] == ['model.attention_impl=flash',

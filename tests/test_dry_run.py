@@ -392,8 +392,8 @@ def test_a_step_that_does_not_fit_is_one_error_line():
 def test_mesh_search_ranks_the_meshes_that_fit_by_predicted_time(libtpu, tiny_config):
   """On the 2 chips of a v4-4 with one head: two splits, each a compile, then the best
   unrolled, the best with its update split over 'data' if it has one, then the winner's eval
-  step and search (each candidate costs seconds; the splits
-  of more chips and heads are test_candidate_splits')."""
+  step and search (each candidate costs seconds; the splits of more chips and heads are
+  test_candidate_splits')."""
   del libtpu
   tiny_config.model.num_heads = 1
   ranked = mesh_choice.search(tiny_config, 'tpu:v4-4')

@@ -122,13 +122,19 @@ def test_resume_gives_the_average_and_params_of_an_uninterrupted_run(ema_run, tm
     train.train_and_evaluate(_config(0.0), str(resumed))
 
 
-def test_resuming_a_checkpoint_without_an_average_starts_it_from_the_params(tmp_path, caplog):
+@pytest.mark.parametrize('split', [False, True], ids=['whole', 'shard_update'])
+def test_resuming_a_checkpoint_without_an_average_starts_it_from_the_params(tmp_path, caplog,
+                                                                            split):
+  """With mesh.shard_update on the tiny config's 8-way data axis the average starts split
+  over it, as the step keeps it, and is evaluated in the params' layout."""
   caplog.set_level(std_logging.INFO)
   workdir = tmp_path / 'run'
   shutil.copytree(OLD_CHECKPOINT, workdir / 'checkpoints')  # Step 10, written without one.
   config = _config(0.75)
   config.train.num_steps, config.eval.bleu_sentences = 11, 0
-  train.train_and_evaluate(config, str(workdir))
+  config.mesh.shard_update = split
+  results = train.train_and_evaluate(config, str(workdir))
+  assert np.isfinite(results['ema_eval_loss'])
   assert 'holds no moving average of the weights (written with opt.ema_decay=0): starting it ' \
          'from the restored params' in caplog.text
   before = _numpy(saved_state_field(workdir / 'checkpoints' / '10', 'params'))

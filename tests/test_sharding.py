@@ -273,8 +273,9 @@ def _optimiser_bytes(setup, batch) -> float:
 @pytest.mark.slow
 def test_update_split_over_data_trains_the_same_with_a_data_th_of_the_optimiser(config,
                                                                                   reference):
-  """mesh.shard_update on (4, 2, 1): the single-device trajectory; Adam's moments and the
-  moving average held a quarter as much per device as without it, the parameters as before;
+  """mesh.shard_update on (4, 2, 1), with and without accumulation: the single-device
+  trajectory; Adam's moments and the moving average held a quarter as much per device as
+  without it, the parameters as before;
   the compiled update moves under 0.4 times the bytes it moves without it."""
   batches, expected_losses, _, expected_history = reference
   config.opt.ema_decay = 0.9
@@ -302,5 +303,9 @@ def test_update_split_over_data_trains_the_same_with_a_data_th_of_the_optimiser(
                                  (state.ema, unsplit_state.ema)):
     assert per_device(split_tree) == pytest.approx(per_device(whole_tree) / 4, rel=0.02)
   assert per_device(state.params) == per_device(unsplit_state.params)
+  # Accumulating: each micro-batch's gradients scattered to the split, their sum kept there.
+  config.opt.grad_accum_steps = 2
+  accumulated = _losses(config, batches, mesh_shape=(4, 2, 1))[3]
+  assert_adam_runs_agree(accumulated, expected_history, [LR] * STEPS)
   # Near a quarter (without the split: the whole update on every device).
   assert 0 < optimiser_bytes[True] < 0.4 * optimiser_bytes[False], optimiser_bytes

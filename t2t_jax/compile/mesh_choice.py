@@ -100,16 +100,19 @@ def search(config, target: str, print_progress: bool = False) -> list[Candidate]
   config = config.copy_and_resolve_references()
   config.mesh.dcn_data = named.slices
   split = bool(config.mesh.get('shard_update', False))
-  tried = [_try(config, target, Candidate(mesh, True, 'none', split), log)
+  # The config's own mesh.shard_update, marked only on the meshes it applies to (data > 1).
+  tried = [_try(config, target, Candidate(mesh, True, 'none', split and mesh[0] > 1), log)
            for mesh in splits(named.num_devices, config.model.num_heads, named.slices)]
   for remat in ('dots', 'full'):
     short = [c.mesh for c in tried if c.remat == 'none' and not c.fits and not c.refused
              and not any(d.mesh == c.mesh and d.fits for d in tried)]
-    tried += [_try(config, target, Candidate(mesh, True, remat, split), log) for mesh in short]
+    tried += [_try(config, target, Candidate(mesh, True, remat, split and mesh[0] > 1), log)
+              for mesh in short]
   fitting = [c for c in tried if c.fits]
   if fitting:
     best = min(fitting, key=lambda c: c.step_seconds)
-    tried.append(_try(config, target, Candidate(best.mesh, False, best.remat, split), log))
+    tried.append(_try(config, target, Candidate(best.mesh, False, best.remat,
+                                                best.shard_update), log))
     best = min([c for c in tried if c.fits], key=lambda c: c.step_seconds)
     if best.mesh[0] > 1 and not split:
       tried.append(_try(config, target, dataclasses.replace(best, shard_update=True,

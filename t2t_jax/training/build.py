@@ -97,7 +97,8 @@ def build(config, vocab_size: int, mesh=None, objective: Callable | None = None)
                       out_shardings=(shardings, replicated), donate_argnums=0,
                       compiler_options=runtime.train_compiler_options(
                           config.mesh, mesh.devices.flat[0].platform,
-                          scatter_devices=mesh.shape['fsdp']) or None)
+                          scatter_devices=mesh.shape['fsdp'] * (
+                              mesh.shape['data'] if update_shardings else 1)) or None)
   jit_eval = jax.jit(
       functools.partial(step.eval_step, model=make_model(dataclasses.replace(
           model_config, deterministic=True)), label_smoothing=config.opt.label_smoothing,
@@ -120,8 +121,8 @@ def _split_update(abstract_state, shardings, mesh):
   abstract_state = jax.tree.map(
       lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), abstract_state,
       shardings)
-  return abstract_state, shardings, (shardings.params,
-                                     split(shardings.params, abstract_state.params))
+  return abstract_state, shardings, step.UpdateShardings(
+      shardings.params, split(shardings.params, abstract_state.params))
 
 
 def train_step_of(config, model_config: TransformerConfig,

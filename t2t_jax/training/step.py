@@ -3,7 +3,7 @@
 Shapes in names follow the package legend (t2t_jax/__init__.py).
 """
 
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import flax
 import flax.linen as nn
@@ -20,6 +20,13 @@ from t2t_jax.training import optim
 
 # How the output layer and the loss over the vocabulary run (config.opt.loss_impl).
 LOSS_IMPLS = ('xla', 'fused')
+
+
+class UpdateShardings(NamedTuple):
+  """mesh.shard_update (training/build.py): the params' own shardings, and those of the split
+  the optimiser's state is kept in (split over 'data' as well)."""
+  params: Any
+  split: Any
 
 
 @flax.struct.dataclass
@@ -86,7 +93,7 @@ def train_step(state: TrainState, batch: dict, rng: jax.Array, *, model: nn.Modu
                grad_accum_steps: int = 1, loss_chunk_tokens: int = 0,
                dropout_prng: str = 'threefry2x32', moe_aux_loss_weight: float = 0.0,
                ema_decay: float = 0.0, objective: Callable = model_metrics,
-               update_shardings=None):
+               update_shardings: UpdateShardings | None = None):
   """One update on the loss per real target token of the whole (global) batch.
 
   `objective` gives the batch's metric sums ('loss' and 'weight' among them) from the model,
@@ -102,11 +109,11 @@ def train_step(state: TrainState, batch: dict, rng: jax.Array, *, model: nn.Modu
   metrics are summed in a scan before the single division by the batch's target tokens, so
   A micro-batches of B/A rows give the update of one batch of B rows.
 
-  `update_shardings` (mesh.shard_update, training/build.py): the params' shardings, and
-  shardings like them but split over 'data' too, as the optimiser's state is. The summed gradients are reduced and
-  scattered to them, each device updates its share of the parameters, and the new
-  parameters are gathered back to the params' own shardings (the jit's out_shardings): the
-  same arithmetic on a data-th of the optimiser's arrays.
+  With `update_shardings` (mesh.shard_update) the gradients are reduced and scattered to
+  the split the optimiser's state is kept in (each micro-batch's, when accumulating), each
+  device updates its share of the parameters, and the new parameters are gathered back to
+  their own shardings (the jit's out_shardings): the same arithmetic on a data-th of the
+  optimiser's arrays.
   """
   dropout_rng = jax.random.fold_in(jax.random.wrap_key_data(rng, impl=prng.impl(dropout_prng)),
                                    state.step)
@@ -123,19 +130,32 @@ def train_step(state: TrainState, batch: dict, rng: jax.Array, *, model: nn.Modu
       loss += moe_aux_loss_weight * metrics['moe_aux_loss']
     return loss, metrics
 
+  def scatter(grads):
+    if update_shardings is None:
+      return grads
+    # First in the params' own shardings, so that the backward pass is partitioned as without
+    # the split (the second constraint alone reaches back into it); XLA then turns the
+    # reduction and the slice into a reduce-scatter.
+    grads = jax.lax.with_sharding_constraint(grads, update_shardings.params)
+    return jax.lax.with_sharding_constraint(grads, update_shardings.split)
+
   grad_fn = jax.grad(loss_sum_fn, has_aux=True)
   if grad_accum_steps == 1:
     grad_sums, metrics = grad_fn(state.params, batch, dropout_rng)
+    grad_sums = scatter(grad_sums)
   else:
     micro_batches = jax.tree.map(lambda x: _split_rows(x, grad_accum_steps), batch)
 
     def accumulate(carry, inputs):
       index, micro_batch = inputs
       grads, metrics = grad_fn(state.params, micro_batch, jax.random.fold_in(dropout_rng, index))
-      return jax.tree.map(jnp.add, carry, (grads, metrics)), None
+      return jax.tree.map(jnp.add, carry, (scatter(grads), metrics)), None
 
-    zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(
+    grad_zeros, metric_zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(
         grad_fn, state.params, jax.tree.map(lambda x: x[0], micro_batches), dropout_rng))
+    if update_shardings is not None:
+      grad_zeros = jax.lax.with_sharding_constraint(grad_zeros, update_shardings.split)
+    zeros = (grad_zeros, metric_zeros)
     (grad_sums, metrics), _ = jax.lax.scan(
         accumulate, zeros, (jnp.arange(grad_accum_steps), micro_batches))
   # The scope names the update's kernels in the compiled program's metadata: the dry run's
@@ -143,13 +163,8 @@ def train_step(state: TrainState, batch: dict, rng: jax.Array, *, model: nn.Modu
   with jax.named_scope('optimizer'):
     grads = jax.tree.map(lambda g: g / jnp.maximum(metrics['weight'], 1.0), grad_sums)
     params = state.params
-    if update_shardings is not None:
-      # First in the params' own shardings, so that the backward pass is partitioned as
-      # without the split (the second constraint alone reaches back into it); XLA turns the
-      # reduction and the slice into one reduce-scatter.
-      param_shardings, split = update_shardings
-      grads = jax.lax.with_sharding_constraint(grads, param_shardings)
-      grads, params = jax.lax.with_sharding_constraint((grads, params), (split, split))
+    if update_shardings is not None:  # This device's share of them: a slice.
+      params = jax.lax.with_sharding_constraint(params, update_shardings.split)
     updates, opt_state = optimizer.update(grads, state.opt_state, params)
     params = optax.apply_updates(params, updates)
     ema = None if state.ema is None else optim.ema_update(state.ema, params, ema_decay)

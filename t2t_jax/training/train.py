@@ -169,7 +169,7 @@ def _start(config, resolved: resolve.Resolved, workdir: str, task: task_lib.Task
                          os.path.join(checkpointer.directory, str(restored.step)))
     state, dropout_rng = restored.state, restored.rng
     if state.ema is None and setup.abstract_state.ema is not None:  # Saved without one.
-      state = state.replace(ema=optim.ema_init(state.params))
+      state = state.replace(ema=_ema_start(setup, state.params))
     train_iter.set_state(restored.data_state)
   else:
     state = setup.init(init_rng)
@@ -178,7 +178,7 @@ def _start(config, resolved: resolve.Resolved, workdir: str, task: task_lib.Task
           saved_params.checkpoint_path(workdir, config.ckpt.init_from), config, state.params,
           setup.abstract_state.params, getattr(splits.vocab, 'path', None))
       state = state.replace(params=params, ema=None if state.ema is None else
-                            optim.ema_init(params))
+                            _ema_start(setup, params))
   config_json = _write_config(config, resolved, workdir)
   # A resumed run logs again the steps after its checkpoint: TensorBoard drops the earlier
   # launch's values from purge_step on, so each step shows once.
@@ -316,6 +316,12 @@ def _write_config(config, resolved: resolve.Resolved, workdir: str) -> str:
   return config_json
 
 
+def _ema_start(setup: Setup, params):
+  """The moving average started at `params`, laid out as the train state keeps it."""
+  return jax.device_put(optim.ema_init(params),
+                        jax.tree.map(lambda a: a.sharding, setup.abstract_state.ema))
+
+
 def evaluate_state(setup: Setup, state, eval_batches, config, evaluators, step: int
                    ) -> dict[str, float]:
   """`run_evaluation` of the params and, if the state keeps one, of their moving average,
@@ -326,7 +332,9 @@ def evaluate_state(setup: Setup, state, eval_batches, config, evaluators, step: 
   """
   results = run_evaluation(setup, state.params, eval_batches, config, evaluators, step)
   if state.ema is not None:
-    ema = jax.tree.map(lambda e, p: e.astype(p.dtype), state.ema, state.params)
+    # Laid out as the params (mesh.shard_update splits the average over 'data' too).
+    ema = jax.tree.map(lambda e, p: jax.device_put(e, p.sharding).astype(p.dtype), state.ema,
+                       state.params)
     ema_results = run_evaluation(setup, ema, eval_batches, config, evaluators, step,
                                  primary=False)
     results.update({f'ema_{name}': value for name, value in ema_results.items()})
