@@ -5,13 +5,16 @@ The candidates, compiled in this order:
   1. every (data, fsdp, tensor) split of the target's devices whose weights divide (tensor at
      most the head count), with scanned layers and no rematerialisation: scanning compiles one
      layer per stack, several times faster than unrolled layers, and computes the same;
-  2. each split that does not fit, again with remat 'dots', then 'full' (more arithmetic for
-     less memory: only worth it where memory is short);
-  3. the best candidate with unrolled layers too (slower to compile; XLA may schedule the
+  2. each split over 'data' that does not fit, again with mesh.shard_update (the optimiser's
+     state split over 'data' too: less memory for no more arithmetic);
+  3. each split that still does not fit, again with remat 'dots', then 'full' (more
+     arithmetic for less memory: only worth it where memory is short), the update split
+     where the batch is split over 'data';
+  4. the best candidate with unrolled layers too (slower to compile; XLA may schedule the
      unrolled program better, or worse);
-  4. where the best so far splits the batch over 'data', it again with mesh.shard_update (the
-     optimiser's state split over 'data' too: less memory, and fewer bytes for the update,
-     for a reduce-scatter and an all-gather in place of an all-reduce).
+  5. where the best so far splits the batch over 'data' and not its update, it again with
+     mesh.shard_update (fewer bytes for the update, for a reduce-scatter and an all-gather in
+     place of an all-reduce: faster on some chips and meshes, slower on others).
 The winner is then compiled with its eval step and search, as a plain target dry run.
 """
 
@@ -103,11 +106,12 @@ def search(config, target: str, print_progress: bool = False) -> list[Candidate]
   # The config's own mesh.shard_update, marked only on the meshes it applies to (data > 1).
   tried = [_try(config, target, Candidate(mesh, True, 'none', split and mesh[0] > 1), log)
            for mesh in splits(named.num_devices, config.model.num_heads, named.slices)]
+  if not split:
+    tried += [_try(config, target, Candidate(mesh, True, 'none', True), log)
+              for mesh in _short(tried) if mesh[0] > 1]
   for remat in ('dots', 'full'):
-    short = [c.mesh for c in tried if c.remat == 'none' and not c.fits and not c.refused
-             and not any(d.mesh == c.mesh and d.fits for d in tried)]
-    tried += [_try(config, target, Candidate(mesh, True, remat, split and mesh[0] > 1), log)
-              for mesh in short]
+    tried += [_try(config, target, Candidate(mesh, True, remat, mesh[0] > 1), log)
+              for mesh in _short(tried)]
   fitting = [c for c in tried if c.fits]
   if fitting:
     best = min(fitting, key=lambda c: c.step_seconds)
@@ -124,6 +128,13 @@ def search(config, target: str, print_progress: bool = False) -> list[Candidate]
       break  # The winner: the fastest whose eval step and search fit too.
     log(candidate)  # Its train step fits, its evaluation does not: the next one is tried.
   return sorted(ranked, key=lambda c: (not c.fits, c.step_seconds, c.mesh))
+
+
+def _short(tried: list[Candidate]) -> list[tuple[int, int, int]]:
+  """The meshes compiled without remat that no candidate of theirs fits yet (not refused)."""
+  short = [c.mesh for c in tried if c.remat == 'none' and not c.fits and not c.refused
+           and not any(d.mesh == c.mesh and d.fits for d in tried)]
+  return list(dict.fromkeys(short))
 
 
 def _progress(candidate: Candidate) -> None:
