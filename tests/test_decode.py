@@ -16,6 +16,7 @@ from t2t_jax import EOS_ID, PAD_ID
 from t2t_jax import runtime
 from t2t_jax import sharding
 from t2t_jax.decoding import decode
+from t2t_jax.decoding import top_k as top_k_lib
 from t2t_jax.decoding import translator as translator_lib
 from t2t_jax.model import decoder_only
 from t2t_jax.model import transformer as model_lib
@@ -354,7 +355,7 @@ def test_two_stage_top_k_is_lax_top_k_ties_included():
   # and one stage (fewer than 4 x count blocks). Each shape compiles once for its ten arrays.
   shapes = [(40, 1, 1), (123, 8, 2), (700, 3, 5), (511, 8, 8), (64, 4, 8), (700, 8, 1)]
   for vocab, count, block in shapes:
-    top_k = jax.jit(functools.partial(decode.top_k, count=count, block=block))
+    top_k = jax.jit(functools.partial(top_k_lib.top_k, count=count, block=block))
     reference = jax.jit(functools.partial(jax.lax.top_k, k=count))
     for trial in range(10):
       # Few distinct values: many ties, across blocks and inside them; -inf entries too.
@@ -365,7 +366,7 @@ def test_two_stage_top_k_is_lax_top_k_ties_included():
       where = f'vocab {vocab}, count {count}, block {block}, trial {trial}'
       np.testing.assert_array_equal(got_values, values, err_msg=where)
       np.testing.assert_array_equal(got_indices, indices, err_msg=where)
-  assert decode.TOP_K_BLOCK * 4 * 8 <= 8000  # Beam 4 over an 8k vocabulary takes two stages.
+  assert top_k_lib.TOP_K_BLOCK * 4 * 8 <= 8000  # Beam 4 over an 8k vocabulary takes two stages.
 
 
 def test_beam_search_with_two_stage_top_k_is_bit_identical(monkeypatch):
@@ -374,7 +375,7 @@ def test_beam_search_with_two_stage_top_k_is_bit_identical(monkeypatch):
   params, inputs = _random_params(config, seed=3, std=1.5), _sources(vocab, rows=6, seed=4)
   results = {}
   for block in (5, vocab):  # 80 blocks: two stages; one block: lax.top_k.
-    monkeypatch.setattr(decode, 'TOP_K_BLOCK', block)
+    monkeypatch.setattr(top_k_lib, 'TOP_K_BLOCK', block)
     # A new function each time, so each traces `beam_search` afresh.
     search = runtime.jit_search(lambda p, i: decode.beam_search(p, i, config, 10, 4, 0.6))
     results[block] = [np.asarray(x) for x in search(params, inputs)]

@@ -84,8 +84,7 @@ def dry_run(config, target: str = '', evaluation: bool = True) -> dict:
       'positions': config.model.positions,
       'dtype': jnp.dtype(setup.model_config.dtype).name,
       'mesh': dict(setup.mesh.shape),
-      # Applied only where the batch is split over 'data' (training/build.py).
-      'shard_update': bool(config.mesh.get('shard_update', False)) and setup.mesh.shape['data'] > 1,
+      'shard_update': setup_lib.splits_update(config, setup.mesh),
       'device_count': setup.mesh.size,
       'device_kind': setup.mesh.devices.flat[0].device_kind,
       'memory_per_device_bytes': train.memory,

@@ -10,10 +10,10 @@ The encoder runs once per batch, and so do the cross-attention key/value project
 first decoding step stores them in the cache, later steps only read them. A decoder-only
 model reads its (right-padded) sources once too, in a prefill pass that fills every layer's
 self-attention cache at [0, S); its steps then write each row's token at its position, the
-row's source length plus the steps so far (`start_search`), over the source's padding. Output lengths
-count generated tokens, EOS included; a hypothesis that reaches the maximum length without
-EOS ends there. PAD is never generated. Batched translation of many sentences is
-translator.py's.
+row's source length plus the steps so far (`start_search`), over the source's padding.
+Output lengths count generated tokens, EOS included; a hypothesis that reaches the maximum
+length without EOS ends there. PAD is never generated. Batched translation of many sentences
+is translator.py's.
 """
 
 import dataclasses
@@ -24,6 +24,7 @@ import jax.numpy as jnp
 
 from t2t_jax import EOS_ID, PAD_ID
 from t2t_jax import runtime
+from t2t_jax.decoding.top_k import top_k
 from t2t_jax.model import attention_cache
 from t2t_jax.model.decoder_only import make_model
 from t2t_jax.model.model_config import TransformerConfig
@@ -56,7 +57,6 @@ def _without_memory(tree):
 
 _MEMORY_ENTRIES = ('memory_key', 'memory_value')  # Cross-attention keys/values in the cache.
 _COUNTERS = ('index', 'position')  # Steps decoded so far, shared by all rows.
-TOP_K_BLOCK = 64  # Entries per block in beam search's top-k (`top_k`).
 
 
 def _named(path, names: tuple[str, ...]) -> bool:
@@ -209,49 +209,6 @@ def _top_log_probs(logits_BWV: jax.Array, count: int) -> tuple[jax.Array, jax.Ar
   log_norm_BW1 = jnp.log(jnp.exp(logits_BWV - max_BW1).sum(-1, keepdims=True))
   top_logits_BWC, token_BWC = top_k(without_pad(logits_BWV), count)
   return (top_logits_BWC - max_BW1) - log_norm_BW1, token_BWC
-
-
-def top_k(x_xV: jax.Array, count: int, block: int | None = None) -> tuple[jax.Array, jax.Array]:
-  """lax.top_k's values and indices [..., count] (ties: the lower index first), in two stages
-  when the last axis holds at least 4 * count blocks of `block` (default TOP_K_BLOCK) entries.
-
-  XLA:CPU's top-k walks every entry of a row one at a time. Here a row's maximum per block
-  of `block` entries is one vectorised pass; the `count` blocks with the largest maxima hold
-  the row's `count` largest entries (a block holding one of them has a maximum at least as
-  large as it, and fewer than `count` blocks beat it; equal maxima rank the lower block
-  first, as equal entries rank the lower index first); the top `count` of those
-  count * block entries is the answer. Both small selections are `count` rounds of a max and
-  a first-index-of-max, which XLA vectorises (a top-k there became a sort). NaN is not
-  supported (it ranks first in lax.top_k, here nowhere in particular).
-  """
-  vocab, block = x_xV.shape[-1], block or TOP_K_BLOCK
-  blocks = -(-vocab // block)
-  if blocks < 4 * count:
-    return jax.lax.top_k(x_xV, count)
-  lead = x_xV.shape[:-1]
-  # The leading axes flattened into rows: [rows, blocks, block], padded with -inf.
-  blocked = jnp.pad(x_xV.reshape(-1, vocab), [(0, 0), (0, blocks * block - vocab)],
-                    constant_values=-jnp.inf).reshape(-1, blocks, block)
-  _, chosen = _rounds_of_max(blocked.max(-1), count)  # [rows, count] block indices.
-  chosen = jnp.sort(chosen, axis=-1)  # Token order, so ties keep resolving by index.
-  candidates = jnp.take_along_axis(blocked, chosen[:, :, None], axis=1)  # [rows, count, block]
-  values, at = _rounds_of_max(candidates.reshape(candidates.shape[0], -1), count)
-  index = jnp.take_along_axis(chosen, at // block, axis=1) * block + at % block
-  return values.reshape(lead + (count,)), index.reshape(lead + (count,))
-
-
-def _rounds_of_max(x: jax.Array, count: int) -> tuple[jax.Array, jax.Array]:
-  """top_k of a [rows, entries] array's short last axis as `count` rounds: the maximum, the
-  first index holding it, that entry then set to -inf."""
-  entry = jax.lax.broadcasted_iota(jnp.int32, x.shape, 1)
-  values, indices = [], []
-  for _ in range(count):
-    best = x.max(-1, keepdims=True)
-    at = jnp.where(x == best, entry, x.shape[1]).min(-1, keepdims=True)
-    values.append(best)
-    indices.append(at)
-    x = jnp.where(entry == at, -jnp.inf, x)
-  return jnp.concatenate(values, axis=1), jnp.concatenate(indices, axis=1)
 
 
 def _beam_update(state: BeamState, logits_BWV: jax.Array, limit_B: jax.Array,

@@ -61,9 +61,13 @@ def abstract_tree(init: Callable, mesh, axis_rules) -> tuple:
   with sharding.mesh_context(mesh, axis_rules):
     boxed = jax.eval_shape(init, jax.ShapeDtypeStruct((2,), jnp.uint32))
     shardings = sharding.logical_shardings(boxed, mesh, axis_rules)
-  abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                          nn.meta.unbox(boxed), shardings)
-  return abstract, shardings
+  return _placed(nn.meta.unbox(boxed), shardings), shardings
+
+
+def _placed(shapes, shardings):
+  """ShapeDtypeStructs of `shapes` carrying `shardings`."""
+  return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                      shapes, shardings)
 
 
 def abstract_params(model_config: TransformerConfig, mesh, axis_rules):
@@ -86,7 +90,7 @@ def build(config, vocab_size: int, mesh=None, objective: Callable | None = None)
                            ema=config.opt.ema_decay > 0)
   abstract_state, shardings = abstract_tree(init, mesh, axis_rules)
   update_shardings = None
-  if config.mesh.get('shard_update', False) and mesh.shape['data'] > 1:
+  if splits_update(config, mesh):
     abstract_state, shardings, update_shardings = _split_update(abstract_state, shardings, mesh)
   batch_sharding = sharding.batch_sharding(mesh)
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
@@ -111,16 +115,20 @@ def build(config, vocab_size: int, mesh=None, objective: Callable | None = None)
                traced(jit_eval, mesh, axis_rules))
 
 
+def splits_update(config, mesh) -> bool:
+  """Whether the step splits the optimiser's update over 'data' (mesh.shard_update, where
+  the mesh splits the batch over 'data')."""
+  return bool(config.mesh.get('shard_update', False)) and mesh.shape['data'] > 1
+
+
 def _split_update(abstract_state, shardings, mesh):
   """mesh.shard_update: the optimiser's moments and the moving average split over 'data' as
   well; the params' shardings and those the step updates them in (split alike)."""
   split = lambda tree, shapes: sharding.split_over_data(tree, shapes, mesh)
   shardings = shardings.replace(
       opt_state=split(shardings.opt_state, abstract_state.opt_state),
-      ema=None if shardings.ema is None else split(shardings.ema, abstract_state.ema))
-  abstract_state = jax.tree.map(
-      lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), abstract_state,
-      shardings)
+      ema=split(shardings.ema, abstract_state.ema))  # None (no average) stays None.
+  abstract_state = _placed(abstract_state, shardings)
   return abstract_state, shardings, step.UpdateShardings(
       shardings.params, split(shardings.params, abstract_state.params))
 

@@ -130,46 +130,57 @@ def train_step(state: TrainState, batch: dict, rng: jax.Array, *, model: nn.Modu
       loss += moe_aux_loss_weight * metrics['moe_aux_loss']
     return loss, metrics
 
-  def scatter(grads):
-    if update_shardings is None:
-      return grads
-    # First in the params' own shardings, so that the backward pass is partitioned as without
-    # the split (the second constraint alone reaches back into it); XLA then turns the
-    # reduction and the slice into a reduce-scatter.
-    grads = jax.lax.with_sharding_constraint(grads, update_shardings.params)
-    return jax.lax.with_sharding_constraint(grads, update_shardings.split)
-
   grad_fn = jax.grad(loss_sum_fn, has_aux=True)
-  if grad_accum_steps == 1:
-    grad_sums, metrics = grad_fn(state.params, batch, dropout_rng)
-    grad_sums = scatter(grad_sums)
-  else:
-    micro_batches = jax.tree.map(lambda x: _split_rows(x, grad_accum_steps), batch)
-
-    def accumulate(carry, inputs):
-      index, micro_batch = inputs
-      grads, metrics = grad_fn(state.params, micro_batch, jax.random.fold_in(dropout_rng, index))
-      return jax.tree.map(jnp.add, carry, (scatter(grads), metrics)), None
-
-    grad_zeros, metric_zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(
-        grad_fn, state.params, jax.tree.map(lambda x: x[0], micro_batches), dropout_rng))
-    if update_shardings is not None:
-      grad_zeros = jax.lax.with_sharding_constraint(grad_zeros, update_shardings.split)
-    zeros = (grad_zeros, metric_zeros)
-    (grad_sums, metrics), _ = jax.lax.scan(
-        accumulate, zeros, (jnp.arange(grad_accum_steps), micro_batches))
+  grad_sums, metrics = _gradient_sums(grad_fn, state.params, batch, dropout_rng,
+                                      grad_accum_steps, update_shardings)
   # The scope names the update's kernels in the compiled program's metadata: the dry run's
   # bytes by part (compile/hlo_cost.py) read it.
   with jax.named_scope('optimizer'):
     grads = jax.tree.map(lambda g: g / jnp.maximum(metrics['weight'], 1.0), grad_sums)
-    params = state.params
-    if update_shardings is not None:  # This device's share of them: a slice.
-      params = jax.lax.with_sharding_constraint(params, update_shardings.split)
+    params = state.params if update_shardings is None else (  # This device's share: a slice.
+        jax.lax.with_sharding_constraint(state.params, update_shardings.split))
     updates, opt_state = optimizer.update(grads, state.opt_state, params)
     params = optax.apply_updates(params, updates)
     ema = None if state.ema is None else optim.ema_update(state.ema, params, ema_decay)
   return state.replace(step=state.step + 1, params=params, opt_state=opt_state,
                        ema=ema), metrics
+
+
+def _gradient_sums(grad_fn: Callable, params, batch: dict, dropout_rng: jax.Array,
+                   grad_accum_steps: int, update_shardings: UpdateShardings | None):
+  """`grad_fn`'s gradient and metric sums over the batch: at once, or over `grad_accum_steps`
+  micro-batches in a scan, each drawing the dropout key folded with its index. With
+  `update_shardings` the gradients come reduced and scattered to their split."""
+  if grad_accum_steps == 1:
+    grads, metrics = grad_fn(params, batch, dropout_rng)
+    return _scattered(grads, update_shardings), metrics
+  micro_batches = jax.tree.map(lambda x: _split_rows(x, grad_accum_steps), batch)
+
+  def accumulate(carry, inputs):
+    index, micro_batch = inputs
+    grads, metrics = grad_fn(params, micro_batch, jax.random.fold_in(dropout_rng, index))
+    return jax.tree.map(jnp.add, carry, (_scattered(grads, update_shardings), metrics)), None
+
+  grad_zeros, metric_zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(
+      grad_fn, params, jax.tree.map(lambda x: x[0], micro_batches), dropout_rng))
+  if update_shardings is not None:  # The sum kept in the split from the start.
+    grad_zeros = jax.lax.with_sharding_constraint(grad_zeros, update_shardings.split)
+  (grad_sums, metrics), _ = jax.lax.scan(
+      accumulate, (grad_zeros, metric_zeros), (jnp.arange(grad_accum_steps), micro_batches))
+  return grad_sums, metrics
+
+
+def _scattered(grads, update_shardings: UpdateShardings | None):
+  """`grads` reduced and scattered to the split of mesh.shard_update (as they are without it).
+
+  First pinned to the params' own shardings, so that the backward pass is partitioned as
+  without the split (the second constraint alone reaches back into it); XLA then turns the
+  reduction and the slice into a reduce-scatter.
+  """
+  if update_shardings is None:
+    return grads
+  grads = jax.lax.with_sharding_constraint(grads, update_shardings.params)
+  return jax.lax.with_sharding_constraint(grads, update_shardings.split)
 
 
 def _split_rows(x_BL: jax.Array, parts: int) -> jax.Array:
