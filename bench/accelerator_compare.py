@@ -34,7 +34,8 @@ computes its cross-entropy a second time for its metrics (bench/compare.py lists
 
 Output: per target and model, one JSON line per implementation (kernels per step, HBM bytes,
 FLOPs, compute alone, memory alone, predicted step, predicted target tokens/s and MFU, the
-compiler's 'flops', 'bytes accessed' and 'optimal_seconds' or null with the reason, the gaps
+time the roofline charges to asynchronous copies and slices and the compute-bound kernels'
+idle bandwidth (below), the compiler's 'flops', 'bytes accessed' and 'optimal_seconds' or null with the reason, the gaps
 between the two counts and, above 20%, what makes them) and one ratio line (t2t_jax's
 predicted tokens/s over the example's, and its HBM bytes over the example's), each printed and
 appended to --out (default bench/results/accelerator-compare-<date>.jsonl); then a table.
@@ -61,6 +62,14 @@ The gaps between hlo_cost and the TPU compiler's cost_analysis (gap = hlo_cost /
     programs at base and big (about -500 s), not a time, so that gap is null with the reason;
     at tiny it is its own estimate with fixed costs per op, far above a roofline of 0.6 MB.
 The GPU compiler gives no cost analysis for a compile-only device (null, with the reason).
+
+Asynchronous copies (`async_copy_seconds`): on a TPU the compiler prefetches weights,
+activations and the optimiser's operands into on-chip memory with copy-start and slice-start
+kernels, and the roofline adds their time to the kernels' as it adds every kernel's. The chip
+runs them beside the kernels between their start and done, in whatever bandwidth those leave
+idle: `compute_slack_seconds` sums each compute-bound kernel's compute time less its memory
+time. The step of a program whose copies all fit beside compute would be the prediction less
+the smaller of the two; the truth lies between, and hardware would tell.
 """
 
 import dataclasses
@@ -303,6 +312,23 @@ def gaps_and_notes(line: dict, cost: hlo_cost.ProgramCost, rebuilt: dict,
   return gaps, reasons, notes
 
 
+ASYNC_COPIES = ('copy-start', 'copy-done', 'slice-start', 'slice-done')
+
+
+def copies_and_slack(cost: hlo_cost.ProgramCost, target: targets.Target) -> dict:
+  """What the roofline charges to asynchronous copies and slices (a TPU's prefetches into
+  on-chip memory, run in series with the kernels there), and the bandwidth the compute-bound
+  kernels leave idle (each one's compute time less its memory time), per step."""
+  copies = slack = 0.0
+  for kernel in cost.kernels:
+    compute = kernel.flops / roofline.peak(target.chip, kernel.dtype) if kernel.flops else 0.0
+    memory = kernel.hbm_bytes / target.chip.memory_bandwidth
+    if kernel.opcode in ASYNC_COPIES:
+      copies += max(compute, memory) * kernel.count
+    slack += max(0.0, compute - memory) * kernel.count
+  return {'async_copy_seconds': copies, 'compute_slack_seconds': slack}
+
+
 def program_line(program: Program, target: targets.Target, tokens: int) -> dict:
   """One implementation's line: hlo_cost's figures, the roofline's, the compiler's, the gaps."""
   text = program.compiled.as_text()
@@ -319,7 +345,8 @@ def program_line(program: Program, target: targets.Target, tokens: int) -> dict:
           'memory_seconds': prediction.memory_seconds,
           'predicted_step_seconds': prediction.step_seconds, 'bound': prediction.bound,
           'predicted_target_tokens_per_second': rates['target_tokens_per_second'],
-          'mfu': rates['mfu'], 'unknown_trip_counts': cost.unknown_trip_counts,
+          'mfu': rates['mfu'], **copies_and_slack(cost, target),
+          'unknown_trip_counts': cost.unknown_trip_counts,
           'compiler_cost_analysis': compiler, 'compile_seconds': program.compile_seconds}
   rebuilt = bytes_rebuilt(text) if target.platform == 'tpu' else None
   gaps, gap_reasons, notes = gaps_and_notes(line, cost, rebuilt, target)
@@ -428,7 +455,8 @@ def table(lines: list[dict]) -> str:
   """The lines as a table: per target and model, both implementations, the ratio, then the
   explanations of the gaps above 20%."""
   header = (f'{"target":<11} {"model":<5} {"impl":<9} {"kernels":>7} {"HBM/step":>9} '
-            f'{"FLOPs":>8} {"compute":>9} {"memory":>9} {"step":>9} {"tokens/s":>9} '
+            f'{"FLOPs":>8} {"compute":>9} {"memory":>9} {"step":>9} {"copies":>9} '
+            f'{"slack":>9} {"tokens/s":>9} '
             f'{"MFU":>6} | {"XLA FLOPs":>9} {"XLA bytes":>9} {"optimal":>9} | {"gap F":>6} '
             f'{"gap B":>6} {"gap t":>6}')
   rows, notes = [header, '-' * len(header)], []
@@ -449,6 +477,7 @@ def table(lines: list[dict]) -> str:
         f'{start} {line["kernels_per_step"]:>7} {_size(line["hbm_bytes_per_step"], "B"):>9} '
         f'{_size(line["flops_per_step"]):>8} {seconds(line["compute_seconds"]):>9} '
         f'{seconds(line["memory_seconds"]):>9} {seconds(line["predicted_step_seconds"]):>9} '
+        f'{seconds(line["async_copy_seconds"]):>9} {seconds(line["compute_slack_seconds"]):>9} '
         f'{_size(line["predicted_target_tokens_per_second"]):>9} {100 * line["mfu"]:>5.1f}% | '
         f'{_size(compiler["flops"]):>9} {_size(compiler["bytes_accessed"], "B"):>9} '
         f'{seconds(compiler["optimal_seconds"]):>9} | {_percent(gaps["flops"]):>6} '
@@ -456,7 +485,9 @@ def table(lines: list[dict]) -> str:
     notes += [f'{line["target"]} {line["model"]} {line["implementation"]}: {note}'
               for note in line['gap_notes']]
   legend = ('HBM/step, FLOPs, compute, memory, step, tokens/s, MFU: t2t_jax\'s cost model '
-            '(hlo_cost) and roofline, a prediction; XLA: the target compiler\'s '
+            '(hlo_cost) and roofline, a prediction; copies: the step\'s time in asynchronous '
+            'copies and slices; slack: the compute-bound kernels\' compute time less their '
+            'memory time; XLA: the target compiler\'s '
             'cost_analysis(); gap: hlo_cost / XLA - 1 (F FLOPs, B bytes, t step against '
             'optimal_seconds)')
   return '\n'.join(rows + ['', legend] + ([''] + notes if notes else []))

@@ -6,6 +6,7 @@ bench/ included: tests/test_architecture.py."""
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -295,6 +296,7 @@ def test_accelerator_compare_reads_both_steps_with_one_cost_model(target, compil
   process = subprocess.run([sys.executable, os.path.join(ROOT, 'bench', 'accelerator_compare.py'),
                             '--size=tiny', f'--targets={target}', f'--out={out}',
                             f'--attention_impl={attention}', f'--loss_impl={loss}',
+                            f'--hlo_dir={tmp_path / "hlo"}',
                             f'--reference_dir={REFERENCE_DIR}'], cwd=ROOT, env=env,
                            capture_output=True, text=True, timeout=300, check=False)
   assert process.returncode == 0, process.stderr[-3000:]
@@ -340,6 +342,15 @@ def test_accelerator_compare_reads_both_steps_with_one_cost_model(target, compil
     else:  # The GPU compiler gives no cost analysis without a GPU: null, with the reason.
       assert set(compiler_cost.values()) == {None}
       assert 'compile-only' in line['null_reasons']['compiler_flops']
+    # Each kernel's longer time is its memory time plus what its compute time exceeds that by,
+    # so one chip's step (no collectives) is the memory time plus the compute-bound slack.
+    assert math.isclose(line['predicted_step_seconds'],
+                        line['memory_seconds'] + line['compute_slack_seconds'], rel_tol=1e-9)
+    # Copies are charged only where the program has asynchronous copies or slices.
+    hlo = (tmp_path / 'hlo' / f'{target.replace(":", "_")}_tiny_{line["implementation"]}.hlo')
+    copies = re.search(r' (copy|slice)-start\(', hlo.read_text()) is not None
+    assert (line['async_copy_seconds'] > 0) == copies
+    assert line['async_copy_seconds'] < line['predicted_step_seconds']
   assert math.isclose(ratio['tokens_per_second_ratio'],
                       t2t['predicted_target_tokens_per_second']
                       / reference['predicted_target_tokens_per_second'], rel_tol=1e-12)
