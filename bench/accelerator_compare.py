@@ -35,10 +35,11 @@ computes its cross-entropy a second time for its metrics (bench/compare.py lists
 Output: per target and model, one JSON line per implementation (kernels per step, HBM bytes,
 FLOPs, compute alone, memory alone, predicted step, predicted target tokens/s and MFU, the
 time the roofline charges to asynchronous copies and slices and the compute-bound kernels'
-idle bandwidth (below), the compiler's 'flops', 'bytes accessed' and 'optimal_seconds' or null with the reason, the gaps
-between the two counts and, above 20%, what makes them) and one ratio line (t2t_jax's
-predicted tokens/s over the example's, and its HBM bytes over the example's), each printed and
-appended to --out (default bench/results/accelerator-compare-<date>.jsonl); then a table.
+slack (below), the compiler's 'flops', 'bytes accessed' and 'optimal_seconds' or null with
+the reason, the gaps between the two counts and, above 20%, what makes them) and one ratio
+line (t2t_jax's predicted tokens/s over the example's, and its HBM bytes over the example's),
+each printed and appended to --out (default bench/results/accelerator-compare-<date>.jsonl);
+then a table.
 
 The gaps between hlo_cost and the TPU compiler's cost_analysis (gap = hlo_cost / XLA - 1):
   - bytes, -57% (v5p) to -75% (v5e) at base: XLA's 'bytes accessed' is not HBM traffic. It
@@ -66,10 +67,11 @@ The GPU compiler gives no cost analysis for a compile-only device (null, with th
 Asynchronous copies (`async_copy_seconds`): on a TPU the compiler prefetches weights,
 activations and the optimiser's operands into on-chip memory with copy-start and slice-start
 kernels, and the roofline adds their time to the kernels' as it adds every kernel's. The chip
-runs them beside the kernels between their start and done, in whatever bandwidth those leave
-idle: `compute_slack_seconds` sums each compute-bound kernel's compute time less its memory
-time. The step of a program whose copies all fit beside compute would be the prediction less
-the smaller of the two; the truth lies between, and hardware would tell.
+runs them beside the kernels between their start and done, while those leave memory idle:
+`compute_slack_seconds` sums each compute-bound kernel's compute time less its memory time.
+With every copy fitted into that slack the roofline would give the prediction less the
+smaller of the two; a roofline that overlaps them as the schedule allows lies between, and a
+measured step, as ever, above it.
 """
 
 import dataclasses
@@ -312,20 +314,19 @@ def gaps_and_notes(line: dict, cost: hlo_cost.ProgramCost, rebuilt: dict,
   return gaps, reasons, notes
 
 
-ASYNC_COPIES = ('copy-start', 'copy-done', 'slice-start', 'slice-done')
+# The kernels of asynchronous copies: hlo_cost charges a copy's bytes to its start, and
+# its done is free.
+ASYNC_COPIES = ('copy-start', 'slice-start')
 
 
 def copies_and_slack(cost: hlo_cost.ProgramCost, target: targets.Target) -> dict:
-  """What the roofline charges to asynchronous copies and slices (a TPU's prefetches into
-  on-chip memory, run in series with the kernels there), and the bandwidth the compute-bound
-  kernels leave idle (each one's compute time less its memory time), per step."""
+  """The roofline's seconds a step in asynchronous copies, and in compute-bound slack."""
   copies = slack = 0.0
   for kernel in cost.kernels:
-    compute = kernel.flops / roofline.peak(target.chip, kernel.dtype) if kernel.flops else 0.0
-    memory = kernel.hbm_bytes / target.chip.memory_bandwidth
+    seconds = roofline.kernel_seconds(kernel, target.chip) * kernel.count
     if kernel.opcode in ASYNC_COPIES:
-      copies += max(compute, memory) * kernel.count
-    slack += max(0.0, compute - memory) * kernel.count
+      copies += seconds
+    slack += seconds - kernel.hbm_bytes / target.chip.memory_bandwidth * kernel.count
   return {'async_copy_seconds': copies, 'compute_slack_seconds': slack}
 
 
@@ -485,9 +486,9 @@ def table(lines: list[dict]) -> str:
     notes += [f'{line["target"]} {line["model"]} {line["implementation"]}: {note}'
               for note in line['gap_notes']]
   legend = ('HBM/step, FLOPs, compute, memory, step, tokens/s, MFU: t2t_jax\'s cost model '
-            '(hlo_cost) and roofline, a prediction; copies: the step\'s time in asynchronous '
-            'copies and slices; slack: the compute-bound kernels\' compute time less their '
-            'memory time; XLA: the target compiler\'s '
+            '(hlo_cost) and roofline, a prediction; copies: the time the roofline charges to '
+            'asynchronous copies and slices; slack: the compute-bound kernels\' compute time '
+            'less their memory time; XLA: the target compiler\'s '
             'cost_analysis(); gap: hlo_cost / XLA - 1 (F FLOPs, B bytes, t step against '
             'optimal_seconds)')
   return '\n'.join(rows + ['', legend] + ([''] + notes if notes else []))
