@@ -51,6 +51,21 @@ def test_compare_runs_one_round_on_a_tiny_packed_shape(capsys):
   assert t2t['model_flops_per_step'] == reference['model_flops_per_step']
 
 
+def test_donation_times_the_same_step_donated_and_not():
+  donation, common = _load('donation'), _load('common')
+  result = donation.time_shape('tiny', donation.parse_flags(['--rounds=2', '--steps=1']),
+                               common.Matmul(256))
+  # build.donated_state on one CPU device: the donated program copies weights before it
+  # overwrites them, the product's copies none, and both compute the same state.
+  assert result['weight_copies']['donated'] > 0 and result['weight_copies']['not_donated'] == 0
+  assert result['same_state_bit_for_bit'] and result['platform'] == 'cpu'
+  seconds = result['step_seconds']
+  # The ratios come from the unrounded seconds; the line keeps them to 10 us.
+  assert [d / n for d, n in zip(seconds['donated'], seconds['not_donated'])] == pytest.approx(
+      result['ratio_per_round'], rel=0.05)
+  assert len(result['matmul_flops_per_second']) == 2 and result['rounds'] == 2
+
+
 def test_packing_cuts_rows_into_segments_with_restarting_positions():
   batch = _load('compare').make_batch(_load('common').SHAPES['m30k_packed'], rows=5, length=64)
   segments, positions = batch['inputs_segments'], batch['inputs_positions']
