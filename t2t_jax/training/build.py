@@ -122,7 +122,7 @@ def donated_state(platform: str) -> tuple[int, ...]:
   Donated on one CPU device, each weight is copied at the step's start: XLA's CPU compiler
   cannot order the backward pass's reads of a weight before the update that overwrites it in
   place. With fresh buffers there are no copies and the updates need not wait for those reads;
-  the state is held twice between steps, and the paper's base model's CPU step is about 3%
+  the state is held twice between steps, and the paper's base model's CPU step is 3-6%
   faster (docs/performance.md)."""
   return () if platform == 'cpu' else (0,)
 
