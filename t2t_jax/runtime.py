@@ -300,8 +300,14 @@ def search_compiler_options(platform: str | None = None) -> dict:
 
 def train_compiler_options(mesh_config, platform: str, scatter_devices: int = 1) -> dict:
   """The XLA options the train step compiles with on `platform` ('gpu', 'tpu', 'cpu'): on
-  GPUs, the combine thresholds of config.mesh.collective_combine_bytes (when above 0);
-  elsewhere none.
+  GPUs, the combine thresholds of config.mesh.collective_combine_bytes (when above 0); on
+  the CPU, the searches' copy insertion with region analysis (search_compiler_options); on
+  TPUs none.
+
+  On one CPU device XLA's usual copy insertion copies every donated weight at the step's
+  start, as it cannot tell that the backward pass reads a weight before the update
+  overwrites it in place (128 copies for the paper's base model); with region analysis the
+  update writes in place. docs/performance.md has the measurement.
 
   The setting caps the bytes of whole arrays one combined collective carries: the gradients
   going into a reduce-scatter, the weights coming out of an all-gather, the arrays of an
@@ -309,6 +315,8 @@ def train_compiler_options(mesh_config, platform: str, scatter_devices: int = 1)
   scattered share, so its threshold is the cap over `scatter_devices` (the devices a gradient
   is scattered across: the mesh's 'fsdp' axis, times 'data' with mesh.shard_update).
   """
+  if platform == 'cpu':
+    return search_compiler_options('cpu')
   size = int(mesh_config.get('collective_combine_bytes', 0))
   if platform != 'gpu' or size <= 0:
     return {}

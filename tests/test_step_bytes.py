@@ -12,10 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from t2t_jax import runtime
 from t2t_jax import sharding
 from t2t_jax.model import attention_variants
 from t2t_jax.model import transformer
-from t2t_jax.training import build
 from t2t_jax.training import train
 
 VOCAB = 40
@@ -107,30 +107,29 @@ def test_narrow_softmax_gradient_is_the_softmax_gradient_of_its_rounded_weights(
   np.testing.assert_allclose(gradient, exact, atol=2e-2 * float(np.abs(exact).max()))
 
 
-def test_on_the_cpu_the_step_keeps_its_state_and_copies_no_weight(tiny_config, monkeypatch):
-  """build.donated_state: donated, the CPU step copies weights before it overwrites them; not
-  donated, it copies none, and the state it was given stays whole."""
+def test_on_one_cpu_device_the_donated_step_updates_its_weights_in_place(tiny_config,
+                                                                        monkeypatch):
+  """runtime.train_compiler_options: with XLA's usual copy insertion the CPU step copies each
+  donated weight before it overwrites it; with the searches' region analysis it copies none,
+  and computes the same update."""
   mesh = sharding.make_mesh(tiny_config.mesh, jax.devices()[:1])  # A CPU user's one device.
   setup = train.build(tiny_config, VOCAB, mesh)
   rng = np.random.default_rng(0)
   batch = sharding.global_batch({side: rng.integers(1, VOCAB, (8, 16)) for side in
                                  ('inputs', 'targets')}, mesh)
   key = jax.random.PRNGKey(3)
+  with monkeypatch.context() as patch:  # The same step with XLA's usual copy insertion.
+    patch.setattr(runtime, 'train_compiler_options', lambda *args, **kwargs: {})
+    usual = train.build(tiny_config, VOCAB, mesh)
 
   def weight_copies(built):
     text = built.train_step.lower(built.abstract_state, batch, key).compile().as_text()
     return text.count('copy(%state_params')
-  assert build.donated_state('cpu') == () and build.donated_state('tpu') == (0,)
   assert weight_copies(setup) == 0
-  # The reason, kept honest: the same step with its state donated copies weights.
-  with monkeypatch.context() as patch:
-    patch.setattr(build, 'donated_state', lambda platform: (0,))
-    assert weight_copies(train.build(tiny_config, VOCAB, mesh)) > 0
-  state = setup.init(jax.random.PRNGKey(0))
-  before = jax.device_get(state.params)
-  new_state, _ = setup.train_step(state, batch, key)
-  assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(state))
-  assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before),
-                                                  jax.tree.leaves(jax.device_get(state.params))))
-  assert not all(np.array_equal(a, b) for a, b in zip(
-      jax.tree.leaves(before), jax.tree.leaves(jax.device_get(new_state.params))))
+  # What the option is for; should XLA's usual copy insertion stop copying, this fails and
+  # the option can go.
+  assert weight_copies(usual) > 0
+  states = [built.train_step(built.init(jax.random.PRNGKey(0)), batch, key)[0]
+            for built in (setup, usual)]
+  for ours, theirs in zip(*(jax.tree.leaves(jax.device_get(state)) for state in states)):
+    np.testing.assert_array_equal(ours, theirs)

@@ -98,8 +98,7 @@ def build(config, vocab_size: int, mesh=None, objective: Callable | None = None)
   jit_train = jax.jit(train_step_of(config, model_config, optimizer, objective=objective,
                                     update_shardings=update_shardings),
                       in_shardings=(shardings, batch_sharding, replicated),
-                      out_shardings=(shardings, replicated),
-                      donate_argnums=donated_state(platform),
+                      out_shardings=(shardings, replicated), donate_argnums=0,
                       compiler_options=runtime.train_compiler_options(
                           config.mesh, platform,
                           scatter_devices=mesh.shape['fsdp'] * (
@@ -114,17 +113,6 @@ def build(config, vocab_size: int, mesh=None, objective: Callable | None = None)
   return Setup(mesh, axis_rules, model_config, optimizer, schedule, abstract_state,
                traced(jit_init, mesh, axis_rules), traced(jit_train, mesh, axis_rules),
                traced(jit_eval, mesh, axis_rules))
-
-
-def donated_state(platform: str) -> tuple[int, ...]:
-  """The train step's donated arguments on `platform`: the state, except on the CPU.
-
-  Donated on one CPU device, each weight is copied at the step's start: XLA's CPU compiler
-  cannot order the backward pass's reads of a weight before the update that overwrites it in
-  place. With fresh buffers there are no copies and the updates need not wait for those reads;
-  the state is held twice between steps, and the paper's base model's CPU step is 3-6%
-  faster (docs/performance.md)."""
-  return () if platform == 'cpu' else (0,)
 
 
 def splits_update(config, mesh) -> bool:

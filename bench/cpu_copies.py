@@ -1,0 +1,121 @@
+"""The CPU train step's in-place update: t2t_jax's step beside the same step compiled with XLA's
+usual copy insertion, and beside it not donated, interleaved in one process.
+
+  python bench/cpu_copies.py                        # base, m30k and small
+  python bench/cpu_copies.py --shapes=tiny --rounds=1 --steps=1
+
+On one CPU device XLA's usual copy insertion copies each donated weight at the step's start;
+t2t_jax compiles the step with region analysis instead (runtime.train_compiler_options), and
+the update writes in place. Three sides of one config, stepping the same batch from the same
+initial state: 'product' (as setup.build compiles it), 'usual' (donated, without the option)
+and 'not_donated' (without either: fresh buffers, the state held twice). Each round runs the
+sides --steps steps in turn (forwards, then backwards) and times a float32 2048^3 matmul; a
+side's round figure is the median of its steps. One JSON line per shape (stdout): each side's
+step seconds per round, its speed-up over 'usual' per round and their median, the weight
+copies each compiled program makes, the matmul's FLOP/s per round, and whether the three
+ended on the same state, bit for bit.
+"""
+
+import os
+import statistics
+import sys
+
+from absl import app
+from absl import flags
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # pylint: disable=g-import-not-at-top,wrong-import-position
+import compare  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+from t2t_jax import cli  # pylint: disable=g-import-not-at-top,wrong-import-position
+from t2t_jax import runtime  # pylint: disable=g-import-not-at-top,wrong-import-position
+from t2t_jax import sharding  # pylint: disable=g-import-not-at-top,wrong-import-position
+from t2t_jax.training import train  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+
+def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
+  flags.DEFINE_list('shapes', ['base', 'm30k', 'small'],
+                    f'Comma-separated, from {sorted(common.SHAPES)}.', flag_values=flag_values)
+  flags.DEFINE_integer('rounds', 6, 'Interleaved rounds.', flag_values=flag_values)
+  flags.DEFINE_integer('steps', 3, 'Steps per side and round.', flag_values=flag_values)
+
+
+def parse_flags(argv: list[str]) -> flags.FlagValues:
+  """`argv` (flags only) parsed into flag values of their own."""
+  return common.own_flags(define_flags, 'cpu_copies.py', argv)
+
+
+def _steps(shape: common.Shape, batch) -> tuple[dict, object]:
+  """The three sides' compiled steps, and the product's setup (its init and abstract state)."""
+  config = compare.shape_config(shape, compare.parse_flags(['compare.py']))
+  mesh = sharding.make_mesh(config.mesh, jax.devices()[:1])
+  product = train.build(config, shape.vocab, mesh)
+  options = runtime.train_compiler_options
+  runtime.train_compiler_options = lambda *args, **kwargs: {}
+  try:
+    usual = train.build(config, shape.vocab, mesh)
+  finally:
+    runtime.train_compiler_options = options
+  key = jax.random.PRNGKey(1)
+  jitted = {'product': product.train_step, 'usual': usual.train_step,
+            'not_donated': jax.jit(usual.train_step.__wrapped__)}
+  return {name: step.lower(product.abstract_state, batch, key).compile()
+          for name, step in jitted.items()}, product
+
+
+def time_shape(name: str, args, matmul: common.Matmul) -> dict:
+  """The three sides of one shape, interleaved over --rounds."""
+  if jax.devices()[0].platform != 'cpu':
+    raise ValueError(f'cpu_copies.py times the CPU step; this backend is '
+                     f'{jax.devices()[0].platform}')
+  shape = common.SHAPES[name]
+  mesh = sharding.make_mesh(compare.shape_config(
+      shape, compare.parse_flags(['compare.py'])).mesh, jax.devices()[:1])
+  batch = sharding.global_batch(compare.make_batch(shape, shape.rows, shape.length), mesh)
+  compiled, setup = _steps(shape, batch)
+  key = jax.random.PRNGKey(1)
+  states = {side: setup.init(jax.random.PRNGKey(0)) for side in compiled}
+
+  def step(side):
+    states[side], _ = compiled[side](states[side], batch, key)
+    jax.block_until_ready(states[side])
+  for side in compiled:
+    step(side)
+  seconds = {side: [] for side in compiled}
+  rates = []
+  for round_index in range(args.rounds):
+    for side in list(compiled)[::1 if round_index % 2 == 0 else -1]:
+      seconds[side].append(common.median_seconds(lambda side=side: step(side), args.steps,
+                                                 warmup=0))
+    rates.append(matmul.flops_per_second())
+  speed_ups = {side: [u / s for u, s in zip(seconds['usual'], seconds[side])]
+               for side in ('product', 'not_donated')}
+  leaves = [jax.tree.leaves(jax.device_get(state)) for state in states.values()]
+  return {'benchmark': 'cpu_copies', 'shape': name, 'rounds': args.rounds,
+          'steps_per_round': args.steps,
+          'step_seconds': {side: [round(s, 5) for s in v] for side, v in seconds.items()},
+          'speed_up_over_usual': {side: [round(r, 4) for r in v]
+                                  for side, v in speed_ups.items()},
+          'speed_up_median': {side: round(statistics.median(v), 4)
+                              for side, v in speed_ups.items()},
+          'weight_copies': {side: c.as_text().count('copy(%state_params')
+                            for side, c in compiled.items()},
+          'matmul_flops_per_second': rates,
+          'same_state_bit_for_bit': all(all(np.array_equal(a, b) for a, b in zip(leaves[0], other))
+                                        for other in leaves[1:])}
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+  matmul = common.Matmul(2048, jnp.float32)
+  for name in flags.FLAGS.shapes:
+    print(cli.json_line(time_shape(name, flags.FLAGS, matmul)), flush=True)
+
+
+if __name__ == '__main__':
+  define_flags()
+  cli.run(main, compilation_cache=None)
