@@ -1,19 +1,20 @@
-"""The CPU train step's in-place update: t2t_jax's step beside the same step compiled with XLA's
-usual copy insertion, and beside it not donated, interleaved in one process.
+"""The CPU train step's in-place update: the step compiled with region analysis beside the same
+step with XLA's usual copy insertion, and beside it not donated, interleaved in one process.
 
   python bench/cpu_copies.py                        # base, m30k and small
   python bench/cpu_copies.py --shapes=tiny --rounds=1 --steps=1
 
 On one CPU device XLA's usual copy insertion copies each donated weight at the step's start;
-t2t_jax compiles the step with region analysis instead (runtime.train_compiler_options), and
-the update writes in place. Three sides of one config, stepping the same batch from the same
-initial state: 'product' (as setup.build compiles it), 'usual' (donated, without the option)
-and 'not_donated' (without either: fresh buffers, the state held twice). Each round runs the
-sides --steps steps in turn (forwards, then backwards) and times a float32 2048^3 matmul; a
-side's round figure is the median of its steps. One JSON line per shape (stdout): each side's
-step seconds per round, its speed-up over 'usual' per round and their median, the weight
-copies each compiled program makes, the matmul's FLOP/s per round, and whether the three
-ended on the same state, bit for bit.
+with region analysis the update writes in place. t2t_jax takes region analysis for steps with
+at least runtime.CPU_IN_PLACE_WEIGHT_BYTES of weights (runtime.train_compiler_options). Three
+sides of one config, stepping the same batch from the same initial state: 'in_place' (region
+analysis), 'usual' (donated, without it) and 'not_donated' (without either: fresh buffers,
+the state held twice). Each round runs the sides --steps steps in turn (forwards, then
+backwards) and times a float32 2048^3 matmul; a side's round figure is the median of its
+steps. One JSON line per shape (stdout): which side the product compiles, each side's step
+seconds per round, its speed-up over 'usual' per round and their median, the weight copies
+each compiled program makes, the matmul's FLOP/s per round, and whether the three ended on
+the same state, bit for bit.
 """
 
 import os
@@ -48,22 +49,27 @@ def parse_flags(argv: list[str]) -> flags.FlagValues:
   return common.own_flags(define_flags, 'cpu_copies.py', argv)
 
 
+def _built(config, shape: common.Shape, mesh, threshold: int):
+  """setup.build's setup with runtime.CPU_IN_PLACE_WEIGHT_BYTES at `threshold`."""
+  product = runtime.CPU_IN_PLACE_WEIGHT_BYTES
+  runtime.CPU_IN_PLACE_WEIGHT_BYTES = threshold
+  try:
+    return train.build(config, shape.vocab, mesh)
+  finally:
+    runtime.CPU_IN_PLACE_WEIGHT_BYTES = product
+
+
 def _steps(shape: common.Shape, batch) -> tuple[dict, object]:
-  """The three sides' compiled steps, and the product's setup (its init and abstract state)."""
+  """The three sides' compiled steps, and the in-place side's setup (init, abstract state)."""
   config = compare.shape_config(shape, compare.parse_flags(['compare.py']))
   mesh = sharding.make_mesh(config.mesh, jax.devices()[:1])
-  product = train.build(config, shape.vocab, mesh)
-  options = runtime.train_compiler_options
-  runtime.train_compiler_options = lambda *args, **kwargs: {}
-  try:
-    usual = train.build(config, shape.vocab, mesh)
-  finally:
-    runtime.train_compiler_options = options
+  in_place = _built(config, shape, mesh, 0)
+  usual = _built(config, shape, mesh, 2**62)
   key = jax.random.PRNGKey(1)
-  jitted = {'product': product.train_step, 'usual': usual.train_step,
+  jitted = {'in_place': in_place.train_step, 'usual': usual.train_step,
             'not_donated': jax.jit(usual.train_step.__wrapped__)}
-  return {name: step.lower(product.abstract_state, batch, key).compile()
-          for name, step in jitted.items()}, product
+  return {name: step.lower(in_place.abstract_state, batch, key).compile()
+          for name, step in jitted.items()}, in_place
 
 
 def time_shape(name: str, args, matmul: common.Matmul) -> dict:
@@ -92,9 +98,14 @@ def time_shape(name: str, args, matmul: common.Matmul) -> dict:
                                                  warmup=0))
     rates.append(matmul.flops_per_second())
   speed_ups = {side: [u / s for u, s in zip(seconds['usual'], seconds[side])]
-               for side in ('product', 'not_donated')}
+               for side in ('in_place', 'not_donated')}
   leaves = [jax.tree.leaves(jax.device_get(state)) for state in states.values()]
-  return {'benchmark': 'cpu_copies', 'shape': name, 'rounds': args.rounds,
+  weight_bytes = sum(leaf.size * leaf.dtype.itemsize
+                     for leaf in jax.tree.leaves(setup.abstract_state.params))
+  return {'benchmark': 'cpu_copies', 'shape': name, 'weight_bytes': weight_bytes,
+          'product_side': ('in_place' if weight_bytes >= runtime.CPU_IN_PLACE_WEIGHT_BYTES
+                           else 'usual'),
+          'rounds': args.rounds,
           'steps_per_round': args.steps,
           'step_seconds': {side: [round(s, 5) for s in v] for side, v in seconds.items()},
           'speed_up_over_usual': {side: [round(r, 4) for r in v]

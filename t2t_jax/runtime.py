@@ -298,16 +298,23 @@ def search_compiler_options(platform: str | None = None) -> dict:
   return {'xla_cpu_copy_insertion_use_region_analysis': True}
 
 
-def train_compiler_options(mesh_config, platform: str, scatter_devices: int = 1) -> dict:
+# Weights from which the CPU train step updates them in place (train_compiler_options).
+CPU_IN_PLACE_WEIGHT_BYTES = 64 << 20
+
+
+def train_compiler_options(mesh_config, platform: str, scatter_devices: int = 1,
+                           weight_bytes: int = 0) -> dict:
   """The XLA options the train step compiles with on `platform` ('gpu', 'tpu', 'cpu'): on
   GPUs, the combine thresholds of config.mesh.collective_combine_bytes (when above 0); on
-  the CPU, the searches' copy insertion with region analysis (search_compiler_options); on
-  TPUs none.
+  the CPU with at least CPU_IN_PLACE_WEIGHT_BYTES of weights (`weight_bytes`), the
+  searches' copy insertion with region analysis (search_compiler_options); else none.
 
   On one CPU device XLA's usual copy insertion copies every donated weight at the step's
   start, as it cannot tell that the backward pass reads a weight before the update
   overwrites it in place (128 copies for the paper's base model); with region analysis the
-  update writes in place. docs/performance.md has the measurement.
+  update writes in place. That made base's step 9% faster, and smaller models' (whose
+  copies cost less) up to 4% slower, hence the threshold; docs/performance.md has the
+  measurements.
 
   The setting caps the bytes of whole arrays one combined collective carries: the gradients
   going into a reduce-scatter, the weights coming out of an all-gather, the arrays of an
@@ -316,7 +323,7 @@ def train_compiler_options(mesh_config, platform: str, scatter_devices: int = 1)
   is scattered across: the mesh's 'fsdp' axis, times 'data' with mesh.shard_update).
   """
   if platform == 'cpu':
-    return search_compiler_options('cpu')
+    return search_compiler_options('cpu') if weight_bytes >= CPU_IN_PLACE_WEIGHT_BYTES else {}
   size = int(mesh_config.get('collective_combine_bytes', 0))
   if platform != 'gpu' or size <= 0:
     return {}

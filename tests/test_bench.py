@@ -51,18 +51,19 @@ def test_compare_runs_one_round_on_a_tiny_packed_shape(capsys):
   assert t2t['model_flops_per_step'] == reference['model_flops_per_step']
 
 
-def test_cpu_copies_times_the_product_step_beside_the_usual_and_the_undonated_one():
+def test_cpu_copies_times_the_in_place_step_beside_the_usual_and_the_undonated_one():
   cpu_copies, common = _load('cpu_copies'), _load('common')
   result = cpu_copies.time_shape('tiny', cpu_copies.parse_flags(['--rounds=2', '--steps=1']),
                                  common.Matmul(256))
   # runtime.train_compiler_options on one CPU device: XLA's usual copy insertion copies the
-  # donated weights, the product's region analysis none, nor does a step that donates
-  # nothing; all three compute the same state.
+  # donated weights, region analysis none, nor does a step that donates nothing; all three
+  # compute the same state. The tiny model is under the product's threshold.
   copies = result['weight_copies']
-  assert copies['usual'] > 0 and copies['product'] == copies['not_donated'] == 0
-  assert result['same_state_bit_for_bit']
+  assert copies['usual'] > 0 and copies['in_place'] == copies['not_donated'] == 0
+  assert result['same_state_bit_for_bit'] and result['product_side'] == 'usual'
+  assert 0 < result['weight_bytes'] < 64 << 20
   seconds = result['step_seconds']
-  for side in ('product', 'not_donated'):
+  for side in ('in_place', 'not_donated'):
     assert len(result['speed_up_over_usual'][side]) == len(seconds[side]) == 2
     assert result['speed_up_median'][side] == pytest.approx(
         sum(result['speed_up_over_usual'][side]) / 2, rel=1e-3)  # Two rounds: their mean.

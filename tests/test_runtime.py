@@ -276,8 +276,8 @@ def test_collective_combine_bytes_become_gpu_compiler_options_xla_knows():
   """mesh.collective_combine_bytes gives the train step three XLA options on GPUs only, none
   at 0, the reduce-scatters' over the devices a gradient is scattered across (XLA counts a
   reduce-scatter by its scattered result); XLA (whose CPU build parses GPU options too)
-  accepts them: an unknown one raises. On the CPU the step takes the searches' copy
-  insertion, whatever the mesh config."""
+  accepts them: an unknown one raises. On the CPU a step with 64 MiB of weights or more takes
+  the searches' copy insertion, whatever the mesh config."""
   import ml_collections  # pylint: disable=g-import-not-at-top
   mesh = ml_collections.ConfigDict({'collective_combine_bytes': 8 << 20})
   options = runtime.train_compiler_options(mesh, 'gpu', scatter_devices=8)
@@ -287,8 +287,12 @@ def test_collective_combine_bytes_become_gpu_compiler_options_xla_knows():
   assert runtime.train_compiler_options(mesh, 'gpu')[
       'xla_gpu_reduce_scatter_combine_threshold_bytes'] == 8 << 20  # No FSDP: nothing split.
   assert runtime.train_compiler_options(mesh, 'tpu') == {}
-  assert runtime.train_compiler_options(mesh, 'cpu') == runtime.search_compiler_options('cpu') == {
-      'xla_cpu_copy_insertion_use_region_analysis': True}
+  large = runtime.CPU_IN_PLACE_WEIGHT_BYTES
+  assert runtime.train_compiler_options(mesh, 'cpu', weight_bytes=large) == (
+      runtime.search_compiler_options('cpu')) == {
+          'xla_cpu_copy_insertion_use_region_analysis': True}
+  assert runtime.train_compiler_options(mesh, 'cpu', weight_bytes=large - 1) == {}
+  assert runtime.train_compiler_options(mesh, 'tpu', weight_bytes=large) == {}
   assert runtime.train_compiler_options(ml_collections.ConfigDict(
       {'collective_combine_bytes': 0}), 'gpu') == {}
   assert int(jax.jit(lambda x: x.sum(), compiler_options=options)(jnp.ones(3))) == 3

@@ -102,7 +102,8 @@ def build(config, vocab_size: int, mesh=None, objective: Callable | None = None)
                       compiler_options=runtime.train_compiler_options(
                           config.mesh, platform,
                           scatter_devices=mesh.shape['fsdp'] * (
-                              mesh.shape['data'] if update_shardings else 1)) or None)
+                              mesh.shape['data'] if update_shardings else 1),
+                          weight_bytes=_bytes(abstract_state.params)) or None)
   jit_eval = jax.jit(
       functools.partial(step.eval_step, model=make_model(dataclasses.replace(
           model_config, deterministic=True)), label_smoothing=config.opt.label_smoothing,
@@ -113,6 +114,11 @@ def build(config, vocab_size: int, mesh=None, objective: Callable | None = None)
   return Setup(mesh, axis_rules, model_config, optimizer, schedule, abstract_state,
                traced(jit_init, mesh, axis_rules), traced(jit_train, mesh, axis_rules),
                traced(jit_eval, mesh, axis_rules))
+
+
+def _bytes(tree) -> int:
+  """The bytes of a tree of arrays or ShapeDtypeStructs."""
+  return sum(math.prod(leaf.shape) * leaf.dtype.itemsize for leaf in jax.tree.leaves(tree))
 
 
 def splits_update(config, mesh) -> bool:
