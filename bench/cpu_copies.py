@@ -34,6 +34,7 @@ import compare  # pylint: disable=g-import-not-at-top,wrong-import-position
 from t2t_jax import cli  # pylint: disable=g-import-not-at-top,wrong-import-position
 from t2t_jax import runtime  # pylint: disable=g-import-not-at-top,wrong-import-position
 from t2t_jax import sharding  # pylint: disable=g-import-not-at-top,wrong-import-position
+from t2t_jax.training import build  # pylint: disable=g-import-not-at-top,wrong-import-position
 from t2t_jax.training import train  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 
@@ -50,7 +51,7 @@ def parse_flags(argv: list[str]) -> flags.FlagValues:
 
 
 def _built(config, shape: common.Shape, mesh, threshold: int):
-  """setup.build's setup with runtime.CPU_IN_PLACE_WEIGHT_BYTES at `threshold`."""
+  """train.build's Setup with runtime.CPU_IN_PLACE_WEIGHT_BYTES at `threshold`."""
   product = runtime.CPU_IN_PLACE_WEIGHT_BYTES
   runtime.CPU_IN_PLACE_WEIGHT_BYTES = threshold
   try:
@@ -66,8 +67,10 @@ def _steps(shape: common.Shape, batch) -> tuple[dict, object]:
   in_place = _built(config, shape, mesh, 0)
   usual = _built(config, shape, mesh, 2**62)
   key = jax.random.PRNGKey(1)
+  # The usual step's jit inside one that donates nothing: the inner jit's donation is dropped.
+  not_donated = build.traced(jax.jit(usual.train_step.__wrapped__), mesh, usual.axis_rules)
   jitted = {'in_place': in_place.train_step, 'usual': usual.train_step,
-            'not_donated': jax.jit(usual.train_step.__wrapped__)}
+            'not_donated': not_donated}
   return {name: step.lower(in_place.abstract_state, batch, key).compile()
           for name, step in jitted.items()}, in_place
 
@@ -76,7 +79,7 @@ def time_shape(name: str, args, matmul: common.Matmul) -> dict:
   """The three sides of one shape, interleaved over --rounds."""
   if jax.devices()[0].platform != 'cpu':
     raise ValueError(f'cpu_copies.py times the CPU step; this backend is '
-                     f'{jax.devices()[0].platform}')
+                     f'{jax.devices()[0].platform}: run it with JAX_PLATFORMS=cpu')
   shape = common.SHAPES[name]
   mesh = sharding.make_mesh(compare.shape_config(
       shape, compare.parse_flags(['compare.py'])).mesh, jax.devices()[:1])
@@ -100,8 +103,7 @@ def time_shape(name: str, args, matmul: common.Matmul) -> dict:
   speed_ups = {side: [u / s for u, s in zip(seconds['usual'], seconds[side])]
                for side in ('in_place', 'not_donated')}
   leaves = [jax.tree.leaves(jax.device_get(state)) for state in states.values()]
-  weight_bytes = sum(leaf.size * leaf.dtype.itemsize
-                     for leaf in jax.tree.leaves(setup.abstract_state.params))
+  weight_bytes = build.weight_bytes(setup.abstract_state.params)
   return {'benchmark': 'cpu_copies', 'shape': name, 'weight_bytes': weight_bytes,
           'product_side': ('in_place' if weight_bytes >= runtime.CPU_IN_PLACE_WEIGHT_BYTES
                            else 'usual'),

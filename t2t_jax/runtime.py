@@ -298,7 +298,8 @@ def search_compiler_options(platform: str | None = None) -> dict:
   return {'xla_cpu_copy_insertion_use_region_analysis': True}
 
 
-# Weights from which the CPU train step updates them in place (train_compiler_options).
+# Weight bytes from which a one-device CPU train step compiles with region analysis
+# (train_compiler_options).
 CPU_IN_PLACE_WEIGHT_BYTES = 64 << 20
 
 
@@ -306,21 +307,21 @@ def train_compiler_options(mesh_config, platform: str, scatter_devices: int = 1,
                            weight_bytes: int = 0) -> dict:
   """The XLA options the train step compiles with on `platform` ('gpu', 'tpu', 'cpu'): on
   GPUs, the combine thresholds of config.mesh.collective_combine_bytes (when above 0); on
-  the CPU with at least CPU_IN_PLACE_WEIGHT_BYTES of weights (`weight_bytes`), the
-  searches' copy insertion with region analysis (search_compiler_options); else none.
+  the CPU, the searches' copy insertion with region analysis (search_compiler_options) for a
+  one-device step whose weights, `weight_bytes` (0 on a larger mesh), reach
+  CPU_IN_PLACE_WEIGHT_BYTES; else none.
 
-  On one CPU device XLA's usual copy insertion copies every donated weight at the step's
-  start, as it cannot tell that the backward pass reads a weight before the update
-  overwrites it in place (128 copies for the paper's base model); with region analysis the
-  update writes in place. That made base's step 9% faster, and smaller models' (whose
-  copies cost less) up to 4% slower, hence the threshold; docs/performance.md has the
-  measurements.
-
-  The setting caps the bytes of whole arrays one combined collective carries: the gradients
+  The GPU setting caps the bytes of whole arrays one combined collective carries: the gradients
   going into a reduce-scatter, the weights coming out of an all-gather, the arrays of an
   all-reduce. XLA measures each kind by its result, which for a reduce-scatter is the
   scattered share, so its threshold is the cap over `scatter_devices` (the devices a gradient
   is scattered across: the mesh's 'fsdp' axis, times 'data' with mesh.shard_update).
+
+  On one CPU device XLA's usual copy insertion copies every donated weight at the step's
+  start, as it cannot tell that the backward pass reads a weight before the update
+  overwrites it in place (128 copies for the paper's base model); with region analysis the
+  update writes in place. That made base's step 9% faster and smaller models' up to 4%
+  slower, hence the threshold; docs/performance.md has the measurements.
   """
   if platform == 'cpu':
     return search_compiler_options('cpu') if weight_bytes >= CPU_IN_PLACE_WEIGHT_BYTES else {}

@@ -17,6 +17,7 @@ import pytest
 
 from conftest import load_script
 from conftest import ROOT
+from t2t_jax import runtime
 
 REFERENCE_DIR = os.path.join(ROOT, '..', 'shared', 'anchor', 'flax_wmt')
 
@@ -68,6 +69,7 @@ def test_cpu_copies_times_the_in_place_step_beside_the_usual_and_the_undonated_o
     assert result['speed_up_median'][side] == pytest.approx(
         sum(result['speed_up_over_usual'][side]) / 2, rel=1e-3)  # Two rounds: their mean.
   assert len(result['matmul_flops_per_second']) == 2
+  assert runtime.CPU_IN_PLACE_WEIGHT_BYTES == 64 << 20  # The product's threshold restored.
 
 
 def test_packing_cuts_rows_into_segments_with_restarting_positions():

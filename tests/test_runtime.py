@@ -272,12 +272,26 @@ def test_a_search_traced_without_jit_search_warns_once_on_cpu(caplog):
 
 
 
+def test_a_one_device_cpu_step_takes_region_analysis_from_64_mib_of_weights():
+  """The searches' copy insertion for a CPU train step with CPU_IN_PLACE_WEIGHT_BYTES of
+  weights (build passes 0 on a larger mesh), whatever the mesh config; none below it, and
+  none on a TPU."""
+  import ml_collections  # pylint: disable=g-import-not-at-top
+  mesh = ml_collections.ConfigDict({'collective_combine_bytes': 8 << 20})
+  large = runtime.CPU_IN_PLACE_WEIGHT_BYTES
+  assert large == 64 << 20
+  assert runtime.train_compiler_options(mesh, 'cpu', weight_bytes=large) == (
+      runtime.search_compiler_options('cpu')) == {
+          'xla_cpu_copy_insertion_use_region_analysis': True}
+  assert runtime.train_compiler_options(mesh, 'cpu', weight_bytes=large - 1) == {}
+  assert runtime.train_compiler_options(mesh, 'tpu', weight_bytes=large) == {}
+
+
 def test_collective_combine_bytes_become_gpu_compiler_options_xla_knows():
   """mesh.collective_combine_bytes gives the train step three XLA options on GPUs only, none
   at 0, the reduce-scatters' over the devices a gradient is scattered across (XLA counts a
   reduce-scatter by its scattered result); XLA (whose CPU build parses GPU options too)
-  accepts them: an unknown one raises. On the CPU a step with 64 MiB of weights or more takes
-  the searches' copy insertion, whatever the mesh config."""
+  accepts them: an unknown one raises."""
   import ml_collections  # pylint: disable=g-import-not-at-top
   mesh = ml_collections.ConfigDict({'collective_combine_bytes': 8 << 20})
   options = runtime.train_compiler_options(mesh, 'gpu', scatter_devices=8)
@@ -287,12 +301,7 @@ def test_collective_combine_bytes_become_gpu_compiler_options_xla_knows():
   assert runtime.train_compiler_options(mesh, 'gpu')[
       'xla_gpu_reduce_scatter_combine_threshold_bytes'] == 8 << 20  # No FSDP: nothing split.
   assert runtime.train_compiler_options(mesh, 'tpu') == {}
-  large = runtime.CPU_IN_PLACE_WEIGHT_BYTES
-  assert runtime.train_compiler_options(mesh, 'cpu', weight_bytes=large) == (
-      runtime.search_compiler_options('cpu')) == {
-          'xla_cpu_copy_insertion_use_region_analysis': True}
-  assert runtime.train_compiler_options(mesh, 'cpu', weight_bytes=large - 1) == {}
-  assert runtime.train_compiler_options(mesh, 'tpu', weight_bytes=large) == {}
+  assert runtime.train_compiler_options(mesh, 'cpu') == {}
   assert runtime.train_compiler_options(ml_collections.ConfigDict(
       {'collective_combine_bytes': 0}), 'gpu') == {}
   assert int(jax.jit(lambda x: x.sum(), compiler_options=options)(jnp.ones(3))) == 3

@@ -103,7 +103,8 @@ def build(config, vocab_size: int, mesh=None, objective: Callable | None = None)
                           config.mesh, platform,
                           scatter_devices=mesh.shape['fsdp'] * (
                               mesh.shape['data'] if update_shardings else 1),
-                          weight_bytes=_bytes(abstract_state.params)) or None)
+                          weight_bytes=weight_bytes(abstract_state.params)
+                          if mesh.size == 1 else 0) or None)
   jit_eval = jax.jit(
       functools.partial(step.eval_step, model=make_model(dataclasses.replace(
           model_config, deterministic=True)), label_smoothing=config.opt.label_smoothing,
@@ -116,7 +117,7 @@ def build(config, vocab_size: int, mesh=None, objective: Callable | None = None)
                traced(jit_eval, mesh, axis_rules))
 
 
-def _bytes(tree) -> int:
+def weight_bytes(tree) -> int:
   """The bytes of a tree of arrays or ShapeDtypeStructs."""
   return sum(math.prod(leaf.shape) * leaf.dtype.itemsize for leaf in jax.tree.leaves(tree))
 
