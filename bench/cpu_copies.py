@@ -60,10 +60,8 @@ def _built(config, shape: common.Shape, mesh, threshold: int):
     runtime.CPU_IN_PLACE_WEIGHT_BYTES = product
 
 
-def _steps(shape: common.Shape, batch) -> tuple[dict, object]:
+def _steps(config, shape: common.Shape, mesh, batch) -> tuple[dict, object]:
   """The three sides' compiled steps, and the in-place side's setup (init, abstract state)."""
-  config = compare.shape_config(shape, compare.parse_flags(['compare.py']))
-  mesh = sharding.make_mesh(config.mesh, jax.devices()[:1])
   in_place = _built(config, shape, mesh, 0)
   usual = _built(config, shape, mesh, 2**62)
   key = jax.random.PRNGKey(1)
@@ -81,10 +79,10 @@ def time_shape(name: str, args, matmul: common.Matmul) -> dict:
     raise ValueError(f'cpu_copies.py times the CPU step; this backend is '
                      f'{jax.devices()[0].platform}: run it with JAX_PLATFORMS=cpu')
   shape = common.SHAPES[name]
-  mesh = sharding.make_mesh(compare.shape_config(
-      shape, compare.parse_flags(['compare.py'])).mesh, jax.devices()[:1])
+  config = compare.shape_config(shape, compare.parse_flags(['compare.py']))
+  mesh = sharding.make_mesh(config.mesh, jax.devices()[:1])
   batch = sharding.global_batch(compare.make_batch(shape, shape.rows, shape.length), mesh)
-  compiled, setup = _steps(shape, batch)
+  compiled, setup = _steps(config, shape, mesh, batch)
   key = jax.random.PRNGKey(1)
   states = {side: setup.init(jax.random.PRNGKey(0)) for side in compiled}
 
@@ -103,12 +101,12 @@ def time_shape(name: str, args, matmul: common.Matmul) -> dict:
   speed_ups = {side: [u / s for u, s in zip(seconds['usual'], seconds[side])]
                for side in ('in_place', 'not_donated')}
   leaves = [jax.tree.leaves(jax.device_get(state)) for state in states.values()]
-  weight_bytes = build.weight_bytes(setup.abstract_state.params)
+  weight_bytes = sharding.shard_bytes(setup.abstract_state.params)
+  # The product's own rule says which side it compiles.
+  product = runtime.train_compiler_options(config.mesh, 'cpu', weight_bytes=weight_bytes)
   return {'benchmark': 'cpu_copies', 'shape': name, 'weight_bytes': weight_bytes,
-          'product_side': ('in_place' if weight_bytes >= runtime.CPU_IN_PLACE_WEIGHT_BYTES
-                           else 'usual'),
-          'rounds': args.rounds,
-          'steps_per_round': args.steps,
+          'product_side': 'in_place' if product else 'usual',
+          'rounds': args.rounds, 'steps_per_round': args.steps,
           'step_seconds': {side: [round(s, 5) for s in v] for side, v in seconds.items()},
           'speed_up_over_usual': {side: [round(r, 4) for r in v]
                                   for side, v in speed_ups.items()},

@@ -241,3 +241,10 @@ def _exit_with(message: str) -> None:
   logging.error(message)
   print(f'error: {message}', file=sys.stderr, flush=True)
   os._exit(exit_codes.USAGE)  # pylint: disable=protected-access
+
+
+def shard_bytes(tree) -> int:
+  """Bytes one device holds of a tree of ShapeDtypeStructs with shardings (or arrays)."""
+  return sum(jax.numpy.dtype(leaf.dtype).itemsize * math.prod(
+      leaf.sharding.shard_shape(leaf.shape) if leaf.sharding is not None else leaf.shape)
+             for leaf in jax.tree.leaves(tree))

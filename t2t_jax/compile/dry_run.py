@@ -13,7 +13,6 @@ import contextlib
 import dataclasses
 import functools
 import importlib.metadata
-import math
 import re
 import time
 
@@ -111,7 +110,8 @@ def _target_report(config, setup, named: targets.Target, train: 'Program', batch
   if evaluation and config.data.source != 'lm' and config.eval.bleu_sentences:
     programs[SEARCH] = _compile_search(config, setup, named.platform)
   # What evaluating leaves in memory besides its arguments: the optimiser state (and average).
-  resident = shard_bytes(setup.abstract_state) - shard_bytes(setup.abstract_state.params)
+  resident = (sharding.shard_bytes(setup.abstract_state)
+              - sharding.shard_bytes(setup.abstract_state.params))
   reports = {name: program.report(named.usable_memory_bytes, 0 if name == TRAIN else resident)
              for name, program in programs.items()}
   for name, program in programs.items():
@@ -263,13 +263,6 @@ def global_flops(config, setup: setup_lib.Setup, batch, rng) -> float:
     cost = train_step.lower(state, batch, rng).cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   return float(cost.get('flops', 0.0))
-
-
-def shard_bytes(tree) -> int:
-  """Bytes one device holds of a tree of ShapeDtypeStructs with shardings."""
-  return sum(jnp.dtype(leaf.dtype).itemsize * math.prod(
-      leaf.sharding.shard_shape(leaf.shape) if leaf.sharding is not None else leaf.shape)
-             for leaf in jax.tree.leaves(tree))
 
 
 def compiler_version(target: targets.Target) -> str:

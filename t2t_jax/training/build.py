@@ -103,7 +103,7 @@ def build(config, vocab_size: int, mesh=None, objective: Callable | None = None)
                           config.mesh, platform,
                           scatter_devices=mesh.shape['fsdp'] * (
                               mesh.shape['data'] if update_shardings else 1),
-                          weight_bytes=weight_bytes(abstract_state.params)
+                          weight_bytes=sharding.shard_bytes(abstract_state.params)
                           if mesh.size == 1 else 0) or None)
   jit_eval = jax.jit(
       functools.partial(step.eval_step, model=make_model(dataclasses.replace(
@@ -115,11 +115,6 @@ def build(config, vocab_size: int, mesh=None, objective: Callable | None = None)
   return Setup(mesh, axis_rules, model_config, optimizer, schedule, abstract_state,
                traced(jit_init, mesh, axis_rules), traced(jit_train, mesh, axis_rules),
                traced(jit_eval, mesh, axis_rules))
-
-
-def weight_bytes(tree) -> int:
-  """The bytes of a tree of arrays or ShapeDtypeStructs."""
-  return sum(math.prod(leaf.shape) * leaf.dtype.itemsize for leaf in jax.tree.leaves(tree))
 
 
 def splits_update(config, mesh) -> bool:
